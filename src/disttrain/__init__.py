@@ -1,0 +1,17 @@
+"""disttrain: distributed training for PyTorch.
+
+    import disttrain
+    trainer = disttrain.Trainer(model, dataset, loss_fn, {"train": {"steps": 100}})
+    summary = trainer.fit()
+
+Launch on N local processes with ``disttrain run --nproc N script.py`` (or torchrun).
+"""
+
+from .config import Config, load_config
+from .errors import ConfigError, UserError
+from .train import Trainer, train_default
+
+__version__ = "0.1.0"
+
+__all__ = ["Config", "ConfigError", "Trainer", "UserError", "load_config", "train_default",
+           "__version__"]

@@ -1,0 +1,140 @@
+"""The ``disttrain`` command: argument parsing only; the work is done elsewhere.
+
+    disttrain train [CONFIG] [--nproc N] [--set section.key=value ...] [--run-dir DIR]
+    disttrain run [--nproc N] script.py [args ...]
+
+Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
+with code 2, before any worker or process group is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from .errors import EXIT_USAGE, UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"disttrain: error: {message} (see {self.prog} --help)\n")
+
+
+def _config_keys_help() -> str:
+    from .config.schema import SECTIONS
+
+    lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
+    for name, cls in SECTIONS.items():
+        for f in fields(cls):
+            choices = f.metadata.get("choices")
+            extra = f" {{{'|'.join(choices)}}}" if choices else ""
+            lines.append(f"  {name}.{f.name:<16} {f.default!r:<10} "
+                         f"{f.metadata.get('help', '')}{extra}")
+    return "\n".join(lines)
+
+
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launch (passed to torch's elastic agent)")
+    g.add_argument("--nproc", type=int, default=2, metavar="N",
+                   help="worker processes on this node (default 2)")
+    g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="number of nodes, or a range for an elastic job (default 1)")
+    g.add_argument("--node-rank", type=int, default=None, metavar="R",
+                   help="this node's rank (multi-node, optional with c10d rendezvous)")
+    g.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="rendezvous endpoint shared by all nodes (multi-node)")
+    g.add_argument("--rdzv-id", default="disttrain", metavar="ID",
+                   help="job id, the same on all nodes (default disttrain)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart the worker group up to R times after a failure")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="disttrain", description="Distributed training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser(
+        "train", help="train the default model (or the configured one)",
+        description="Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
+        "validating the whole configuration first. With no arguments: the byte-level GPT "
+        "on the Python standard library's source, 2 workers.",
+        epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                       help="TOML file with [model] [data] [train] [parallel] sections")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       dest="overrides", help="override one config value (repeatable)")
+    train.add_argument("--run-dir", default=None, metavar="DIR",
+                       help="where the config snapshot, metrics.jsonl, summary.json and "
+                       "weights go (default runs/<time>)")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_launch_options(train)
+
+    run = sub.add_parser(
+        "run", help="launch your own script on N workers, as torchrun does",
+        description="Run SCRIPT on N worker processes with RANK, WORLD_SIZE, LOCAL_RANK, "
+        "MASTER_ADDR and MASTER_PORT set; disttrain.Trainer picks them up.")
+    run.add_argument("script", metavar="SCRIPT", help="Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    _add_launch_options(run)
+    return parser
+
+
+def _launch_options(ns: argparse.Namespace):
+    from .launch import LaunchOptions
+
+    return LaunchOptions(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
+                         rdzv_endpoint=ns.rdzv_endpoint, rdzv_id=ns.rdzv_id,
+                         max_restarts=ns.max_restarts)
+
+
+def _train(ns: argparse.Namespace) -> int:
+    from .config import load_config, resolve
+    from .launch import inside_worker, launch
+
+    config = load_config(ns.config, ns.overrides)
+    if inside_worker():
+        from .train import train_default
+
+        train_default(config, run_dir=ns.run_dir, progress=not ns.quiet)
+        return 0
+    opts = _launch_options(ns)
+    for world_size in opts.world_sizes():
+        resolve(config, world_size)
+    from .data import corpus_from_config
+    from .train.rundir import new_run_dir_name
+
+    corpus_from_config(config.data)  # prepared once here, before the workers start
+    run_dir = ns.run_dir or str(new_run_dir_name())
+    target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
+              *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
+              *(["--quiet"] if ns.quiet else [])]
+    return launch(opts, target)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from .launch import launch
+
+    if not Path(ns.script).is_file():
+        raise UserError(f"script {ns.script!r} does not exist (give the path of a Python "
+                        "file)")
+    return launch(_launch_options(ns), [ns.script, *ns.args])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return {"train": _train, "run": _run}[ns.command](ns)
+    except UserError as exc:
+        print(f"disttrain: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("disttrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

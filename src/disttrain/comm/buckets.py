@@ -1,0 +1,107 @@
+"""Gradient buckets: flat buffers that parameters' gradients live in, reduced as a unit.
+
+Each parameter's ``.grad`` is a view into its bucket's flat buffer, so autograd
+accumulates straight into the buffer and no copy is made before or after the
+reduction. Buckets are launched strictly in index order, on every rank alike: a rank
+never issues bucket ``i+1`` before bucket ``i``, so the sequence of collectives is the
+same on all ranks whatever order gradients become ready in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .collectives import Communicator
+
+
+@dataclass
+class GradBucket:
+    """Parameters ``params`` whose gradients occupy ``buffer[offsets[i]:...]``.
+
+    buffer: [sum of numel], same dtype and device as the parameters.
+    """
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    pending: int = 0
+    handle: object | None = None
+    ready: set[int] = field(default_factory=set)
+
+    def grad_view(self, slot: int) -> torch.Tensor:
+        p = self.params[slot]
+        start = self.offsets[slot]
+        return self.buffer[start:start + p.numel()].view(p.shape)
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[GradBucket]:
+    """Group ``params`` (in the order given: the expected order of readiness) into
+    buckets of at most ``bucket_bytes`` (a parameter larger than that gets its own),
+    never mixing dtypes or devices in one bucket."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+        if not groups or not same_kind or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return [_make_bucket(i, g) for i, g in enumerate(groups)]
+
+
+def _make_bucket(index: int, params: list[nn.Parameter]) -> GradBucket:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    return GradBucket(index=index, params=params, offsets=offsets, buffer=buffer,
+                      pending=len(params))
+
+
+class BucketReducer:
+    """Launches the all-reduce of each bucket once all its gradients are ready, in
+    bucket order, asynchronously; :meth:`wait` completes them all."""
+
+    def __init__(self, buckets: list[GradBucket], comm: Communicator) -> None:
+        self.buckets = buckets
+        self.comm = comm
+        self._next = 0
+
+    def reset(self) -> None:
+        self._next = 0
+        for b in self.buckets:
+            b.pending, b.handle = len(b.params), None
+            b.ready.clear()
+
+    def mark_ready(self, bucket: GradBucket, slot: int) -> None:
+        if slot in bucket.ready:
+            raise RuntimeError(
+                f"gradient of {tuple(bucket.params[slot].shape)} parameter produced twice "
+                "in one backward; its bucket may already be reduced (call backward once "
+                "per micro-batch, and wrap earlier ones in no_sync())")
+        bucket.ready.add(slot)
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
+        self._next += 1
+
+    def wait(self) -> None:
+        """Launch buckets whose parameters got no gradient (unused in this step), then
+        wait for every reduction."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for b in self.buckets:
+            b.handle.wait()

@@ -1,0 +1,120 @@
+"""Typed configuration: one keyword-only dataclass per component.
+
+Each component receives only its own section. Field metadata carries the range checks
+and the help text shown by ``disttrain train --help``; ``validate.py`` applies the
+checks that span several fields (the batch triple, the layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+       le: float | None = None, choices: tuple[str, ...] | None = None,
+       optional: bool = False) -> Any:
+    """A dataclass field with its help text and the bounds the validator checks."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices,
+            "optional": optional}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The default decoder-only transformer (byte-level GPT)."""
+
+    name: str = _f("gpt", "model family", choices=("gpt",))
+    vocab_size: int = _f(256, "vocabulary size (256 for byte-level tokens)", ge=2)
+    seq_len: int = _f(128, "context length in tokens", ge=1)
+    n_layer: int = _f(4, "number of transformer blocks", ge=1)
+    n_head: int = _f(4, "attention heads per block", ge=1)
+    d_model: int = _f(128, "model width (must be divisible by n_head)", ge=1)
+    dropout: float = _f(0.0, "dropout probability", ge=0.0, le=1.0)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where training text comes from and where its token shards are cached."""
+
+    path: str = _f("", "directory of text files; empty = the Python standard library's "
+                   "own source files")
+    pattern: str = _f("**/*", "glob of files to read under data.path")
+    cache_dir: str = _f("", "where token shards are written; empty = "
+                        "$DISTTRAIN_CACHE or ~/.cache/disttrain")
+    val_fraction: float = _f(0.05, "fraction of files held out for evaluation",
+                             gt=0.0, le=0.5)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The optimisation loop: batch, schedule, optimizer, evaluation, logging."""
+
+    steps: int = _f(200, "optimizer steps", ge=1)
+    global_batch: int | None = _f(32, "samples per optimizer step over all ranks "
+                                  "(= micro_batch x grad_accum x dp)", ge=1, optional=True)
+    micro_batch: int | None = _f(None, "samples per forward pass on one rank", ge=1,
+                                 optional=True)
+    grad_accum: int | None = _f(1, "micro-batches accumulated per step", ge=1,
+                                optional=True)
+    lr: float = _f(3e-3, "peak learning rate", gt=0.0)
+    min_lr_ratio: float = _f(0.1, "final LR as a fraction of the peak", ge=0.0, le=1.0)
+    warmup_steps: int = _f(20, "linear warmup steps", ge=0)
+    schedule: str = _f("cosine", "LR schedule after warmup",
+                       choices=("cosine", "linear", "constant"))
+    lr_scaling: str = _f("none", "scale lr with the global batch (linear: lr x "
+                         "global_batch / base_batch)", choices=("none", "linear"))
+    base_batch: int = _f(32, "global batch at which train.lr applies unscaled", ge=1)
+    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
+    weight_decay: float = _f(0.1, "decoupled weight decay (matrices only)", ge=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", ge=0.0, le=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", ge=0.0, le=1.0)
+    momentum: float = _f(0.9, "SGD momentum", ge=0.0, le=1.0)
+    grad_clip: float = _f(1.0, "clip gradients to this global norm; 0 = off", ge=0.0)
+    seed: int = _f(1234, "seed for initialisation and the sample order", ge=0)
+    eval_every: int = _f(0, "evaluate every N steps; 0 = at start and end only", ge=0)
+    eval_samples: int = _f(256, "held-out samples per evaluation", ge=1)
+    log_every: int = _f(10, "write a metrics record every N steps", ge=1)
+    device: str = _f("auto", "cpu, cuda or auto (cuda when available)",
+                     choices=("auto", "cpu", "cuda"))
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The layout of ranks and how gradients are reduced."""
+
+    dp: int = _f(0, "data-parallel degree; 0 = all ranks not used by pp x tp", ge=0)
+    pp: int = _f(1, "pipeline-parallel degree", ge=1)
+    tp: int = _f(1, "tensor-parallel degree", ge=1)
+    zero: int = _f(0, "ZeRO sharding stage over dp (0 = none)", ge=0, le=3)
+    bucket_mb: float = _f(25.0, "gradient bucket size in MiB for the all-reduce", gt=0.0)
+    backend: str = _f("auto", "process-group backend: auto (nccl on GPU, gloo on CPU), "
+                      "gloo or nccl", choices=("auto", "gloo", "nccl"))
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+}
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole configuration: one section per component.
+
+    ``explicit`` holds the dotted keys the user set (in a file or with --set); the
+    batch triple uses it to tell given values from defaults.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    explicit: frozenset[str] = frozenset()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: {f.name: getattr(getattr(self, name), f.name)
+                       for f in fields(cls)}
+                for name, cls in SECTIONS.items()}

@@ -1,0 +1,123 @@
+"""Checks that span several fields, run before any process group exists.
+
+:func:`resolve` turns a :class:`Config` plus the world size into a :class:`RunPlan`:
+the layout and the batch triple with its third member derived. Everything a worker
+needs to agree on with the others is decided here, deterministically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..topology import Layout, resolve_layout
+from .schema import Config, TrainConfig
+
+BATCH_KEYS = ("global_batch", "micro_batch", "grad_accum")
+# When the user gives fewer than two of the triple, defaults fill in this order.
+_DEFAULT_PRIORITY = ("global_batch", "grad_accum", "micro_batch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """global_batch = micro_batch x grad_accum x dp, all three known and consistent."""
+
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    dp: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    layout: Layout
+    batch: BatchPlan
+    lr: float
+
+
+def resolve(config: Config, world_size: int) -> RunPlan:
+    """Validate the whole config for a job of ``world_size`` ranks."""
+    _check_model(config)
+    _check_data(config)
+    _check_device(config)
+    p = config.parallel
+    layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
+    batch = resolve_batch(config.train, config.explicit, layout.dp)
+    return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))
+
+
+def resolve_batch(train: TrainConfig, explicit: frozenset[str], dp: int) -> BatchPlan:
+    """Keep the triple members the user set; fill from defaults until two are known;
+    derive the third and check divisibility."""
+    given = {k: getattr(train, k) for k in BATCH_KEYS
+             if f"train.{k}" in explicit and getattr(train, k) is not None}
+    for key in _DEFAULT_PRIORITY:
+        if len(given) >= 2:
+            break
+        if key not in given and getattr(train, key) is not None:
+            given[key] = getattr(train, key)
+    if len(given) < 2:
+        raise ConfigError("train.global_batch", train.global_batch,
+                          "two of global_batch, micro_batch, grad_accum are needed",
+                          "set two of them")
+    g, m, a = (given.get(k) for k in BATCH_KEYS)
+    if g is None:
+        g = m * a * dp
+    elif m is None:
+        m = _divide("train.global_batch", g, a * dp, f"grad_accum x dp = {a}x{dp}")
+    elif a is None:
+        a = _divide("train.global_batch", g, m * dp, f"micro_batch x dp = {m}x{dp}")
+    if g != m * a * dp:
+        raise ConfigError("train.global_batch", g,
+                          f"must equal micro_batch x grad_accum x dp = {m}x{a}x{dp} = "
+                          f"{m * a * dp}", "give only two of the three and let disttrain "
+                          "derive the third")
+    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp)
+
+
+def _divide(field: str, total: int, by: int, what: str) -> int:
+    if total % by:
+        lo, hi = total // by * by, (total // by + 1) * by
+        raise ConfigError(field, total, f"is not divisible by {what} = {by}",
+                          f"use a multiple of {by}, e.g. {lo or hi} or {hi}")
+    return total // by
+
+
+def scaled_lr(train: TrainConfig, batch: BatchPlan) -> float:
+    if train.lr_scaling == "linear":
+        return train.lr * batch.global_batch / train.base_batch
+    return train.lr
+
+
+def _check_model(config: Config) -> None:
+    m = config.model
+    if m.d_model % m.n_head:
+        raise ConfigError("model.d_model", m.d_model,
+                          f"is not divisible by model.n_head={m.n_head}",
+                          f"use a multiple of {m.n_head}")
+
+
+def _check_data(config: Config) -> None:
+    d = config.data
+    if d.path and not Path(d.path).expanduser().is_dir():
+        raise ConfigError("data.path", d.path, "no such directory",
+                          "point data.path at a directory of text files, or leave it "
+                          "empty for the built-in corpus")
+
+
+def _check_device(config: Config) -> None:
+    import torch
+
+    dev, backend = config.train.device, config.parallel.backend
+    has_cuda = torch.cuda.is_available()
+    if dev == "cuda" and not has_cuda:
+        raise ConfigError("train.device", dev, "no CUDA device is available",
+                          "use train.device=cpu or auto")
+    if backend == "nccl" and not (dev == "cuda" or (dev == "auto" and has_cuda)):
+        raise ConfigError("parallel.backend", backend, "NCCL needs CUDA devices",
+                          "use parallel.backend=gloo or auto on CPU")

@@ -1,0 +1,25 @@
+"""Data: corpus preparation into token shards, windows over them, the global sample order."""
+
+from disttrain.data.corpus import (
+    PreparedCorpus,
+    corpus_files,
+    corpus_from_config,
+    default_cache_dir,
+    prepare_corpus,
+    stdlib_source_dir,
+)
+from disttrain.data.dataset import TokenWindowDataset, collate_token_batch
+from disttrain.data.sampler import GlobalOrderSampler, eval_indices
+
+__all__ = [
+    "GlobalOrderSampler",
+    "PreparedCorpus",
+    "TokenWindowDataset",
+    "collate_token_batch",
+    "corpus_files",
+    "corpus_from_config",
+    "default_cache_dir",
+    "eval_indices",
+    "prepare_corpus",
+    "stdlib_source_dir",
+]

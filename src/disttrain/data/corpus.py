@@ -1,0 +1,319 @@
+"""Text files -> byte-level token shards, prepared once and cached.
+
+Tokens are the raw bytes of each text file (values 0..255), stored as ``uint16`` in flat
+shard files (``train_00000.bin``, ``val_00000.bin``, ... written with ``ndarray.tofile``).
+Every document is followed by one ``0`` token: NUL never occurs in a text file, so it
+marks document boundaries unambiguously. A shard holds at most ``SHARD_TOKENS`` tokens and
+a document never spans two shards unless it alone is longer than a shard.
+
+The held-out split is by file and depends only on each file's relative path, so adding a
+file never moves another one between train and val.
+
+The cache directory ``corpus-{key}`` is keyed by the resolved root, the pattern, the
+split fraction and every matched file's (relative path, size, mtime_ns): a changed
+directory is prepared again. Preparation is safe when many ranks call it at once: one
+takes an exclusive ``flock``, builds into a temporary sibling and renames it into place;
+the others wait for the lock and then just read ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from disttrain.config.schema import DataConfig
+from disttrain.errors import DataError
+
+FORMAT_VERSION = 1
+SHARD_TOKENS = 8 * 1024 * 1024
+STDLIB_PATTERN = "**/*.py"
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+TEXT_PROBE_BYTES = 8192
+DOC_SEPARATOR = 0
+META_NAME = "meta.json"
+
+
+@dataclass(frozen=True)
+class PreparedCorpus:
+    """A prepared corpus: shard files of ``uint16`` byte tokens, split into train / val."""
+
+    directory: Path
+    train_shards: list[Path]
+    val_shards: list[Path]
+    train_tokens: int
+    val_tokens: int
+    num_files: int
+
+
+@dataclass(frozen=True)
+class _Doc:
+    """One document: the bytes ``[start:stop]`` of a file (``None`` = to the end)."""
+
+    path: Path
+    start: int | None = None
+    stop: int | None = None
+
+    def read(self) -> bytes:
+        return self.path.read_bytes()[self.start:self.stop]
+
+
+def stdlib_source_dir() -> Path:
+    """The running interpreter's standard-library directory (the built-in corpus)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_cache_dir() -> Path:
+    """``$DISTTRAIN_CACHE`` if set, else ``~/.cache/disttrain``."""
+    env = os.environ.get("DISTTRAIN_CACHE", "")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "disttrain"
+
+
+def corpus_files(root: Path, pattern: str) -> list[Path]:
+    """Text files under ``root`` matching the glob ``pattern``, sorted by relative path.
+
+    Skips directories, anything under ``site-packages`` / ``dist-packages`` /
+    ``__pycache__``, empty files and files with a NUL byte in their first 8 KiB.
+    """
+    return [path for _, path in _matching_files(Path(root), pattern) if _is_text(path)]
+
+
+def prepare_corpus(root: Path | None, pattern: str, cache_dir: Path, val_fraction: float,
+                   *, shard_tokens: int = SHARD_TOKENS) -> PreparedCorpus:
+    """Tokenise the text files under ``root`` into cached shards (once) and describe them.
+
+    ``root=None`` means the standard library's own ``**/*.py`` files (``pattern`` is
+    ignored then). A file goes to val when the first 32 bits of the sha256 of its relative
+    posix path, read as a fraction of 2**32, fall below ``val_fraction``; both splits are
+    made non-empty. Returns at once (reading ``meta.json`` only) when already prepared.
+    """
+    root, pattern = _source(root, pattern)
+    cache_dir = Path(cache_dir)
+    entries = _stat_entries(root, pattern)
+    key = _cache_key(root, pattern, val_fraction, shard_tokens, entries)
+    final = cache_dir / f"corpus-{key}"
+    if not (final / META_NAME).exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(cache_dir / f"corpus-{key}.lock"):
+            if not (final / META_NAME).exists():
+                _build(root, pattern, val_fraction, shard_tokens, final)
+    return _load(final)
+
+
+def corpus_from_config(data: DataConfig) -> PreparedCorpus:
+    """``prepare_corpus`` for a ``[data]`` config section (empty strings = the defaults)."""
+    root = Path(data.path).expanduser() if data.path else None
+    cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
+    return prepare_corpus(root, data.pattern, cache_dir, data.val_fraction)
+
+
+# ---- discovery -------------------------------------------------------------------------
+
+def _source(root: Path | None, pattern: str) -> tuple[Path, str]:
+    if root is None:
+        return stdlib_source_dir().resolve(), STDLIB_PATTERN
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data.path={str(root)!r}: no such directory (point data.path at a "
+                        "directory of text files, or leave it empty for the built-in corpus)")
+    return root.resolve(), pattern
+
+
+def _matching_files(root: Path, pattern: str) -> list[tuple[str, Path]]:
+    """(relative posix path, path) of every regular file matching ``pattern``, sorted."""
+    pat = tuple(p for p in pattern.split("/") if p not in ("", "."))
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+        rel_dir = Path(dirpath).relative_to(root).parts
+        for name in filenames:
+            if _glob_match(rel_dir + (name,), pat):
+                path = Path(dirpath, name)
+                if path.is_file():
+                    found.append(("/".join(rel_dir + (name,)), path))
+    return sorted(found)
+
+
+def _glob_match(parts: tuple[str, ...], pat: tuple[str, ...]) -> bool:
+    """``pathlib`` glob semantics: ``**`` spans zero or more directories."""
+    if not pat:
+        return not parts
+    if pat[0] == "**":
+        return any(_glob_match(parts[i:], pat[1:]) for i in range(len(parts) + 1))
+    return (bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0])
+            and _glob_match(parts[1:], pat[1:]))
+
+
+def _is_text(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(TEXT_PROBE_BYTES)
+    except OSError:
+        return False
+    return bool(head) and b"\0" not in head
+
+
+def _stat_entries(root: Path, pattern: str) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of the candidate files: the cache key's input."""
+    entries = []
+    for rel, path in _matching_files(root, pattern):
+        st = path.stat()
+        entries.append((rel, st.st_size, st.st_mtime_ns))
+    if not entries:
+        raise _no_text_files(root, pattern)
+    return entries
+
+
+def _no_text_files(root: Path, pattern: str) -> DataError:
+    return DataError(f"data.path={str(root)!r} data.pattern={pattern!r}: no text files "
+                     "matched (check data.pattern, e.g. '**/*.txt', or point data.path at "
+                     "a directory of text files)")
+
+
+def _cache_key(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
+               entries: list[tuple[str, int, int]]) -> str:
+    blob = json.dumps([FORMAT_VERSION, str(root), pattern, val_fraction, shard_tokens,
+                       entries])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- split -----------------------------------------------------------------------------
+
+def _in_val(rel: str, val_fraction: float) -> bool:
+    return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) / 2**32 < val_fraction
+
+
+def _split(root: Path, files: list[Path], val_fraction: float) -> tuple[list[_Doc], list[_Doc]]:
+    """(train, val) documents, both non-empty.
+
+    A single file cannot be split by file: its last ``val_fraction`` of bytes (at least
+    one) is held out instead.
+    """
+    if len(files) == 1:
+        return _split_one_file(files[0], val_fraction)
+    val = [f for f in files if _in_val(f.relative_to(root).as_posix(), val_fraction)]
+    if not val:
+        val = [files[-1]]
+    if len(val) == len(files):
+        val = val[1:]
+    held_out = set(val)
+    train = [f for f in files if f not in held_out]
+    return [_Doc(f) for f in train], [_Doc(f) for f in val]
+
+
+def _split_one_file(path: Path, val_fraction: float) -> tuple[list[_Doc], list[_Doc]]:
+    size = path.stat().st_size
+    if size < 2:
+        raise DataError(f"data.path={str(path.parent)!r}: the only text file {path.name!r} "
+                        f"has {size} byte(s), too few to hold any out for evaluation "
+                        "(add more text)")
+    cut = size - min(size - 1, max(1, round(size * val_fraction)))
+    return [_Doc(path, None, cut)], [_Doc(path, cut, None)]
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+def _build(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
+           final: Path) -> None:
+    """Write shards and meta.json into a temporary sibling, then rename it to ``final``."""
+    files = corpus_files(root, pattern)
+    if not files:
+        raise _no_text_files(root, pattern)
+    train, val = _split(root, files, val_fraction)
+    for stale in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a crashed preparer; we hold the lock
+    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        train_shards, train_tokens = _write_split(tmp, "train", train, shard_tokens)
+        val_shards, val_tokens = _write_split(tmp, "val", val, shard_tokens)
+        meta = {"version": FORMAT_VERSION, "root": str(root), "pattern": pattern,
+                "val_fraction": val_fraction, "num_files": len(files),
+                "train_files": len(train), "val_files": len(val),
+                "train_tokens": train_tokens, "val_tokens": val_tokens,
+                "train_shards": train_shards, "val_shards": val_shards}
+        _write_durably(tmp / META_NAME, json.dumps(meta, indent=2).encode())
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_split(directory: Path, split: str, docs: list[_Doc],
+                 shard_tokens: int) -> tuple[list[str], int]:
+    """Pack documents (each followed by a 0 token) into shards; (shard names, tokens)."""
+    names: list[str] = []
+    pending: list[bytes | memoryview] = []
+    pending_len = total = 0
+    for doc in docs:
+        data = memoryview(doc.read() + bytes([DOC_SEPARATOR]))
+        total += len(data)
+        if pending and pending_len + len(data) > shard_tokens:
+            names.append(_write_shard(directory, split, len(names), pending))
+            pending, pending_len = [], 0
+        while len(data) > shard_tokens:  # only a document bigger than a whole shard
+            names.append(_write_shard(directory, split, len(names), [data[:shard_tokens]]))
+            data = data[shard_tokens:]
+        pending.append(data)
+        pending_len += len(data)
+    if pending:
+        names.append(_write_shard(directory, split, len(names), pending))
+    return names, total
+
+
+def _write_shard(directory: Path, split: str, index: int,
+                 chunks: list[bytes | memoryview]) -> str:
+    """One shard file: the chunks' bytes widened to uint16, raw ``tofile`` layout."""
+    name = f"{split}_{index:05d}.bin"
+    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
+    with open(directory / name, "wb") as f:
+        tokens.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return name
+
+
+def _write_durably(path: Path, payload: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _load(directory: Path) -> PreparedCorpus:
+    meta = json.loads((directory / META_NAME).read_text())
+    return PreparedCorpus(directory=directory,
+                          train_shards=[directory / n for n in meta["train_shards"]],
+                          val_shards=[directory / n for n in meta["val_shards"]],
+                          train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
+                          num_files=meta["num_files"])

@@ -1,0 +1,33 @@
+"""Errors a user can act on.
+
+Every exception derived from :class:`UserError` is reported by the command-line tool as
+one line on stderr (what was wrong, the value, the fix) with exit code 2 and no
+traceback. Anything else is a bug in disttrain and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Bad input from the user: a config value, a path, a flag. Exit code 2."""
+
+
+class ConfigError(UserError):
+    """A configuration field holds a value that cannot work.
+
+    ``field`` is the dotted key (``train.lr``), ``value`` what was given and ``fix`` a
+    sentence saying what to do instead.
+    """
+
+    def __init__(self, field: str, value: object, problem: str, fix: str = "") -> None:
+        self.field, self.value, self.problem, self.fix = field, value, problem, fix
+        msg = f"{field}={value!r}: {problem}"
+        if fix:
+            msg += f" ({fix})"
+        super().__init__(msg)
+
+
+class DataError(UserError):
+    """The data given cannot be used: a missing directory, no text files, too few tokens."""

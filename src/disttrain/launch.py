@@ -1,0 +1,92 @@
+"""Starting workers through torch's elastic agent (the code behind ``torchrun``).
+
+``disttrain train`` and ``disttrain run`` build a torchrun argument list and hand it to
+``torch.distributed.run``; a single node uses ``--standalone`` (a free local port), more
+nodes use the c10d rendezvous at ``--rdzv-endpoint``. Workers learn they are workers
+from the environment torchrun sets (:func:`inside_worker`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from .errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    nproc: int = 2
+    nnodes: str = "1"
+    node_rank: int | None = None
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "disttrain"
+    max_restarts: int = 0
+
+    def node_counts(self) -> range:
+        """Every number of nodes the job may run with (``MIN:MAX`` for elastic jobs)."""
+        lo, _, hi = self.nnodes.partition(":")
+        try:
+            low, high = int(lo), int(hi or lo)
+        except ValueError:
+            raise UserError(f"--nnodes {self.nnodes!r}: expected N or MIN:MAX "
+                            "(e.g. --nnodes 2 or --nnodes 1:4)") from None
+        if not 1 <= low <= high:
+            raise UserError(f"--nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
+        return range(low, high + 1)
+
+    def world_sizes(self) -> list[int]:
+        return [self.nproc * n for n in self.node_counts()]
+
+
+def inside_worker() -> bool:
+    """True in a process started by torchrun / the elastic agent (or with RANK set)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def torchrun_args(opts: LaunchOptions, target: list[str]) -> list[str]:
+    """torchrun arguments that start ``target`` (``-m module ...`` or ``script ...``)."""
+    if opts.nproc < 1:
+        raise UserError(f"--nproc {opts.nproc}: need at least one process per node")
+    args = ["--nproc-per-node", str(opts.nproc), "--nnodes", opts.nnodes,
+            "--max-restarts", str(opts.max_restarts)]
+    multi = opts.node_counts() != range(1, 2)
+    if multi or opts.rdzv_endpoint:
+        if not opts.rdzv_endpoint:
+            raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every "
+                            "node)")
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
+                 "--rdzv-id", opts.rdzv_id]
+        if opts.node_rank is not None:
+            args += ["--node-rank", str(opts.node_rank)]
+    else:
+        args += ["--standalone"]
+    return args + target
+
+
+def _worker_env(nproc: int) -> None:
+    # One share of the cores per worker, unless the user chose; also keeps torchrun
+    # from printing its OMP_NUM_THREADS warning.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def launch(opts: LaunchOptions, target: list[str]) -> int:
+    """Run ``target`` on ``opts.nproc`` workers per node; return an exit code
+    (2 when a worker rejected its input, 1 for other failures)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    _worker_env(opts.nproc)
+    try:
+        run(parse_args(torchrun_args(opts, target)))
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        ranks = ", ".join(f"rank {r} (exit {f.exitcode})"
+                          for r, f in sorted(exc.failures.items()))
+        print(f"disttrain: worker failure: {ranks}", file=sys.stderr)
+        return 2 if codes == {2} else 1
+    return 0

@@ -1,0 +1,61 @@
+"""A live progress line on rank 0: step, loss, tokens/s, ETA.
+
+On a terminal the line is redrawn in place; otherwise (CI, a log file) one line is
+printed every ``every`` steps so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class ProgressBar:
+    def __init__(self, total: int, *, enabled: bool, every: int = 10,
+                 stream: TextIO | None = None, width: int = 24) -> None:
+        self.total, self.enabled, self.every, self.width = total, enabled, every, width
+        self.stream = stream or sys.stderr
+        self.tty = self.enabled and self.stream.isatty()
+        self.start = time.perf_counter()
+        self.first_step: int | None = None
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """``step`` is the number of steps done (1-based)."""
+        if not self.enabled:
+            return
+        if self.first_step is None:
+            self.first_step, self.start = step - 1, time.perf_counter()
+        if not self.tty and step % self.every and step != self.total:
+            return
+        done = step - self.first_step
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(done, 1) * (self.total - step)
+        filled = int(self.width * step / self.total)
+        bar = "#" * filled + "-" * (self.width - filled)
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} "
+                f"| {tokens_per_s:,.0f} tok/s | ETA {format_duration(eta)}")
+        if self.tty:
+            self.stream.write("\r" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            if self.tty:
+                self.stream.write("\r\033[K")
+            self.stream.write(text + "\n")
+            self.stream.flush()

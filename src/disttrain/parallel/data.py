@@ -1,0 +1,101 @@
+"""Data parallelism: replicas kept identical by a bucketed, overlapped gradient all-reduce.
+
+:func:`apply_data_parallel` leaves the model unchanged (same class, same state-dict
+keys) and returns a :class:`DataParallel` handle that owns the gradient hooks:
+
+- parameters and buffers are broadcast from dp rank 0 at start;
+- each parameter's ``.grad`` is a view into a flat bucket; a post-accumulate hook marks
+  it ready, and a full bucket's all-reduce (SUM) starts at once, overlapping the rest of
+  backward;
+- :meth:`DataParallel.no_sync` turns the hooks off for accumulation micro-batches;
+- :meth:`DataParallel.finish_gradient_sync` waits for the reductions and applies the
+  loss normalisation (1 / global number of target tokens), so the update does not depend
+  on how the global batch was split into ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..comm.buckets import BucketReducer, GradBucket, assign_buckets
+from ..comm.collectives import Communicator
+
+
+class DataParallel:
+    """Gradient synchronisation for one model replica over the dp group."""
+
+    def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int) -> None:
+        self.model = model
+        self.comm = comm
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Backward visits layers roughly in reverse registration order.
+        self.buckets = assign_buckets(list(reversed(params)), bucket_bytes)
+        self.reducer = BucketReducer(self.buckets, comm)
+        self._sync = True
+        self._slots: dict[nn.Parameter, tuple[GradBucket, int]] = {}
+        self._hooks = []
+        for bucket in self.buckets:
+            for slot, p in enumerate(bucket.params):
+                self._slots[p] = (bucket, slot)
+                p.grad = bucket.grad_view(slot)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def broadcast_parameters(self) -> None:
+        """Make every replica start from dp rank 0's parameters and buffers."""
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                self.comm.broadcast(t.data, src=0)
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket, slot = self._slots[param]
+        view = bucket.grad_view(slot)
+        if param.grad.data_ptr() != view.data_ptr():
+            # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True) then a
+            # fresh accumulation): move it back into the bucket.
+            view.copy_(param.grad)
+            param.grad = view
+        if self._sync:
+            self.reducer.mark_ready(bucket, slot)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside reduces the sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
+        """Wait for all bucket reductions, then multiply the summed gradients by
+        ``scale`` (the trainer passes 1 / global target-token count)."""
+        self.reducer.wait()
+        for b in self.buckets:
+            b.buffer.mul_(scale)
+        self.reducer.reset()
+
+    def zero_grad(self) -> None:
+        """Zero the buckets and point every ``.grad`` back at its view."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            for slot, p in enumerate(b.params):
+                p.grad = b.grad_view(slot)
+        self.reducer.reset()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def apply_data_parallel(model: nn.Module, comm: Communicator, *,
+                        bucket_mb: float = 25.0, broadcast: bool = True) -> DataParallel:
+    """Attach data-parallel gradient sync to ``model`` over ``comm``'s group."""
+    dp = DataParallel(model, comm, bucket_bytes=int(bucket_mb * 2**20))
+    if broadcast:
+        dp.broadcast_parameters()
+    return dp

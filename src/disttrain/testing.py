@@ -1,0 +1,136 @@
+"""Run a function in N spawned Gloo processes with a hard timeout.
+
+    from disttrain.testing import run_distributed, distributed
+
+    def _body(scale):                    # module-level, so spawn can import it
+        t = torch.ones(2) * scale
+        dist.all_reduce(t)
+        return t
+
+    results = run_distributed(_body, world_size=4, args=(2.0,), timeout=60)
+
+    @distributed(world_size=2)           # the test body itself runs on every rank
+    def test_all_reduce():
+        ...
+
+Each child initialises a Gloo process group on a free port (rank = its index), runs the
+function and sends back its return value or its traceback. If any rank raises, the
+others are stopped and the parent raises with that rank's traceback. If the whole run
+outlasts ``timeout`` seconds, every child is killed and the parent raises naming the
+ranks that had not finished, so a hung collective fails one test instead of CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or the run timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
+                    kwargs: dict | None = None, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` Gloo ranks; return each rank's
+    result in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    target = (fn.__module__, fn.__qualname__)
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(target, rank, world_size, port, args, kwargs or {}, queue,
+                               timeout))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, queue, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    while len(results) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(results))
+            raise DistributedTestError(
+                f"timed out after {timeout:.0f}s: ranks {missing} of {world_size} had not "
+                "finished (a collective issued by some ranks and not others?)")
+        try:
+            rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
+        except Exception:  # queue.Empty: check for ranks that died without reporting
+            _check_dead(procs, results)
+            continue
+        if not ok:
+            raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+        results[rank] = payload
+    return [results[r] for r in range(world_size)]
+
+
+def _check_dead(procs: list, results: dict[int, Any]) -> None:
+    for rank, p in enumerate(procs):
+        if rank not in results and not p.is_alive() and p.exitcode not in (0, None):
+            raise DistributedTestError(f"rank {rank} died with exit code {p.exitcode}")
+
+
+def _child(target: tuple[str, str], rank: int, world_size: int, port: int, args: tuple,
+           kwargs: dict, queue: Any, timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        fn = _resolve(*target)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        result = fn(*args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _resolve(module: str, qualname: str) -> Callable[..., Any]:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    # A @distributed test is stored wrapped; the child runs the original body.
+    return getattr(obj, "__wrapped_body__", obj)
+
+
+def distributed(world_size: int, timeout: float = 120.0) -> Callable:
+    """Decorator: the test body runs on ``world_size`` Gloo ranks (pytest parameters
+    are passed through); the test fails if any rank fails or the run times out."""
+    def decorate(body: Callable) -> Callable:
+        @functools.wraps(body)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            run_distributed(wrapper, world_size, args=args, kwargs=kwargs, timeout=timeout)
+        wrapper.__wrapped_body__ = body
+        return wrapper
+    return decorate

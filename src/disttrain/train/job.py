@@ -1,0 +1,46 @@
+"""The default job: the byte-level GPT on the prepared corpus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..data import TokenWindowDataset, collate_token_batch, corpus_from_config
+from ..models import GPT, flops_per_token, token_loss
+from .trainer import Trainer
+
+
+@dataclass(frozen=True)
+class DefaultJob:
+    model: nn.Module
+    train_data: TokenWindowDataset
+    eval_data: TokenWindowDataset
+    flops_per_token: int
+
+
+def build_default_job(config: Config) -> DefaultJob:
+    """Prepare (or reuse) the token shards and build the model, seeded."""
+    corpus = corpus_from_config(config.data)
+    seq_len = config.model.seq_len
+    torch.manual_seed(config.train.seed)
+    model = GPT(config.model)
+    return DefaultJob(model=model,
+                      train_data=TokenWindowDataset(corpus.train_shards, seq_len),
+                      eval_data=TokenWindowDataset(corpus.val_shards, seq_len),
+                      flops_per_token=flops_per_token(config.model))
+
+
+def train_default(config: Config, run_dir: str | Path | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    """Train the default model on the default data; return the summary."""
+    job = build_default_job(config)
+    trainer = Trainer(job.model, job.train_data, token_loss, config,
+                      eval_dataset=job.eval_data, collate_fn=collate_token_batch,
+                      run_dir=run_dir, flops_per_token=job.flops_per_token,
+                      progress=progress)
+    return trainer.fit()

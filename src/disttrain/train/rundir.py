@@ -1,0 +1,44 @@
+"""The run directory: config snapshot, metrics, summary, final weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_model
+from torch import nn
+
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def new_run_dir_name() -> Path:
+    """``runs/<time>`` (torchrun's run id makes it unique per elastic job)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    suffix = f"-{run_id[:8]}" if run_id and run_id != "none" else ""
+    return Path("runs") / f"{stamp}{suffix}"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True))
+
+
+def save_weights(model: nn.Module, run_dir: Path) -> Path:
+    """Final weights as safetensors (shared tensors such as a tied head stored once)."""
+    path = run_dir / WEIGHTS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    save_model(model, str(tmp))
+    os.replace(tmp, path)
+    return path

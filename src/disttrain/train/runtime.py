@@ -1,0 +1,65 @@
+"""Process-group start-up from the environment torchrun (or the test harness) sets.
+
+A worker learns its rank from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; without them
+it is a world of one. :func:`world_size_from_env` is readable before any process group
+exists, so the config can be validated first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+    owns_process_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(device_preference: str = "auto", backend: str = "auto",
+                 timeout_s: float = 600.0) -> Runtime:
+    """Initialise the default process group unless one exists; pick the device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_preference, local_rank)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    owns = not dist.is_initialized()
+    if owns:
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        else:  # a plain `python script.py`: a world of one, no rendezvous needed
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return Runtime(device=device, backend=dist.get_backend(), rank=dist.get_rank(),
+                   world_size=dist.get_world_size(), local_rank=local_rank,
+                   owns_process_group=owns)
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -22,10 +22,13 @@ ranks that had not finished, so a hung collective fails one test instead of CI.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_module
 import socket
 import time
 import traceback
@@ -79,12 +82,12 @@ def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> list[A
                 "finished (a collective issued by some ranks and not others?)")
         try:
             rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
-        except Exception:  # queue.Empty: check for ranks that died without reporting
+        except queue_module.Empty:
             _check_dead(procs, results)
             continue
         if not ok:
             raise DistributedTestError(f"rank {rank} failed:\n{payload}")
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]
 
 
@@ -103,12 +106,15 @@ def _child(target: tuple[str, str], rank: int, world_size: int, port: int, args:
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    # Shortly before the parent gives up, print where this rank is stuck.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
         fn = _resolve(*target)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        result = fn(*args, **kwargs)
-        queue.put((rank, True, result))
+        # Plain pickle: tensors travel by value, not as shared-memory handles that
+        # would die with this process.
+        queue.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:

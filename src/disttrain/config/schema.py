@@ -50,7 +50,7 @@ class DataConfig:
 class TrainConfig:
     """The optimisation loop: batch, schedule, optimizer, evaluation, logging."""
 
-    steps: int = _f(200, "optimizer steps", ge=1)
+    steps: int = _f(300, "optimizer steps", ge=1)
     global_batch: int | None = _f(32, "samples per optimizer step over all ranks "
                                   "(= micro_batch x grad_accum x dp)", ge=1, optional=True)
     micro_batch: int | None = _f(None, "samples per forward pass on one rank", ge=1,

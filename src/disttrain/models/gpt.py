@@ -19,12 +19,17 @@ IGNORE_INDEX = -1
 
 
 class CausalSelfAttention(nn.Module):
-    """qkv: [d, 3d]; out: [d, d]. Input and output [B, T, d]."""
+    """qkv: [d, 3d] (no bias); out: [d, d]. Input and output [B, T, d].
+
+    The key bias would get an identically zero gradient (softmax ignores a constant
+    shift of the scores per query), so Adam would turn its rounding noise into
+    full-size updates; the projection has no bias at all.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
@@ -114,7 +119,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tenso
 def num_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
     """Parameter count of GPT(cfg) (tied head counted once)."""
     d, layers = cfg.d_model, cfg.n_layer
-    per_block = (3 * d * d + 3 * d) + (d * d + d) + (8 * d * d + 5 * d) + 4 * d
+    per_block = 3 * d * d + (d * d + d) + (8 * d * d + 5 * d) + 4 * d
     n = layers * per_block + 2 * d
     if embeddings:
         n += cfg.vocab_size * d + cfg.seq_len * d

@@ -1,0 +1,101 @@
+"""The command line: one-line errors with exit 2, --help, and real launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from disttrain.config.schema import SECTIONS
+
+DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
+TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
+        "--set", "model.seq_len=32", "--set", "train.eval_samples=16",
+        "--set", "train.global_batch=8", "--set", "train.warmup_steps=2",
+        "--set", "train.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    env = dict(os.environ, DISTTRAIN_CACHE=str(tmp_path_factory.mktemp("cache")))
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
+
+
+def run_cli(args, env, timeout=180, cwd=None):
+    return subprocess.run([DISTTRAIN, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=cwd)
+
+
+BAD = [
+    (["train", "--set", "train.stpes=5"], "train.stpes"),
+    (["train", "--set", "train.steps=many"], "train.steps"),
+    (["train", "--set", "train.lr=0"], "train.lr"),
+    (["train", "--nproc", "2", "--set", "parallel.dp=4"], "parallel.dp"),
+    (["train", "--nproc", "2", "--set", "train.global_batch=30",
+      "--set", "train.micro_batch=4"], "train.global_batch"),
+    (["train", "--nproc", "2", "--nnodes", "1:3", "--set", "train.global_batch=8",
+      "--set", "train.grad_accum=1"], "train.global_batch"),
+    (["train", "missing.toml"], "missing.toml"),
+    (["train", "--set", "data.path=/no/such/place"], "data.path"),
+    (["train", "--set", "noequals"], "noequals"),
+    (["train", "--bogus-flag"], "--bogus-flag"),
+    (["run", "no_such_script.py"], "no_such_script.py"),
+]
+
+
+@pytest.mark.parametrize("args,named", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
+def test_bad_input_exits_2_with_one_line(args, named, cache_env, tmp_path):
+    proc = run_cli(args, cache_env, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert named in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists(), "nothing is started on bad input"
+
+
+def test_train_help_documents_every_option(cache_env):
+    proc = run_cli(["train", "--help"], cache_env, timeout=60)
+    assert proc.returncode == 0
+    for flag in ("--nproc", "--set", "--run-dir", "--nnodes", "--node-rank",
+                 "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--quiet", "CONFIG"):
+        assert flag in proc.stdout, flag
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert f"{section}.{f.name}" in proc.stdout, f"{section}.{f.name}"
+
+
+def _check_run_dir(run_dir: Path, world_size: int, steps: int) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == world_size and summary["steps"] == steps
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(2, steps + 1, 2))
+    assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in records)
+    assert (run_dir / "config.toml").is_file() and (run_dir / "model.safetensors").is_file()
+    return summary
+
+
+def test_train_two_workers_end_to_end(cache_env, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", "--nproc", "2", *TINY, "--set", "train.steps=10",
+                    "--run-dir", str(run_dir)], cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _check_run_dir(run_dir, 2, 10)
+    assert "held-out loss" in proc.stderr and "step 10/10" in proc.stderr
+    assert summary["layout"] == {"dp": 2, "pp": 1, "tp": 1, "zero": 0}
+
+
+def test_same_entry_works_under_torchrun(cache_env, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "-m", "disttrain", "train", *TINY,
+           "--set", "train.steps=4", "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cache_env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run_dir(run_dir, 2, 4)

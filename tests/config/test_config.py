@@ -1,0 +1,94 @@
+"""Config loading and validation: every bad input is one ConfigError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.config import load_config, resolve
+from disttrain.config.dump import config_to_toml
+from disttrain.errors import ConfigError, UserError
+
+
+def test_defaults_resolve_for_two_ranks():
+    plan = resolve(load_config(), 2)
+    assert (plan.layout.dp, plan.batch.global_batch, plan.batch.micro_batch,
+            plan.batch.grad_accum) == (2, 32, 16, 1)
+
+
+def test_toml_then_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 7\nlr = 0.01\n[model]\nd_model = 64\n')
+    cfg = load_config(path, ["train.lr=2e-3", 'data.path=""'])
+    assert (cfg.train.steps, cfg.train.lr, cfg.model.d_model) == (7, 2e-3, 64)
+    assert {"train.steps", "train.lr", "model.d_model"} <= cfg.explicit
+
+
+def test_int_accepted_for_float_and_bare_string():
+    cfg = load_config(overrides=["train.lr=1", "train.optimizer=sgd"])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.optimizer == "sgd"
+
+
+@pytest.mark.parametrize("given,expected", [
+    ({"micro_batch": 4}, (32, 4, 4)),              # global from default, accum derived
+    ({"grad_accum": 4}, (32, 4, 4)),               # micro derived
+    ({"global_batch": 64}, (64, 32, 1)),
+    ({"global_batch": 16, "micro_batch": 2}, (16, 2, 4)),
+    ({"micro_batch": 2, "grad_accum": 3}, (12, 2, 3)),
+    ({"global_batch": 24, "micro_batch": 3, "grad_accum": 4}, (24, 3, 4)),
+])
+def test_batch_triple_derives_the_third(given, expected):
+    cfg = load_config(overrides=[f"train.{k}={v}" for k, v in given.items()])
+    b = resolve(cfg, 2).batch
+    assert (b.global_batch, b.micro_batch, b.grad_accum) == expected
+
+
+@pytest.mark.parametrize("overrides,world,field,words", [
+    (["train.stpes=3"], 2, "train.stpes", "did you mean train.steps"),
+    (["trian.steps=3"], 2, "[trian]", "did you mean train"),
+    (["train.steps=ten"], 2, "train.steps", "expected int"),
+    (["train.steps=2.5"], 2, "train.steps", "expected int"),
+    (["train.lr=-1"], 2, "train.lr", "must be > 0"),
+    (["train.steps=0"], 2, "train.steps", "must be >= 1"),
+    (["parallel.zero=4"], 2, "parallel.zero", "must be <= 3"),
+    (["train.optimizer=adam"], 2, "train.optimizer", "adamw, sgd"),
+    (["parallel.dp=3"], 2, "parallel.dp", "set parallel.dp=2"),
+    (["train.micro_batch=5"], 2, "train.global_batch", "not divisible"),
+    (["train.global_batch=30", "train.micro_batch=4"], 2, "train.global_batch",
+     "not divisible"),
+    (["train.global_batch=32", "train.micro_batch=4", "train.grad_accum=2"], 2,
+     "train.global_batch", "must equal micro_batch x grad_accum x dp"),
+    (["model.d_model=30", "model.n_head=4"], 2, "model.d_model", "divisible"),
+    (["data.path=/no/such/dir"], 2, "data.path", "no such directory"),
+    (["parallel.backend=nccl", "train.device=cpu"], 2, "parallel.backend", "gloo"),
+])
+def test_bad_values_name_field_value_and_fix(overrides, world, field, words):
+    with pytest.raises(ConfigError) as err:
+        resolve(load_config(overrides=overrides), world)
+    assert err.value.field == field
+    message = str(err.value)
+    assert words in message and "\n" not in message
+    assert err.value.fix, "every error carries a fix"
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 1")
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(UserError, match="section.key=value"):
+        load_config(overrides=["steps=3"])
+
+
+def test_snapshot_round_trips(tmp_path):
+    cfg = load_config(overrides=["train.micro_batch=4", "model.n_layer=3"])
+    plan = resolve(cfg, 2)
+    path = tmp_path / "snap.toml"
+    path.write_text(config_to_toml(cfg, plan))
+    again = load_config(path)
+    assert again.to_dict() | {} == {**cfg.to_dict(), "train": {
+        **cfg.to_dict()["train"], "global_batch": 32, "micro_batch": 4, "grad_accum": 4},
+        "parallel": {**cfg.to_dict()["parallel"], "dp": 2}}
+    assert resolve(again, 2) == plan

@@ -110,8 +110,10 @@ def _child(target: tuple[str, str], rank: int, world_size: int, port: int, args:
     faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
         fn = _resolve(*target)
+        # The group's own timeout is longer than the parent's, so a hang is reported
+        # by the parent, naming every rank that had not finished.
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout + 30))
         # Plain pickle: tensors travel by value, not as shared-memory handles that
         # would die with this process.
         queue.put((rank, True, pickle.dumps(fn(*args, **kwargs))))

@@ -61,6 +61,23 @@ class DataParallel:
         if self._sync:
             self.reducer.mark_ready(bucket, slot)
 
+    def _adopt_unready_grads(self) -> None:
+        """Parameters that got no gradient this backward: a ``.grad`` the user set to
+        None means zero, one they replaced is copied in, so stale bucket contents are
+        never reduced."""
+        for bucket in self.buckets:
+            for slot, p in enumerate(bucket.params):
+                if slot in bucket.ready:
+                    continue
+                view = bucket.grad_view(slot)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                else:
+                    continue
+                p.grad = view
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next backward outside reduces the sum."""
@@ -73,6 +90,7 @@ class DataParallel:
     def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         """Wait for all bucket reductions, then multiply the summed gradients by
         ``scale`` (the trainer passes 1 / global target-token count)."""
+        self._adopt_unready_grads()
         self.reducer.wait()
         for b in self.buckets:
             b.buffer.mul_(scale)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,12 +34,32 @@ class SyntheticTokens(Dataset):
         return {"input_ids": window[:-1], "targets": targets}
 
 
-def tiny_config(run_dir: Path | str | None = None, **train: Any):
-    values = {"model": dict(TINY_MODEL),
-              "train": {"steps": 20, "global_batch": 8, "grad_accum": 1, "lr": 3e-3,
-                        "warmup_steps": 3, "eval_samples": 8, "log_every": 5, **train}}
+def _tiny_train() -> dict[str, Any]:
+    return {"steps": 20, "global_batch": 8, "grad_accum": 1, "lr": 3e-3, "warmup_steps": 3,
+            "eval_samples": 8, "log_every": 5}
+
+
+def tiny_config(checkpoint: dict | None = None, **train: Any):
+    """The tiny GPT's config; checkpoints off unless ``checkpoint`` says otherwise."""
+    values = {"model": dict(TINY_MODEL), "train": {**_tiny_train(), **train},
+              "checkpoint": checkpoint or {"every": 0}}
     return load_config(values=values)
 
 
 def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def fit_tiny(steps: int, run_dir: str, mask: bool = False, checkpoint: dict | None = None,
+             **train: Any) -> dict[str, torch.Tensor]:
+    """Train the tiny GPT on synthetic tokens through Trainer; the final state."""
+    from disttrain import Trainer
+    from disttrain.data import collate_token_batch
+    from disttrain.models import GPT, token_loss
+
+    cfg = tiny_config(checkpoint, **train, steps=steps)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    Trainer(model, SyntheticTokens(mask=mask), token_loss, cfg, run_dir=run_dir,
+            collate_fn=collate_token_batch, progress=False).fit()
+    return state_of(model)

@@ -2,6 +2,7 @@
 
     disttrain train [CONFIG] [--nproc N] [--set section.key=value ...] [--run-dir DIR]
     disttrain run [--nproc N] script.py [args ...]
+    disttrain export RUN_DIR --out model.safetensors
 
 Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
 with code 2, before any worker or process group is started.
@@ -10,6 +11,7 @@ with code 2, before any worker or process group is started.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -25,14 +27,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _config_keys_help() -> str:
-    from .config.schema import SECTIONS
+    from .config.schema import SECTIONS, config_key
 
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
     for name, cls in SECTIONS.items():
         for f in fields(cls):
             choices = f.metadata.get("choices")
             extra = f" {{{'|'.join(choices)}}}" if choices else ""
-            lines.append(f"  {name}.{f.name:<16} {f.default!r:<10} "
+            lines.append(f"  {name}.{config_key(f):<16} {f.default!r:<10} "
                          f"{f.metadata.get('help', '')}{extra}")
     return "\n".join(lines)
 
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_launch_options(train)
 
+    export = sub.add_parser(
+        "export", help="write a run's weights as one unsharded safetensors file",
+        description="Assemble the newest intact checkpoint of RUN_DIR into one safetensors "
+        "file, loadable with safetensors.torch.load_model into the plain model.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    export.add_argument("--out", required=True, metavar="FILE", help="output .safetensors")
+
     run = sub.add_parser(
         "run", help="launch your own script on N workers, as torchrun does",
         description="Run SCRIPT on N worker processes with RANK, WORLD_SIZE, LOCAL_RANK, "
@@ -92,10 +101,11 @@ def _launch_options(ns: argparse.Namespace):
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from .config import load_config, resolve
+    from .config import resolve
+    from .config.load import load_run_config
     from .launch import inside_worker, launch
 
-    config = load_config(ns.config, ns.overrides)
+    config = load_run_config(ns.config, ns.overrides, ns.run_dir)
     if inside_worker():
         from .train import train_default
 
@@ -104,6 +114,10 @@ def _train(ns: argparse.Namespace) -> int:
     opts = _launch_options(ns)
     for world_size in opts.world_sizes():
         resolve(config, world_size)
+    if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front
+        from .checkpoint import find_checkpoint
+
+        find_checkpoint(Path(ns.run_dir), warn=lambda _: None)
     from .data import corpus_from_config
     from .train.rundir import new_run_dir_name
 
@@ -113,6 +127,17 @@ def _train(ns: argparse.Namespace) -> int:
               *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
               *(["--quiet"] if ns.quiet else [])]
     return launch(opts, target)
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from .checkpoint.export import export_weights
+
+    def warn(text: str) -> None:
+        print(f"disttrain: warning: {text}", file=sys.stderr)
+
+    out, step = export_weights(Path(ns.run_dir), Path(ns.out), warn)
+    print(f"wrote {out} (step {step})")
+    return 0
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -127,9 +152,10 @@ def _run(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "run": _run}[ns.command](ns)
+        return {"train": _train, "run": _run, "export": _export}[ns.command](ns)
     except UserError as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
+            print(f"disttrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)

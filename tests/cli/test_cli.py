@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.config.schema import SECTIONS
+from disttrain.config.schema import SECTIONS, config_key
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
@@ -67,7 +67,7 @@ def test_train_help_documents_every_option(cache_env):
         assert flag in proc.stdout, flag
     for section, cls in SECTIONS.items():
         for f in fields(cls):
-            assert f"{section}.{f.name}" in proc.stdout, f"{section}.{f.name}"
+            assert f"{section}.{config_key(f)}" in proc.stdout, config_key(f)
 
 
 def _check_run_dir(run_dir: Path, world_size: int, steps: int) -> dict:

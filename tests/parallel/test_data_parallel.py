@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import SyntheticTokens, state_of, tiny_config
+from support import SyntheticTokens, fit_tiny, state_of, tiny_config
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain import Trainer
 from disttrain.config import resolve
 from disttrain.data import GlobalOrderSampler, collate_token_batch
 from disttrain.models import GPT, token_loss
@@ -40,19 +39,10 @@ def reference_train(steps: int, mask: bool = False, **train) -> dict[str, torch.
     return state_of(model)
 
 
-def _disttrain_run(steps: int, run_dir: str, mask: bool = False, **train):
-    cfg = tiny_config(**train, steps=steps)
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    Trainer(model, SyntheticTokens(mask=mask), token_loss, cfg, run_dir=run_dir,
-            collate_fn=collate_token_batch, progress=False).fit()
-    return state_of(model)
-
-
 def _disttrain_and_ddp(steps: int, run_dir: str):
     """Both in the same ranks on the same inputs: ours through Trainer, torch's DDP
     by hand on this rank's slice of each global batch."""
-    ours = _disttrain_run(steps, run_dir)
+    ours = fit_tiny(steps, run_dir)
     cfg = tiny_config(steps=steps)
     plan = resolve(cfg, dist.get_world_size())
     data = SyntheticTokens()
@@ -98,7 +88,7 @@ def test_dp_matches_single_process_and_ddp(world_size, tmp_path):
 
 def test_training_moves_parameters(tmp_path):
     """Guards the equivalence tests against a trainer that does nothing."""
-    trained = run_distributed(_disttrain_run, 2, args=(5, str(tmp_path)), timeout=120)[0]
+    trained = run_distributed(fit_tiny, 2, args=(5, str(tmp_path)), timeout=120)[0]
     cfg = tiny_config()
     torch.manual_seed(cfg.train.seed)
     initial = state_of(GPT(cfg.model))
@@ -110,7 +100,7 @@ def test_training_moves_parameters(tmp_path):
 def test_split_invariance_with_masked_targets(world_size, grad_accum, tmp_path):
     """Same global batch, different ranks x accumulation, samples with different numbers
     of target tokens: the trajectory is the one of the single-process oracle."""
-    state = run_distributed(_disttrain_run, world_size,
+    state = run_distributed(fit_tiny, world_size,
                             args=(20, str(tmp_path), True),
                             kwargs={"grad_accum": grad_accum}, timeout=180)[0]
     assert_states_close(state, reference_train(20, mask=True))

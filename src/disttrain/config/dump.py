@@ -18,14 +18,19 @@ def _toml_value(value: Any) -> str:
 
 
 def config_to_toml(config: Config, plan: RunPlan | None = None) -> str:
-    """TOML that loads back into the same config. With ``plan``, the resolved layout
-    and batch triple are written out, so the snapshot reproduces the run exactly."""
+    """TOML that loads back into the same config. With ``plan``, the batch triple is
+    written as the two members it was derived from, so the snapshot resolves to the
+    same global batch on any number of ranks (the resolved layout goes in a comment)."""
     data = config.to_dict()
-    if plan is not None:
-        data["parallel"]["dp"] = plan.layout.dp
-        for key in ("global_batch", "micro_batch", "grad_accum"):
-            data["train"][key] = getattr(plan.batch, key)
     lines = []
+    if plan is not None:
+        for key in ("global_batch", "micro_batch", "grad_accum"):
+            given = key in plan.batch.given
+            data["train"][key] = getattr(plan.batch, key) if given else None
+        b, lay = plan.batch, plan.layout
+        lines.append(f"# resolved: dp={lay.dp} pp={lay.pp} tp={lay.tp} zero={lay.zero}; "
+                     f"global_batch {b.global_batch} = micro_batch {b.micro_batch} x "
+                     f"grad_accum {b.grad_accum} x dp {b.dp}")
     for section, table in data.items():
         lines.append(f"[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UserError
-from .schema import SECTIONS, Config
+from .schema import SECTIONS, Config, config_key
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -36,6 +36,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         section, key, value = _parse_override(item)
         raw.setdefault(section, {})[key] = value
     return _build(raw)
+
+
+def load_run_config(path: str | Path | None, overrides: list[str],
+                    run_dir: str | Path | None) -> Config:
+    """The config of a run: with no file given, an existing run directory's snapshot
+    is the base (so ``--run-dir DIR`` alone continues DIR's run), then overrides."""
+    snapshot = Path(run_dir) / "config.toml" if run_dir else None
+    if path is None and snapshot is not None and snapshot.is_file():
+        path = snapshot
+    return load_config(path, overrides)
 
 
 def _is_nested(values: dict) -> bool:
@@ -95,18 +105,18 @@ def _build(raw: dict[str, dict[str, Any]]) -> Config:
                               _suggest(section, list(SECTIONS), "sections"))
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
-        known = {f.name: f for f in fields(cls)}
+        known = {config_key(f): f for f in fields(cls)}
         kwargs = {}
         for key, value in table.items():
             dotted = f"{name}.{key}"
             if key not in known:
                 raise ConfigError(dotted, value, "unknown key",
                                   _suggest(key, list(known), f"keys of [{name}]", name))
-            kwargs[key] = _coerce(dotted, value, known[key])
+            kwargs[known[key].name] = _coerce(dotted, value, known[key])
             explicit.add(dotted)
         sections[name] = cls(**kwargs)
         for f in fields(cls):
-            _check_bounds(f"{name}.{f.name}", getattr(sections[name], f.name), f)
+            _check_bounds(f"{name}.{config_key(f)}", getattr(sections[name], f.name), f)
     return Config(**sections, explicit=frozenset(explicit))
 
 

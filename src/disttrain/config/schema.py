@@ -13,11 +13,17 @@ from typing import Any
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
        le: float | None = None, choices: tuple[str, ...] | None = None,
-       optional: bool = False) -> Any:
-    """A dataclass field with its help text and the bounds the validator checks."""
+       optional: bool = False, key: str | None = None) -> Any:
+    """A dataclass field with its help text and the bounds the validator checks;
+    ``key`` is the config name when it differs from the attribute (``async``)."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices,
-            "optional": optional}
+            "optional": optional, "key": key}
     return field(default=default, metadata=meta)
+
+
+def config_key(f: Any) -> str:
+    """The name a field has in TOML and --set."""
+    return f.metadata.get("key") or f.name
 
 
 @dataclass(kw_only=True)
@@ -92,11 +98,22 @@ class ParallelConfig:
                       "gloo or nccl", choices=("auto", "gloo", "nccl"))
 
 
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Sharded, atomic checkpoints in ``run_dir/checkpoints``."""
+
+    every: int = _f(50, "save every N steps and at the end; 0 = never", ge=0)
+    keep: int = _f(3, "committed checkpoints kept", ge=1)
+    async_: bool = _f(True, "write in a background thread; training waits only for the "
+                      "copy to host memory", key="async")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -112,9 +129,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     explicit: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: {f.name: getattr(getattr(self, name), f.name)
+        return {name: {config_key(f): getattr(getattr(self, name), f.name)
                        for f in fields(cls)}
                 for name, cls in SECTIONS.items()}

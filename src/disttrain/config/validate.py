@@ -27,6 +27,8 @@ class BatchPlan:
     micro_batch: int
     grad_accum: int
     dp: int
+    given: tuple[str, ...] = ()  # the two members the third was derived from
+
 
     @property
     def per_rank(self) -> int:
@@ -77,7 +79,8 @@ def resolve_batch(train: TrainConfig, explicit: frozenset[str], dp: int) -> Batc
                           f"must equal micro_batch x grad_accum x dp = {m}x{a}x{dp} = "
                           f"{m * a * dp}", "give only two of the three and let disttrain "
                           "derive the third")
-    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp)
+    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp,
+                     given=tuple(k for k in BATCH_KEYS if k in given))
 
 
 def _divide(field: str, total: int, by: int, what: str) -> int:

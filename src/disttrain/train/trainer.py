@@ -29,10 +29,13 @@ from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, load_config, resolve
 from ..config.dump import config_to_toml
 from ..data.sampler import GlobalOrderSampler, eval_indices
+from ..faults import maybe_fail
 from ..monitor import MetricsWriter, ProgressBar
+from ..monitor.metrics import truncate_metrics
 from ..parallel.data import DataParallel, apply_data_parallel
 from ..topology import Topology, build_topology
 from . import rundir
+from .checkpointing import RunCheckpoints
 from .optim import build_optimizer, lr_at, set_lr
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
 
@@ -109,6 +112,7 @@ class Trainer:
         self._build_model()
         self._build_data()
         self._build_outputs()
+        self._build_checkpoints()
 
     def _build_model(self) -> None:
         self.model.to(self.runtime.device)
@@ -132,6 +136,16 @@ class Trainer:
         self.bar = ProgressBar(self.config.train.steps, enabled=main and self.progress,
                                every=self.config.train.log_every)
 
+    def _build_checkpoints(self) -> None:
+        self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
+                                          self.model, self.optimizer)
+        self.start_step = 0
+        resumed = self.checkpoints.resume(say=self.bar.message)
+        if resumed is not None:
+            self.start_step, self.position = resumed
+            if self.runtime.is_main:  # records past the checkpoint are redone
+                truncate_metrics(self.run_dir / rundir.METRICS_FILE, self.start_step)
+
     # ----------------------------------------------------------------- the loop
     def _run(self) -> dict[str, Any]:
         train = self.config.train
@@ -141,7 +155,7 @@ class Trainer:
         window, totals = _Window(), _Window()
         recent: deque[float] = deque(maxlen=10)
         last_eval = initial_eval
-        for step in range(train.steps):
+        for step in range(self.start_step, train.steps):
             loss, count, seconds, data_s = self._train_step(step)
             window.add(loss, count, seconds, data_s)
             totals.add(loss, count, seconds, data_s)
@@ -151,11 +165,16 @@ class Trainer:
             evaluate_now = train.eval_every and done % train.eval_every == 0
             if evaluate_now or done == train.steps:
                 last_eval = self.evaluate()
+            if self.checkpoints.due(done):
+                self.checkpoints.save(done, self.position)
+            maybe_fail("train.step", self.runtime.rank, done)
             if done % train.log_every == 0 or done == train.steps or evaluate_now:
                 self._log(done, window, last_eval if evaluate_now or done == train.steps
                           else None)
         self.bar.close()
-        return self._finish(initial_eval, last_eval, totals, sum(recent) / len(recent),
+        self.checkpoints.close()
+        final_loss = sum(recent) / len(recent) if recent else float("nan")
+        return self._finish(initial_eval, last_eval, totals, final_loss,
                             time.perf_counter() - start)
 
     def _train_step(self, step: int) -> tuple[float, int, float, float]:
@@ -251,7 +270,8 @@ class Trainer:
                   / max(window.seconds, 1e-9),
                   "step_time_s": window.seconds / max(window.steps, 1),
                   "data_time_s": window.data_seconds / max(window.steps, 1),
-                  "samples_seen": self.position}
+                  "samples_seen": self.position,
+                  "checkpoint_stall_s": self.checkpoints.stall_s}
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         self.metrics.write(record)
@@ -261,7 +281,8 @@ class Trainer:
                 totals: _Window, final_loss: float, wall_time: float) -> dict[str, Any]:
         steps = self.config.train.steps
         summary = {
-            "steps": steps, "world_size": self.runtime.world_size,
+            "steps": steps, "start_step": self.start_step,
+            "world_size": self.runtime.world_size,
             "layout": {"dp": self.plan.layout.dp, "pp": self.plan.layout.pp,
                        "tp": self.plan.layout.tp, "zero": self.plan.layout.zero},
             "global_batch": self.plan.batch.global_batch,

@@ -1,0 +1,123 @@
+"""Saving and finding checkpoints for a training run.
+
+:meth:`CheckpointManager.save` copies this rank's owned tensors to host memory (the only
+part training waits for when ``async`` is on), then writes them and commits on a
+background thread; the next save first waits for the previous one. Loading picks the
+newest committed checkpoint whose checksums verify, warning about each damaged one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from . import storage
+from .format import CheckpointIndex, ShardReader, shard_file_name, whole_tensor_entry
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    directory: Path
+    index: CheckpointIndex
+    reader: ShardReader
+
+    @property
+    def step(self) -> int:
+        return self.index.step
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.index.meta
+
+
+def find_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest intact committed checkpoint of ``run_dir``; None if there is none at
+    all; UserError if there are some but every one is damaged."""
+    root = checkpoint_root(run_dir)
+    if not storage.committed_steps(root):
+        return None
+    found = storage.newest_intact(root, warn)
+    if found is None:
+        raise UserError(f"no intact checkpoint in {root} (every one failed its checksum "
+                        "check; restore the files or start a new --run-dir)")
+    return found
+
+
+def open_checkpoint(directory: Path) -> LoadedCheckpoint:
+    index = CheckpointIndex.read(directory)
+    return LoadedCheckpoint(directory, index, ShardReader(directory, index))
+
+
+class CheckpointManager:
+    """One per rank. ``keep`` committed checkpoints are kept; ``async_save`` moves the
+    writing off the training thread."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, *, keep: int,
+                 async_save: bool) -> None:
+        self.root = checkpoint_root(run_dir)
+        self.rank, self.world_size = rank, world_size
+        self.keep, self.async_save = keep, async_save
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_stall_s = 0.0
+
+    def prepare(self) -> None:
+        """Rank 0, before training: clear leftovers of interrupted saves."""
+        if self.rank == 0 and self.root.exists():
+            storage.remove_staging(self.root)
+            storage.prune(self.root, self.keep)
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], owners: dict[str, int],
+             meta: dict[str, Any]) -> None:
+        """Save the tensors this rank owns (``owners[name] == rank``)."""
+        self.wait()
+        mine = {n: t for n, t in tensors.items() if owners[n] == self.rank}
+        host = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in mine.items()}
+        staging = storage.staging_dir(self.root, step, self.attempt)
+        staging.mkdir(parents=True, exist_ok=True)
+        job = (staging, step, host, meta)
+        if self.async_save:
+            self._thread = threading.Thread(target=self._run, args=job,
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(*job)
+
+    def _run(self, *job: Any) -> None:
+        try:
+            self._write(*job)
+        except BaseException as exc:  # surfaced by wait() on the training thread
+            self._error = exc
+
+    def _write(self, staging: Path, step: int, host: dict[str, torch.Tensor],
+               meta: dict[str, Any]) -> None:
+        file_meta = storage.write_shard(staging, self.rank, host, step) if host else None
+        name = shard_file_name(self.rank)
+        entries = {n: whole_tensor_entry(t, name, n) for n, t in host.items()}
+        storage.write_marker(staging, self.rank, file_meta, entries)
+        if self.rank == 0:
+            storage.commit(self.root, staging, step, self.world_size, meta, self.keep)
+
+    def wait(self) -> None:
+        """Block until the previous save (and, on rank 0, its commit) is done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint save failed on rank {self.rank}: {error}") \
+                from error

@@ -1,0 +1,195 @@
+"""The on-disk protocol that makes a save atomic and a load safe.
+
+    run_dir/checkpoints/step-00000120/     committed checkpoint (index.json + shards)
+    run_dir/checkpoints/step-00000150.tmp-0/  a save in progress (staging)
+    run_dir/checkpoints/latest            name of the newest committed checkpoint
+
+A save: every rank writes its shard into the staging directory (fsync'd) and then a
+small ``rank-NNNNN.json`` marker describing what it wrote. Rank 0 waits for every
+marker, writes ``index.json``, renames staging to its final name, and only then points
+``latest`` at it. The pointer is the commit: a crash or failed write at any earlier
+moment leaves the previous checkpoint as ``latest``, intact. Directories newer than the
+pointer are leftovers of an interrupted save and are ignored (and removed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from ..faults import maybe_fail
+from .format import INDEX_FILE, CheckpointIndex, TensorEntry, shard_file_name
+
+LATEST = "latest"
+_CHUNK = 64 * 2**20
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def staging_dir(root: Path, step: int, attempt: int) -> Path:
+    return root / f"{step_name(step)}.tmp-{attempt}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_shard(staging: Path, rank: int, tensors: dict[str, torch.Tensor],
+                step: int) -> dict[str, Any]:
+    """Write this rank's tensors as one safetensors file; return its name, size, sha256."""
+    maybe_fail("save.before_tensors", rank, step)
+    data = safetensors_bytes(tensors)
+    name = shard_file_name(rank)
+    with open(staging / name, "wb") as fh:
+        for start in range(0, len(data), _CHUNK):
+            fh.write(data[start:start + _CHUNK])
+            if start == 0 and len(data) > 1:
+                fh.flush()
+                maybe_fail("save.mid_file", rank, step)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_marker(staging: Path, rank: int, file_meta: dict[str, Any] | None,
+                 entries: dict[str, TensorEntry]) -> None:
+    payload = {"rank": rank, "file": file_meta,
+               "tensors": {k: v.to_json() for k, v in entries.items()}}
+    write_atomic(staging / f"rank-{rank:05d}.json", json.dumps(payload).encode())
+
+
+def _wait_markers(staging: Path, world_size: int, timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    paths = [staging / f"rank-{r:05d}.json" for r in range(world_size)]
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(paths) if not p.exists()]
+            raise TimeoutError(f"checkpoint {staging.name}: ranks {missing} did not finish "
+                               f"writing within {timeout_s:.0f}s; the save was abandoned")
+        time.sleep(0.01)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def merge_markers(markers: list[dict[str, Any]]) -> tuple[dict[str, TensorEntry],
+                                                          dict[str, dict[str, Any]]]:
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, dict[str, Any]] = {}
+    for m in markers:
+        if m["file"] is not None:
+            files[m["file"]["file"]] = {"bytes": m["file"]["bytes"],
+                                        "sha256": m["file"]["sha256"]}
+        for name, raw in m["tensors"].items():
+            entry = TensorEntry.from_json(raw)
+            if name in tensors:
+                tensors[name].shards += entry.shards
+            else:
+                tensors[name] = entry
+    return tensors, files
+
+
+def commit(root: Path, staging: Path, step: int, world_size: int, meta: dict[str, Any],
+           keep: int, timeout_s: float = 600.0) -> Path:
+    """Rank 0: turn a fully written staging directory into the latest checkpoint."""
+    markers = _wait_markers(staging, world_size, timeout_s)
+    tensors, files = merge_markers(markers)
+    index = CheckpointIndex(step=step, tensors=tensors, files=files, meta=meta)
+    write_atomic(staging / INDEX_FILE, index.to_json().encode())
+    for m in staging.glob("rank-*.json"):
+        m.unlink()
+    maybe_fail("save.before_rename", 0, step)
+    final = root / step_name(step)
+    if final.exists():  # an uncommitted leftover of the same step
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    maybe_fail("save.before_pointer", 0, step)
+    write_atomic(root / LATEST, final.name.encode())
+    prune(root, keep)
+    return final
+
+
+def committed_steps(root: Path) -> list[Path]:
+    """Committed checkpoint directories, newest first (none newer than ``latest``)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return []
+    newest = pointer.read_text().strip()
+    dirs = [p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name]
+    return sorted((p for p in dirs if p.name <= newest), reverse=True)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` committed checkpoints; drop uncommitted leftovers."""
+    committed = committed_steps(root)
+    for old in committed[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    newest = committed[0].name if committed else ""
+    for p in root.glob("step-*"):
+        if p.is_dir() and ".tmp-" not in p.name and p.name > newest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_staging(root: Path) -> None:
+    for p in root.glob("step-*.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def verify(directory: Path) -> str | None:
+    """None if every file matches its recorded size and sha256, else what is wrong."""
+    try:
+        index = CheckpointIndex.read(directory)
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{directory / INDEX_FILE}: unreadable index ({exc})"
+    for name, info in sorted(index.files.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != info["bytes"]:
+            return f"{path}: {path.stat().st_size} bytes, expected {info['bytes']} (truncated?)"
+        if _sha256(path) != info["sha256"]:
+            return f"{path}: checksum mismatch (corrupted)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def newest_intact(root: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest committed checkpoint whose files all verify; each one skipped on the
+    way is reported through ``warn`` with the file at fault."""
+    for directory in committed_steps(root):
+        problem = verify(directory)
+        if problem is None:
+            return directory
+        warn(f"checkpoint {directory.name} is damaged, skipping it: {problem}")
+    return None

@@ -1,0 +1,83 @@
+"""The trainer's side of checkpoints: what to save, when, and resuming from one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.manager import CheckpointManager, find_checkpoint, open_checkpoint
+from ..checkpoint.state import (assign_owners, model_tensors, optimizer_tensors,
+                                restore_model, restore_optimizer, restore_rng, rng_tensors)
+from ..comm import Communicator
+from ..config import Config, RunPlan
+from ..errors import UserError
+
+
+class RunCheckpoints:
+    """Saves every ``checkpoint.every`` steps and at the end; resumes a run directory."""
+
+    def __init__(self, run_dir: Path, config: Config, plan: RunPlan, world: Communicator,
+                 model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.run_dir, self.config, self.plan = run_dir, config, plan
+        self.world, self.model, self.optimizer = world, model, optimizer
+        ck = config.checkpoint
+        self.every = ck.every
+        self.manager = CheckpointManager(run_dir, world.rank, world.size, keep=ck.keep,
+                                         async_save=ck.async_)
+        self.stall_s = 0.0
+
+    def resume(self, say: Callable[[str], None]) -> tuple[int, int] | None:
+        """Load the newest intact checkpoint, if any: returns (step, sample position).
+        Rank 0 chooses (verifying checksums) and tells the others."""
+        choice: tuple[str, str | None] = ("none", None)
+        if self.world.rank == 0:
+            try:
+                found = find_checkpoint(self.run_dir, warn=say)
+                choice = ("load", str(found)) if found else ("none", None)
+            except UserError as exc:
+                choice = ("error", str(exc))
+        kind, value = self.world.broadcast_object(choice)
+        if kind == "error":
+            raise UserError(value)
+        self.manager.prepare()
+        if kind == "none":
+            return None
+        ckpt = open_checkpoint(Path(value))
+        restore_model(ckpt.reader, self.model)
+        restore_optimizer(ckpt.reader, self.model, self.optimizer)
+        restore_rng(ckpt.reader, self.world.rank)
+        saved_world = ckpt.meta.get("world_size")
+        say(f"resuming from {Path(value).name}: step {ckpt.step}, sample "
+            f"{ckpt.meta['position']} (saved on {saved_world} rank(s), now "
+            f"{self.world.size})")
+        return ckpt.step, int(ckpt.meta["position"])
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or
+                                     step == self.config.train.steps)
+
+    def save(self, step: int, position: int) -> None:
+        start = time.perf_counter()
+        shared = {**model_tensors(self.model), **optimizer_tensors(self.model, self.optimizer)}
+        owners = assign_owners({n: t.numel() * t.element_size() for n, t in shared.items()},
+                               self.world.size)
+        own_rng = rng_tensors(self.world.rank)
+        owners.update({n: self.world.rank for n in own_rng})
+        self.manager.save(step, {**shared, **own_rng}, owners, self._meta(step, position))
+        self.stall_s = time.perf_counter() - start
+
+    def _meta(self, step: int, position: int) -> dict[str, Any]:
+        lay = self.plan.layout
+        return {"step": step, "position": position, "world_size": self.world.size,
+                "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero},
+                "global_batch": self.plan.batch.global_batch,
+                "seed": self.config.train.seed, "optimizer": self.config.train.optimizer,
+                "config": self.config.to_dict(), "saved_at": time.time()}
+
+    def close(self) -> None:
+        self.manager.wait()

@@ -1,0 +1,90 @@
+"""Exact resume, resharding across world sizes, and crash safety of saves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from support import fit_tiny
+
+from disttrain.checkpoint import find_checkpoint, open_checkpoint
+from disttrain.faults import FAULT_ENV, FAULT_EXIT_CODE
+from disttrain.testing import DistributedTestError, run_distributed
+
+CKPT = {"every": 5, "keep": 2, "async": True}
+STEPS = 20
+
+
+def _states_equal(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _crash(run_dir, world_size, monkeypatch, fault, checkpoint=CKPT, **train) -> None:
+    monkeypatch.setenv(FAULT_ENV, fault)
+    # the crashed rank's exit, or a peer noticing it first
+    died = f"exit code {FAULT_EXIT_CODE}|exit code 1|Connection|peer"
+    with pytest.raises(DistributedTestError, match=died):
+        run_distributed(fit_tiny, world_size, args=(STEPS, str(run_dir)),
+                        kwargs={"checkpoint": checkpoint, **train}, timeout=120)
+    monkeypatch.delenv(FAULT_ENV)
+
+
+def _resume(run_dir, world_size, checkpoint=CKPT) -> dict:
+    return run_distributed(fit_tiny, world_size, args=(STEPS, str(run_dir)),
+                           kwargs={"checkpoint": checkpoint}, timeout=120)[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 20 steps at world size 4, never interrupted; its per-step losses."""
+    run_dir = tmp_path_factory.mktemp("ref")
+    state = run_distributed(fit_tiny, 4, args=(STEPS, str(run_dir)),
+                            kwargs={"checkpoint": CKPT, "log_every": 1}, timeout=120)[0]
+    losses = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl")
+                                                 .read_text().splitlines())}
+    return state, losses
+
+
+def test_interrupted_run_resumes_exactly(uninterrupted, tmp_path, monkeypatch):
+    _crash(tmp_path, 4, monkeypatch, "train.step:13")
+    # the async save of step 10 may or may not have committed before the crash
+    assert find_checkpoint(tmp_path, warn=print).name in ("step-00000005", "step-00000010")
+    _states_equal(_resume(tmp_path, 4), uninterrupted[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("new_world", [2, 1])
+def test_saved_at_four_resumes_at_fewer_ranks(uninterrupted, tmp_path, monkeypatch,
+                                              new_world):
+    saved = tmp_path / "saved"
+    _crash(saved, 4, monkeypatch, "train.step:13", log_every=1)
+    run_dir = tmp_path / f"at{new_world}"
+    shutil.copytree(saved, run_dir)
+    state = run_distributed(fit_tiny, new_world, args=(STEPS, str(run_dir)),
+                            kwargs={"checkpoint": CKPT, "log_every": 1}, timeout=120)[0]
+    _states_equal(state, uninterrupted[0], atol=1e-4)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none lost or doubled
+    for r in records[10:]:
+        assert r["loss"] == pytest.approx(uninterrupted[1][r["step"]], abs=1e-4)
+    index = open_checkpoint(find_checkpoint(run_dir, warn=print)).index
+    assert index.meta["world_size"] == new_world and index.meta["position"] == STEPS * 8
+
+
+@pytest.mark.parametrize("stage", ["save.before_tensors", "save.mid_file",
+                                   "save.before_rename", "save.before_pointer"])
+def test_a_crash_at_any_stage_of_a_save_keeps_the_previous_checkpoint(
+        stage, tmp_path, monkeypatch):
+    sync = {**CKPT, "async": False}
+    _crash(tmp_path, 2, monkeypatch, f"{stage}:10", checkpoint=sync)
+    found = find_checkpoint(tmp_path, warn=pytest.fail)
+    assert found.name == "step-00000005"  # intact, checksums verified
+    reference = run_distributed(fit_tiny, 2, args=(STEPS, str(tmp_path / "ref")),
+                                kwargs={"checkpoint": sync}, timeout=120)[0]
+    _states_equal(_resume(tmp_path, 2, sync), reference, atol=1e-6)
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".tmp-" in p.name]
+    assert leftovers == []

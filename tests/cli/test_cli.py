@@ -9,8 +9,16 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import pytest
+from unittest import mock
 
+import pytest
+import torch
+from safetensors.torch import load_model
+
+from disttrain.config import load_config
+from disttrain.data import collate_token_batch
+from disttrain.models import GPT, token_loss
+from disttrain.train import build_default_job
 from disttrain.config.schema import SECTIONS, config_key
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
@@ -81,7 +89,7 @@ def _check_run_dir(run_dir: Path, world_size: int, steps: int) -> dict:
     return summary
 
 
-def test_train_two_workers_end_to_end(cache_env, tmp_path):
+def test_train_two_workers_end_to_end_then_export(cache_env, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli(["train", "--nproc", "2", *TINY, "--set", "train.steps=10",
                     "--run-dir", str(run_dir)], cache_env)
@@ -89,6 +97,33 @@ def test_train_two_workers_end_to_end(cache_env, tmp_path):
     summary = _check_run_dir(run_dir, 2, 10)
     assert "held-out loss" in proc.stderr and "step 10/10" in proc.stderr
     assert summary["layout"] == {"dp": 2, "pp": 1, "tp": 1, "zero": 0}
+
+    out = tmp_path / "model.safetensors"
+    proc = run_cli(["export", str(run_dir), "--out", str(out)], cache_env, timeout=60)
+    assert proc.returncode == 0 and "step 10" in proc.stdout
+    # the exported file alone, in the plain model, reproduces the run's held-out loss
+    config = load_config(run_dir / "config.toml")
+    with mock.patch.dict(os.environ, {"DISTTRAIN_CACHE": cache_env["DISTTRAIN_CACHE"]}):
+        job = build_default_job(config)
+    model = GPT(config.model)
+    load_model(model, str(out))
+    batch = collate_token_batch([job.eval_data[i]
+                                 for i in range(config.train.eval_samples)])
+    with torch.no_grad():
+        loss_sum, count = token_loss(model(batch["input_ids"]), batch["targets"])
+    assert float(loss_sum) / count == pytest.approx(summary["final_eval_loss"], abs=1e-5)
+
+
+def test_resume_is_announced_and_finished_runs_stay_finished(cache_env, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", "--nproc", "1", *TINY, "--set", "checkpoint.every=3",
+            "--run-dir", str(run_dir)]
+    assert run_cli([*args, "--set", "train.steps=6"], cache_env).returncode == 0
+    proc = run_cli([*args, "--set", "train.steps=8"], cache_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from step-00000006: step 6, sample 48" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["start_step"], summary["steps"], summary["samples_seen"]) == (6, 8, 64)
 
 
 def test_same_entry_works_under_torchrun(cache_env, tmp_path):

@@ -31,11 +31,15 @@ class GradBucket:
     pending: int = 0
     handle: object | None = None
     ready: set[int] = field(default_factory=set)
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.views = [self.buffer[o:o + p.numel()].view(p.shape)
+                      for p, o in zip(self.params, self.offsets)]
 
     def grad_view(self, slot: int) -> torch.Tensor:
-        p = self.params[slot]
-        start = self.offsets[slot]
-        return self.buffer[start:start + p.numel()].view(p.shape)
+        """Parameter ``slot``'s gradient inside the flat buffer (built once)."""
+        return self.views[slot]
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[GradBucket]:
@@ -98,10 +102,13 @@ class BucketReducer:
         bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
         self._next += 1
 
-    def wait(self) -> None:
+    def wait(self, scale: float | torch.Tensor = 1.0) -> None:
         """Launch buckets whose parameters got no gradient (unused in this step), then
-        wait for every reduction."""
+        wait for each reduction in turn and scale its bucket while later ones are still
+        in flight."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for b in self.buckets:
             b.handle.wait()
+            if not (isinstance(scale, float) and scale == 1.0):
+                b.buffer.mul_(scale)

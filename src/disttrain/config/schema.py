@@ -96,6 +96,8 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "gradient bucket size in MiB for the all-reduce", gt=0.0)
     backend: str = _f("auto", "process-group backend: auto (nccl on GPU, gloo on CPU), "
                       "gloo or nccl", choices=("auto", "gloo", "nccl"))
+    timeout_s: float = _f(300.0, "a collective that waits longer fails the job instead of "
+                          "hanging (seconds)", gt=0.0)
 
 
 @dataclass(kw_only=True)

@@ -19,17 +19,22 @@ def format_duration(seconds: float) -> str:
 
 
 class ProgressBar:
-    def __init__(self, total: int, *, enabled: bool, every: int = 10,
+    """``enabled``: this rank speaks (rank 0); ``show_bar``: draw the step line too
+    (messages such as the banner, warnings and the summary are shown either way)."""
+
+    def __init__(self, total: int, *, enabled: bool, show_bar: bool = True, every: int = 10,
                  stream: TextIO | None = None, width: int = 24) -> None:
         self.total, self.enabled, self.every, self.width = total, enabled, every, width
+        self.show_bar = enabled and show_bar
         self.stream = stream or sys.stderr
-        self.tty = self.enabled and self.stream.isatty()
+        self.tty = self.show_bar and self.stream.isatty()
         self.start = time.perf_counter()
         self.first_step: int | None = None
+        self.unit = "tok"  # what the rate counts: tokens, or samples for mean losses
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, rate: float) -> None:
         """``step`` is the number of steps done (1-based)."""
-        if not self.enabled:
+        if not self.show_bar:
             return
         if self.first_step is None:
             self.first_step, self.start = step - 1, time.perf_counter()
@@ -41,7 +46,7 @@ class ProgressBar:
         filled = int(self.width * step / self.total)
         bar = "#" * filled + "-" * (self.width - filled)
         line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} "
-                f"| {tokens_per_s:,.0f} tok/s | ETA {format_duration(eta)}")
+                f"| {rate:,.0f} {self.unit}/s | ETA {format_duration(eta)}")
         if self.tty:
             self.stream.write("\r" + line)
         else:

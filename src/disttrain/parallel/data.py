@@ -66,6 +66,8 @@ class DataParallel:
         None means zero, one they replaced is copied in, so stale bucket contents are
         never reduced."""
         for bucket in self.buckets:
+            if bucket.pending == 0:
+                continue
             for slot, p in enumerate(bucket.params):
                 if slot in bucket.ready:
                     continue
@@ -91,17 +93,16 @@ class DataParallel:
         """Wait for all bucket reductions, then multiply the summed gradients by
         ``scale`` (the trainer passes 1 / global target-token count)."""
         self._adopt_unready_grads()
-        self.reducer.wait()
-        for b in self.buckets:
-            b.buffer.mul_(scale)
+        self.reducer.wait(scale)
         self.reducer.reset()
 
     def zero_grad(self) -> None:
         """Zero the buckets and point every ``.grad`` back at its view."""
         for b in self.buckets:
             b.buffer.zero_()
-            for slot, p in enumerate(b.params):
-                p.grad = b.grad_view(slot)
+            for p, view in zip(b.params, b.views):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
         self.reducer.reset()
 
     def remove(self) -> None:

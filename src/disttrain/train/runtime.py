@@ -51,13 +51,32 @@ def init_runtime(device_preference: str = "auto", backend: str = "auto",
         backend = "nccl" if device.type == "cuda" else "gloo"
     owns = not dist.is_initialized()
     if owns:
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        elif "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
         else:  # a plain `python script.py`: a world of one, no rendezvous needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return Runtime(device=device, backend=dist.get_backend(), rank=dist.get_rank(),
                    world_size=dist.get_world_size(), local_rank=local_rank,
                    owns_process_group=owns)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The elastic agent's store, with keys scoped to this restart attempt.
+
+    The agent keeps one store for the whole job, so after a restart the new workers
+    would find the previous attempt's keys (a dead rank's address, spent counters) and
+    fail to connect or wait forever. A prefix per attempt gives each incarnation a
+    clean namespace.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"disttrain/attempt_{attempt}", store)
 
 
 def shutdown(runtime: Runtime) -> None:

@@ -91,11 +91,21 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.progress = progress
 
+    @property
+    def rank(self) -> int:
+        """This process's global rank (valid during and after :meth:`fit`)."""
+        return self.runtime.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.runtime.is_main
+
     # ----------------------------------------------------------------- build steps
     def fit(self) -> dict[str, Any]:
         """Train for ``train.steps`` steps; return the run summary (also written to
         ``summary.json`` in the run directory)."""
-        runtime = init_runtime(self.config.train.device, self.config.parallel.backend)
+        p = self.config.parallel
+        runtime = init_runtime(self.config.train.device, p.backend, p.timeout_s)
         try:
             self._build(runtime)
             return self._run()
@@ -133,7 +143,7 @@ class Trainer:
             rundir.write_text_atomic(self.run_dir / rundir.CONFIG_FILE,
                                      config_to_toml(self.config, self.plan))
         self.metrics = MetricsWriter(self.run_dir / rundir.METRICS_FILE if main else None)
-        self.bar = ProgressBar(self.config.train.steps, enabled=main and self.progress,
+        self.bar = ProgressBar(self.config.train.steps, enabled=main, show_bar=self.progress,
                                every=self.config.train.log_every)
 
     def _build_checkpoints(self) -> None:
@@ -220,6 +230,7 @@ class Trainer:
         if isinstance(result, tuple):
             loss_sum, count = result
             return loss_sum, int(count)
+        self.bar.unit = "samples"  # a mean loss: one term per sample
         n = len(targets)
         return result * n, n
 
@@ -298,17 +309,17 @@ class Trainer:
         if self.runtime.is_main:
             rundir.save_weights(self.model, self.run_dir)
             rundir.write_summary(self.run_dir, summary)
-            self.bar.message(_summary_text(summary))
+            self.bar.message(_summary_text(summary, self.bar.unit))
         dist.barrier()
         return summary
 
 
-def _summary_text(s: dict[str, Any]) -> str:
+def _summary_text(s: dict[str, Any], unit: str) -> str:
     ev = ("" if s["final_eval_loss"] is None else
           f"held-out loss {s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}; ")
     return (f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s on {s['world_size']} "
             f"rank(s); train loss {s['final_train_loss']:.4f}; {ev}"
-            f"{s['tokens_per_s']:,.0f} tok/s; run dir {s['run_dir']}")
+            f"{s['tokens_per_s']:,.0f} {unit}/s; run dir {s['run_dir']}")
 
 
 class _Window:

@@ -18,19 +18,24 @@ import hashlib
 import json
 import os
 import shutil
+import struct
+import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 from ..faults import maybe_fail
 from .format import INDEX_FILE, CheckpointIndex, TensorEntry, shard_file_name
 
 LATEST = "latest"
 _CHUNK = 64 * 2**20
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def step_name(step: int) -> str:
@@ -61,19 +66,66 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def write_shard(staging: Path, rank: int, tensors: dict[str, torch.Tensor],
                 step: int) -> dict[str, Any]:
-    """Write this rank's tensors as one safetensors file; return its name, size, sha256."""
+    """Write this rank's tensors (contiguous, on the CPU) as one safetensors file; return
+    its name, size and sha256.
+
+    The file is streamed straight from the tensors' memory after a header built here,
+    and hashed on a second thread while it is written (hashlib releases the GIL on large
+    buffers), so nothing is serialised into an intermediate ``bytes`` first."""
     maybe_fail("save.before_tensors", rank, step)
-    data = safetensors_bytes(tensors)
+    pieces = _safetensors_pieces(tensors)
     name = shard_file_name(rank)
-    with open(staging / name, "wb") as fh:
-        for start in range(0, len(data), _CHUNK):
-            fh.write(data[start:start + _CHUNK])
-            if start == 0 and len(data) > 1:
-                fh.flush()
-                maybe_fail("save.mid_file", rank, step)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    digest = hashlib.sha256()
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sha256-r{rank}")
+    try:
+        with open(staging / name, "wb") as fh:
+            for i, piece in enumerate(pieces):
+                hashed = hasher.submit(digest.update, piece)
+                fh.write(piece)
+                if i == min(1, len(pieces) - 1):  # the header and the first chunk
+                    fh.flush()
+                    maybe_fail("save.mid_file", rank, step)
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        hashed.result()  # updates run in submission order on the one worker
+    finally:
+        hasher.shutdown(wait=True, cancel_futures=True)
+    return {"file": name, "bytes": size, "sha256": digest.hexdigest()}
+
+
+def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+    """A safetensors file as consecutive buffers: the header, then each tensor's bytes
+    in chunks of at most ``_CHUNK``, viewing the tensors' memory (no copy).
+
+    Tensors are laid out like ``safetensors.torch.save`` does (largest element size
+    first, then by name) so that each one is aligned to its element size."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"checkpoint tensor {name} must be contiguous on the CPU "
+                             f"(is {t.device}, contiguous={t.is_contiguous()})")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _safetensors_dtype(name, t.dtype), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors does
+    pieces = [memoryview(struct.pack("<Q", len(text)) + text)]
+    for name in order:
+        raw = memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy())
+        pieces += [raw[s:s + _CHUNK] for s in range(0, len(raw), _CHUNK)]
+    return pieces
+
+
+def _safetensors_dtype(name: str, dtype: torch.dtype) -> str:
+    if dtype not in _ST_DTYPES:
+        raise ValueError(f"checkpoint tensor {name} has dtype {dtype}, which checkpoints "
+                         f"do not store (use one of {sorted(map(str, _ST_DTYPES))})")
+    return _ST_DTYPES[dtype]
 
 
 def write_marker(staging: Path, rank: int, file_meta: dict[str, Any] | None,

@@ -7,9 +7,13 @@ bytes are counted, so diagnostics and byte accounting see all traffic.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,33 +31,75 @@ class CollectiveRecord:
     site: str
 
 
+    def describe(self) -> str:
+        return f"{self.op} #{self.seq} ({self.site})"
+
+
 @dataclass
 class CollectiveLedger:
-    """The last ``capacity`` collectives this rank issued, and running totals."""
+    """The last ``capacity`` collectives this rank issued, running totals, and the one
+    this rank is blocked on right now (read by the hang watchdog's thread)."""
 
     capacity: int = 64
     records: deque = field(default_factory=deque)
     seq: int = 0
     payload_bytes: int = 0
+    waiting: CollectiveRecord | None = None
+    waiting_since: float = 0.0
+    wait_seconds: float = 0.0  # total time blocked in collectives (exposed communication)
 
-    def record(self, op: str, group: str, tensor: torch.Tensor | None, site: str) -> None:
+    def record(self, op: str, group: str, tensor: torch.Tensor | None,
+               site: str) -> CollectiveRecord:
         self.seq += 1
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else ""
         if tensor is not None:
             self.payload_bytes += tensor.numel() * tensor.element_size()
-        self.records.append(CollectiveRecord(self.seq, op, group, shape, dtype, site))
+        rec = CollectiveRecord(self.seq, op, group, shape, dtype, site)
+        self.records.append(rec)
         if len(self.records) > self.capacity:
             self.records.popleft()
+        return rec
 
     def last(self) -> CollectiveRecord | None:
         return self.records[-1] if self.records else None
 
+    @contextlib.contextmanager
+    def blocked_on(self, record: CollectiveRecord) -> Iterator[None]:
+        """Mark this rank as waiting for ``record`` to complete."""
+        self.waiting, self.waiting_since = record, time.monotonic()
+        try:
+            yield
+        finally:
+            self.wait_seconds += time.monotonic() - self.waiting_since
+            self.waiting = None
 
-def _call_site(depth: int = 3) -> str:
-    """``file.py:line`` of the caller outside this module (cheap: no stack walk)."""
+
+class TrackedWork:
+    """An async collective's handle; waiting on it is recorded in the ledger."""
+
+    def __init__(self, work: dist.Work | None, ledger: CollectiveLedger,
+                 record: CollectiveRecord) -> None:
+        self.work, self.ledger, self.record = work, ledger, record
+
+    def wait(self) -> bool:
+        if self.work is None:
+            return True
+        with self.ledger.blocked_on(self.record):
+            return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def get_future(self) -> torch.futures.Future | None:
+        return None if self.work is None else self.work.get_future()
+
+
+def _call_site(depth: int) -> str:
+    """``package/file.py:line`` of the frame ``depth`` levels up (no stack walk)."""
     frame = sys._getframe(depth)
-    return f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno}"
+    path = "/".join(frame.f_code.co_filename.split("/")[-2:])
+    return f"{path}:{frame.f_lineno}"
 
 
 class Communicator:
@@ -70,53 +116,51 @@ class Communicator:
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
-                   async_op: bool = False) -> dist.Work | None:
-        self.ledger.record("all_reduce", self.name, tensor, _call_site())
+    def _run(self, op: str, tensor: torch.Tensor | None, call: Callable[[bool], Any],
+             async_op: bool) -> Any:
+        """Record ``op``, then issue it (``call(async_op)``); a blocking call is marked
+        as waiting in the ledger, an async one returns a :class:`TrackedWork`."""
+        rec = self.ledger.record(op, self.name, tensor, _call_site(3))
+        if async_op:
+            return TrackedWork(call(True) if self.size > 1 else None, self.ledger, rec)
         if self.size == 1:
-            return _DONE if async_op else None
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+            return None
+        with self.ledger.blocked_on(rec):
+            return call(False)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                   async_op: bool = False) -> TrackedWork | None:
+        return self._run("all_reduce", tensor, lambda a: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0,
-                  async_op: bool = False) -> dist.Work | None:
-        self.ledger.record("broadcast", self.name, tensor, _call_site())
+                  async_op: bool = False) -> TrackedWork | None:
+        src = dist.get_global_rank(self.group, src) if self.size > 1 else src
+        return self._run("broadcast", tensor, lambda a: dist.broadcast(
+            tensor, src=src, group=self.group, async_op=a), async_op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Each rank's ``tensor`` (same shape everywhere), in group-rank order."""
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
         if self.size == 1:
-            return _DONE if async_op else None
-        global_src = dist.get_global_rank(self.group, src)
-        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+            out[0].copy_(tensor)
+        self._run("all_gather", tensor, lambda a: dist.all_gather(
+            out, tensor, group=self.group), False)
+        return out
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Send a small picklable object from ``src`` (used for run metadata only)."""
-        self.ledger.record("broadcast_object", self.name, None, _call_site())
-        if self.size == 1:
-            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src),
-                                   group=self.group)
+        src = dist.get_global_rank(self.group, src) if self.size > 1 else src
+        self._run("broadcast_object", None, lambda a: dist.broadcast_object_list(
+            box, src=src, group=self.group), False)
         return box[0]
 
     def all_gather_object(self, obj: object) -> list[object]:
-        self.ledger.record("all_gather_object", self.name, None, _call_site())
-        if self.size == 1:
-            return [obj]
-        out: list[object] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        out: list[object] = [obj] if self.size == 1 else [None] * self.size
+        self._run("all_gather_object", None, lambda a: dist.all_gather_object(
+            out, obj, group=self.group), False)
         return out
 
     def barrier(self) -> None:
-        self.ledger.record("barrier", self.name, None, _call_site())
-        if self.size > 1:
-            dist.barrier(group=self.group)
-
-
-class _Done:
-    """A completed work handle, for groups of one rank."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-_DONE = _Done()
+        self._run("barrier", None, lambda a: dist.barrier(group=self.group), False)

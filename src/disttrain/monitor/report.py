@@ -1,0 +1,521 @@
+"""``disttrain report RUN_DIR``: PNG plots of a run and one self-contained HTML page.
+
+Reads ``summary.json`` (optional: a run still going or one that crashed has none),
+``metrics.jsonl`` and ``config.toml`` (optional) from a run directory and writes, into
+``RUN_DIR/report/`` by default::
+
+    loss.png  throughput.png  mfu.png  time.png  memory.png  report.html
+
+``report.html`` embeds the PNGs as base64 data URIs and holds no external reference
+(files, scripts, fonts), so it can be mailed or attached as one file. Every metric
+other than ``step`` is optional: a plot whose fields a run did not record is left out
+and the page says "not recorded". Needs matplotlib (``pip install 'disttrain[report]'``);
+it is imported only when a report is built, and through the object-oriented API with
+the Agg canvas, so no global pyplot state or backend is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UserError
+from .progress import format_duration
+
+# The run directory's file names (written by disttrain.train.rundir; monitor sits below
+# train, so they are not imported from there).
+METRICS_FILE, SUMMARY_FILE, CONFIG_FILE = "metrics.jsonl", "summary.json", "config.toml"
+REPORT_DIR, REPORT_FILE = "report", "report.html"
+
+# Colours (matplotlib's default cycle, named so the page and the tests agree).
+LOSS_COLOR, EVAL_COLOR, RATE_COLOR, MFU_COLOR = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
+TIME_COLORS = {"compute": "#1f77b4", "exposed communication": "#d62728",
+               "data loading": "#ff7f0e", "optimizer": "#9467bd", "other": "#c7c7c7"}
+MEM_COLOR, STRAGGLER_COLOR = "#17becf", "#d62728"
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunData:
+    """What a report is made of: the run's records in step order, its summary ({} when
+    the run has not finished) and its config text (None when absent)."""
+
+    run_dir: Path
+    records: list[Record]
+    summary: dict[str, Any] = field(default_factory=dict)
+    config_text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plot:
+    """One plot of the page: a PNG when its fields were recorded, else a reason."""
+
+    name: str
+    title: str
+    caption: str
+    png: bytes | None = None
+    missing: str = ""
+
+
+# --------------------------------------------------------------------------- loading
+def load_run(run_dir: Path) -> RunData:
+    """Read a run directory; a UserError (with the fix) when it cannot make a report."""
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} does not exist (give the directory "
+                        "a `disttrain train` run wrote, e.g. runs/<time>)")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise UserError(f"{str(run_dir)!r} has no {METRICS_FILE} (give a run directory "
+                        "written by `disttrain train` or disttrain.Trainer, after its first "
+                        "logged step)")
+    records = _read_records(path)
+    if not records:
+        raise UserError(f"{str(path)!r} holds no records (the run has not logged a step "
+                        "yet; wait for train.log_every steps)")
+    summary_path, config_path = run_dir / SUMMARY_FILE, run_dir / CONFIG_FILE
+    summary = _read_json(summary_path) if summary_path.is_file() else {}
+    config = config_path.read_text(encoding="utf-8") if config_path.is_file() else None
+    return RunData(run_dir=run_dir, records=records, summary=summary, config_text=config)
+
+
+def _read_records(path: Path) -> list[Record]:
+    """Records with a step, sorted by step. A torn last line (a run killed while
+    writing) is dropped; a bad line anywhere else is an error."""
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:
+                break
+            raise UserError(f"{str(path)!r} line {i + 1} is not JSON ({exc.msg}; remove "
+                            "or repair that line)") from None
+        if isinstance(record, dict) and _number(record.get("step")) is not None:
+            records.append(record)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{str(path)!r} is not JSON ({exc.msg}; delete it to report "
+                        "without a summary)") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def series(records: list[Record], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records that hold a number under ``key``."""
+    pairs = [(float(r["step"]), _number(r.get(key))) for r in records]
+    kept = [(s, v) for s, v in pairs if v is not None]
+    return [s for s, _ in kept], [v for _, v in kept]
+
+
+# --------------------------------------------------------------------------- plots
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("disttrain report needs matplotlib: pip install "
+                        "'disttrain[report]'") from None
+    return matplotlib
+
+
+STYLE = {"font.size": 10, "axes.spines.top": False, "axes.spines.right": False,
+         "axes.grid": True, "grid.color": "#e6e6e6", "grid.linewidth": 0.8,
+         "axes.edgecolor": "#888888", "legend.frameon": False, "figure.dpi": 100}
+
+
+def _render(draw: Callable[[Any], None], size: tuple[float, float] = (8.0, 3.4)) -> bytes:
+    """Run ``draw(figure)`` on a fresh Agg figure; return the PNG bytes."""
+    mpl = _matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    with mpl.rc_context(STYLE):
+        fig = Figure(figsize=size, layout="constrained")
+        FigureCanvasAgg(fig)
+        draw(fig)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=150, facecolor="white")
+    return buf.getvalue()
+
+
+def _loss_plot(run: RunData) -> Plot:
+    steps, loss = series(run.records, "loss")
+    esteps, evals = series(run.records, "eval_loss")
+    first = _number(run.summary.get("initial_eval_loss"))
+    if first is not None and (not esteps or esteps[0] > run.summary.get("start_step", 0)):
+        esteps, evals = [float(run.summary.get("start_step", 0)), *esteps], [first, *evals]
+    plot = Plot(name="loss", title="Loss", caption="Training loss, averaged over each "
+                "logging window; held-out loss at each evaluation.")
+    if not steps and not esteps:
+        return _missing(plot, "loss")
+
+    def draw(fig: Any) -> None:
+        ax = fig.add_subplot()
+        ax.plot(steps, loss, color=LOSS_COLOR, lw=1.6, label="train")
+        ax.plot(esteps, evals, "o--", color=EVAL_COLOR, lw=1, ms=5, label="held-out")
+        ax.set(xlabel="step", ylabel="loss (nats)")
+        ax.legend(loc="upper right")
+    return _with_png(plot, draw)
+
+
+def _throughput_plot(run: RunData) -> Plot:
+    steps, rate = series(run.records, "tokens_per_s")
+    plot = Plot(name="throughput", title="Throughput", caption="Tokens per second over "
+                "all ranks, per logging window; dashed: the run's mean.")
+    if not steps:
+        return _missing(plot, "tokens_per_s")
+    mean = _number(run.summary.get("tokens_per_s"))
+
+    def draw(fig: Any) -> None:
+        from matplotlib.ticker import EngFormatter
+
+        ax = fig.add_subplot()
+        ax.plot(steps, rate, color=RATE_COLOR, lw=1.6, label="tokens/s")
+        if mean is not None:
+            ax.axhline(mean, color=RATE_COLOR, ls="--", lw=1, alpha=0.7,
+                       label=f"run mean {mean:,.0f}")
+        ax.set(xlabel="step", ylabel="tokens/s", ylim=(0, max(rate + [mean or 0]) * 1.15))
+        ax.yaxis.set_major_formatter(EngFormatter())
+        ax.legend(loc="lower right")
+    return _with_png(plot, draw)
+
+
+def _mfu_plot(run: RunData) -> Plot:
+    steps, mfu = series(run.records, "mfu")
+    plot = Plot(name="mfu", title="Model FLOPs utilisation", caption="Model FLOP/s as a "
+                "share of the devices' peak, per logging window.")
+    if not steps:
+        return _missing(plot, "mfu")
+
+    def draw(fig: Any) -> None:
+        from matplotlib.ticker import PercentFormatter
+
+        ax = fig.add_subplot()
+        ax.plot(steps, mfu, color=MFU_COLOR, lw=1.6, label="MFU")
+        mean = sum(mfu) / len(mfu)
+        ax.axhline(mean, color=MFU_COLOR, ls="--", lw=1, alpha=0.7,
+                   label=f"mean {mean:.1%}")
+        ax.set(xlabel="step", ylabel="MFU", ylim=(0, max(max(mfu) * 1.2, 0.01)))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.legend(loc="lower right")
+    return _with_png(plot, draw)
+
+
+# (label, fields in order of preference); data_time_s is what older runs recorded.
+TIME_PARTS = [("compute", ("time_compute_s",)), ("exposed communication", ("time_comm_s",)),
+              ("data loading", ("time_data_s", "data_time_s")),
+              ("optimizer", ("time_optim_s",))]
+
+
+def time_breakdown(records: list[Record]) -> tuple[list[float], dict[str, list[float]]]:
+    """Per logged step: seconds per step in each recorded part, plus the rest of
+    ``step_time_s`` ("other", or "other (not broken down)" when parts are missing)."""
+    rows = [r for r in records if _number(r.get("step_time_s")) is not None]
+    parts: dict[str, list[float]] = {}
+    for label, keys in TIME_PARTS:
+        key = next((k for k in keys if any(_number(r.get(k)) is not None for r in rows)), None)
+        if key is not None:
+            parts[label] = [_number(r.get(key)) or 0.0 for r in rows]
+    known = [sum(p[i] for p in parts.values()) for i in range(len(rows))]
+    other = "other" if len(parts) == len(TIME_PARTS) else "other (not broken down)"
+    parts[other] = [max(r["step_time_s"] - k, 0.0) for r, k in zip(rows, known)]
+    return [float(r["step"]) for r in rows], parts
+
+
+def _time_plot(run: RunData) -> Plot:
+    steps, parts = time_breakdown(run.records)
+    plot = Plot(name="time", title="Time per step", caption="Where each step's time went, "
+                "averaged over each logging window (stacked).")
+    if not steps:
+        return _missing(plot, "step_time_s")
+    peak = max(sum(p[i] for p in parts.values()) for i in range(len(steps)))
+    scale, unit = (1000.0, "ms") if peak < 1.0 else (1.0, "s")
+    colors = [TIME_COLORS.get(label, TIME_COLORS["other"]) for label in parts]
+
+    def draw(fig: Any) -> None:
+        ax = fig.add_subplot()
+        ys = [[v * scale for v in p] for p in parts.values()]
+        if len(steps) > 1:
+            ax.stackplot(steps, *ys, labels=list(parts), colors=colors, alpha=0.9, lw=0)
+        else:
+            bottom = 0.0
+            for label, y, c in zip(parts, ys, colors):
+                ax.bar(steps, y, bottom=bottom, label=label, color=c, width=0.6)
+                bottom += y[0]
+        ax.set(xlabel="step", ylabel=f"{unit} per step")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
+    return _with_png(plot, draw)
+
+
+def peak_memory_per_rank(records: list[Record]) -> dict[int, float]:
+    """rank -> the highest ``mem_peak_mb`` it reported in any record's ``ranks``."""
+    peaks: dict[int, float] = {}
+    for r in records:
+        for entry in r.get("ranks") or []:
+            rank, mb = entry.get("rank"), _number(entry.get("mem_peak_mb"))
+            if isinstance(rank, int) and mb is not None:
+                peaks[rank] = max(peaks.get(rank, 0.0), mb)
+    return dict(sorted(peaks.items()))
+
+
+def straggler_counts(records: list[Record]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in records:
+        for rank in r.get("stragglers") or []:
+            counts[rank] = counts.get(rank, 0) + 1
+    return counts
+
+
+def _memory_plot(run: RunData) -> Plot:
+    rss, peak = series(run.records, "mem_rss_mb"), series(run.records, "mem_peak_mb")
+    per_rank, slow = peak_memory_per_rank(run.records), straggler_counts(run.records)
+    plot = Plot(name="memory", title="Memory", caption="Left: this process (rank 0) over "
+                "the run. Right: each rank's peak; red marks ranks flagged as stragglers.")
+    over_time = bool(rss[0] or peak[0])
+    if not over_time and not per_rank:
+        return _missing(plot, "mem_rss_mb, mem_peak_mb or ranks[].mem_peak_mb")
+
+    def draw(fig: Any) -> None:
+        axes = fig.subplots(1, int(over_time) + int(bool(per_rank)), squeeze=False)[0]
+        if over_time:
+            ax = axes[0]
+            ax.plot(*rss, color=MEM_COLOR, lw=1.6, label="resident (RSS)")
+            ax.plot(*peak, color="#555555", lw=1.2, ls="--", label="peak")
+            ax.set(xlabel="step", ylabel="MB", ylim=(0, max(rss[1] + peak[1]) * 1.15))
+            ax.legend(loc="lower right")
+        if per_rank:
+            ax = axes[-1]
+            colors = [STRAGGLER_COLOR if r in slow else MEM_COLOR for r in per_rank]
+            ax.bar([str(r) for r in per_rank], list(per_rank.values()), color=colors)
+            ax.set(xlabel="rank", ylabel="peak MB")
+            ax.grid(axis="x", visible=False)
+    return _with_png(plot, draw, size=(8.0, 3.4))
+
+
+def _missing(plot: Plot, fields: str) -> Plot:
+    return Plot(name=plot.name, title=plot.title, caption=plot.caption,
+                missing=f"not recorded: this run's {METRICS_FILE} has no {fields}")
+
+
+def _with_png(plot: Plot, draw: Callable[[Any], None], **kw: Any) -> Plot:
+    return Plot(name=plot.name, title=plot.title, caption=plot.caption,
+                png=_render(draw, **kw))
+
+
+PLOTS = [_loss_plot, _throughput_plot, _mfu_plot, _time_plot, _memory_plot]
+
+
+# --------------------------------------------------------------------------- page
+def summary_rows(run: RunData) -> list[tuple[str, str]]:
+    """(label, text) rows for the summary table; every summary key appears once."""
+    s, rows = dict(run.summary), []
+    if not s:
+        rows.append(("Summary", f"not available: no {SUMMARY_FILE} (the run has not "
+                     "finished, or it stopped early)"))
+    for label, keys, fmt in _SUMMARY_FORMATS:
+        if all(k in s for k in keys) and all(s[k] is not None for k in keys):
+            rows.append((label, fmt(*[s[k] for k in keys])))
+        for k in keys:
+            s.pop(k, None)
+    rows += [(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in sorted(s.items())]
+    steps, mfu = [r["step"] for r in run.records], series(run.records, "mfu")[1]
+    if mfu:
+        rows.append(("Mean MFU", f"{sum(mfu) / len(mfu):.1%}"))
+    rows.append(("Logged records", f"{len(steps)} (steps {steps[0]:g} to {steps[-1]:g})"))
+    return rows
+
+
+def _seconds(x: float) -> str:
+    return f"{format_duration(x)} ({x:,.1f} s)"
+
+
+def _eng(x: float, unit: str) -> str:
+    for power, prefix in ((15, "P"), (12, "T"), (9, "G"), (6, "M"), (3, "k")):
+        if abs(x) >= 10 ** power:
+            return f"{x / 10 ** power:,.2f} {prefix}{unit}"
+    return f"{x:,.2f} {unit}"
+
+
+def _layout(n: int, lay: dict[str, Any]) -> str:
+    parts = " × ".join(f"{k} {lay[k]}" for k in ("dp", "pp", "tp") if k in lay)
+    zero = f", ZeRO {lay['zero']}" if "zero" in lay else ""
+    return f"{n} ({parts}{zero})"
+
+
+_SUMMARY_FORMATS: list[tuple[str, tuple[str, ...], Callable[..., str]]] = [
+    ("Steps", ("steps",), lambda n: f"{n:,}"),
+    ("Resumed at step", ("start_step",), lambda n: f"{n:,}" if n else "no (started at 0)"),
+    ("Ranks", ("world_size", "layout"), _layout),
+    ("Global batch", ("global_batch",), lambda n: f"{n:,} samples"),
+    ("Parameters", ("parameters",), lambda n: f"{n:,}"),
+    ("Final train loss", ("final_train_loss",), lambda x: f"{x:.4f}"),
+    ("Held-out loss", ("initial_eval_loss", "final_eval_loss"),
+     lambda a, b: f"{a:.4f} → {b:.4f}"),
+    ("Wall time", ("wall_time_s",), _seconds),
+    ("Training time", ("train_time_s",), _seconds),
+    ("Throughput", ("tokens_per_s",), lambda x: f"{x:,.0f} tokens/s"),
+    ("Model FLOP/s", ("model_flops_per_s",), lambda x: _eng(x, "FLOP/s")),
+    ("Samples seen", ("samples_seen",), lambda n: f"{n:,}"),
+    ("Run directory", ("run_dir",), str),
+]
+
+_RANK_COLUMNS = [("step_time_s", "step time", lambda x: f"{x * 1000:,.1f} ms"),
+                 ("tokens_per_s", "tokens/s", lambda x: f"{x:,.0f}"),
+                 ("mem_peak_mb", "peak memory", lambda x: f"{x:,.0f} MB")]
+
+
+def _ranks_table(records: list[Record]) -> str:
+    latest = next((r for r in reversed(records) if r.get("ranks")), None)
+    if latest is None:
+        return ""
+    ranks = [e for e in latest["ranks"] if isinstance(e, dict)]
+    cols = [c for c in _RANK_COLUMNS if any(_number(e.get(c[0])) is not None for e in ranks)]
+    slow = straggler_counts(records)
+    head = "".join(f"<th>{label}</th>" for _, label, _ in cols)
+    body = []
+    for e in ranks:
+        cells = "".join(f"<td>{fmt(v) if (v := _number(e.get(key))) is not None else '–'}"
+                        "</td>" for key, _, fmt in cols)
+        flag = slow.get(e.get("rank"), 0)
+        mark = f'<td class="warn">{flag} of {len(records)}</td>' if flag else "<td>–</td>"
+        body.append(f"<tr><td>{html.escape(str(e.get('rank')))}</td>{cells}{mark}</tr>")
+    return (f"<section><h2>Ranks</h2><p class=\"note\">At step {latest['step']:g}, the "
+            f"last record with per-rank figures.</p><table class=\"grid\"><tr><th>rank</th>"
+            f"{head}<th>flagged as straggler</th></tr>{''.join(body)}</table></section>")
+
+
+def _plot_card(plot: Plot) -> str:
+    title = html.escape(plot.title)
+    if plot.png is None:
+        inner = f'<div class="missing">{html.escape(plot.missing)}</div>'
+    else:
+        data = base64.b64encode(plot.png).decode("ascii")
+        inner = f'<img src="data:image/png;base64,{data}" alt="{title}">'
+    return (f'<figure class="card" id="plot-{plot.name}"><h3>{title}</h3>{inner}'
+            f"<figcaption>{html.escape(plot.caption)}</figcaption></figure>")
+
+
+def render_html(run: RunData, plots: list[Plot]) -> str:
+    """The whole page: summary, plots as data URIs, per-rank table, config."""
+    name = html.escape(run.run_dir.resolve().name)
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                   for k, v in summary_rows(run))
+    config = (f"<pre>{html.escape(run.config_text)}</pre>" if run.config_text is not None
+              else f'<p class="note">no {CONFIG_FILE} in the run directory</p>')
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    return _PAGE.format(
+        name=name, where=html.escape(str(run.run_dir.resolve())), stamp=stamp,
+        rows=rows, plots="".join(_plot_card(p) for p in plots),
+        ranks=_ranks_table(run.records), config=config)
+
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>disttrain report: {name}</title>
+<style>
+body {{ font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Liberation Sans",
+  "DejaVu Sans", sans-serif; color: #1d2330; background: #f4f5f7; margin: 0; }}
+main {{ max-width: 1180px; margin: 0 auto; padding: 24px 28px 40px; }}
+h1 {{ font-size: 24px; margin: 0 0 2px; }}
+h2 {{ font-size: 17px; margin: 28px 0 10px; }}
+h3 {{ font-size: 15px; margin: 0 0 6px; }}
+.sub, .note, figcaption {{ color: #5d6575; font-size: 13px; }}
+.sub {{ margin: 0; word-break: break-all; }}
+table {{ border-collapse: collapse; background: #fff; border-radius: 8px;
+  box-shadow: 0 1px 2px rgba(0,0,0,.08); font-variant-numeric: tabular-nums; }}
+th, td {{ text-align: left; padding: 6px 14px; border-bottom: 1px solid #eceef1;
+  vertical-align: top; }}
+tr:last-child th, tr:last-child td {{ border-bottom: 0; }}
+.summary th {{ font-weight: 600; color: #3b4252; white-space: nowrap; }}
+.summary td {{ word-break: break-all; }}
+.grid th {{ background: #fafbfc; font-weight: 600; }}
+.warn {{ color: #b42318; font-weight: 600; }}
+.plots {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr));
+  gap: 16px; }}
+.card {{ background: #fff; border-radius: 8px; box-shadow: 0 1px 2px rgba(0,0,0,.08);
+  margin: 0; padding: 14px 16px 12px; }}
+.card img {{ display: block; width: 100%; height: auto; }}
+.missing {{ display: flex; align-items: center; justify-content: center;
+  aspect-ratio: 8 / 3.4; background: #fafbfc; border: 1px dashed #c9ced6;
+  border-radius: 6px; color: #5d6575; padding: 0 18px; text-align: center; }}
+figcaption {{ margin-top: 4px; }}
+pre {{ background: #fff; border-radius: 8px; box-shadow: 0 1px 2px rgba(0,0,0,.08);
+  padding: 12px 16px; overflow-x: auto; font: 13px/1.45 ui-monospace, "DejaVu Sans Mono",
+  "Liberation Mono", monospace; }}
+</style></head>
+<body><main>
+<h1>disttrain report: {name}</h1>
+<p class="sub">{where} · generated {stamp}</p>
+<section><h2>Summary</h2><table class="summary">{rows}</table></section>
+<section><h2>Plots</h2><div class="plots">{plots}</div></section>
+{ranks}
+<section><h2>Configuration</h2>{config}</section>
+</main>
+<script>
+// Marks how many plots decoded, so a headless browser can check the page rendered.
+window.addEventListener("load", function () {{
+  var n = 0, imgs = document.images;
+  for (var i = 0; i < imgs.length; i++) if (imgs[i].naturalWidth > 0) n++;
+  document.body.setAttribute("data-images-loaded", n + "/" + imgs.length);
+}});
+</script>
+</body></html>
+"""
+
+
+# --------------------------------------------------------------------------- entry points
+def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the PNGs and ``report.html`` for ``run_dir`` into ``out_dir`` (default
+    ``run_dir/report``); return the HTML file's path."""
+    run = load_run(Path(run_dir))
+    _matplotlib()  # refuse before writing anything
+    out = Path(out_dir) if out_dir is not None else run.run_dir / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [make(run) for make in PLOTS]
+    for plot in plots:
+        stale = out / f"{plot.name}.png"
+        if plot.png is not None:
+            stale.write_bytes(plot.png)
+        elif stale.is_file():  # from an earlier report of a run that recorded it
+            stale.unlink()
+    page = out / REPORT_FILE
+    page.write_text(render_html(run, plots), encoding="utf-8")
+    return page
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``disttrain report RUN_DIR [--out DIR]`` on the CLI's subparsers."""
+    report = sub.add_parser(
+        "report", help="PNG plots and a self-contained HTML page of a run",
+        description="Plot a run's loss, throughput, MFU, time per step and memory as PNGs "
+        "and write report.html, one self-contained page (plots embedded) with the run's "
+        "summary and config. Needs matplotlib: pip install 'disttrain[report]'.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    report.add_argument("--out", default=None, metavar="DIR",
+                        help="where the PNGs and report.html go (default RUN_DIR/report)")
+
+
+def run_report(ns: argparse.Namespace) -> int:
+    """The ``report`` subcommand: build the report, print the HTML file's path."""
+    page = build_report(Path(ns.run_dir), Path(ns.out) if ns.out else None)
+    print(page)
+    return 0

@@ -39,10 +39,21 @@ def _tiny_train() -> dict[str, Any]:
             "eval_samples": 8, "log_every": 5}
 
 
-def tiny_config(checkpoint: dict | None = None, **train: Any):
-    """The tiny GPT's config; checkpoints off unless ``checkpoint`` says otherwise."""
-    values = {"model": dict(TINY_MODEL), "train": {**_tiny_train(), **train},
-              "checkpoint": checkpoint or {"every": 0}}
+def tiny_config(checkpoint: dict | None = None, **keys: Any):
+    """The tiny GPT's config; checkpoints off unless ``checkpoint`` says otherwise.
+    Keyword arguments go to the section that has a field of that name ([train] if
+    several do)."""
+    from dataclasses import fields
+
+    from disttrain.config.schema import MonitorConfig, ParallelConfig
+
+    values: dict[str, dict] = {"model": dict(TINY_MODEL), "train": _tiny_train(),
+                               "checkpoint": checkpoint or {"every": 0},
+                               "parallel": {}, "monitor": {}}
+    owners = {f.name: "parallel" for f in fields(ParallelConfig)}
+    owners |= {f.name: "monitor" for f in fields(MonitorConfig)}
+    for key, value in keys.items():
+        values[owners.get(key, "train")][key] = value
     return load_config(values=values)
 
 

@@ -3,6 +3,7 @@
     disttrain train [CONFIG] [--nproc N] [--set section.key=value ...] [--run-dir DIR]
     disttrain run [--nproc N] script.py [args ...]
     disttrain export RUN_DIR --out model.safetensors
+    disttrain report RUN_DIR [--out DIR]
 
 Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
 with code 2, before any worker or process group is started.
@@ -17,6 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .errors import EXIT_USAGE, UserError
+from .monitor.report import add_report_parser, run_report
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", metavar="SCRIPT", help="Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     _add_launch_options(run)
+    add_report_parser(sub)
     return parser
 
 
@@ -152,7 +155,8 @@ def _run(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "run": _run, "export": _export}[ns.command](ns)
+        return {"train": _train, "run": _run, "export": _export,
+                "report": run_report}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
             print(f"disttrain: error: {exc}", file=sys.stderr)

@@ -34,7 +34,7 @@ def _record(step: int, full: bool, world: int = 4) -> dict:
     noise = 0.03 * math.sin(step * 1.7)
     compute, comm, data, optim = 0.210 + noise / 10, 0.031, 0.008, 0.012
     step_time = compute + comm + data + optim + 0.006
-    tokens = 4 * 32 * 128 / step_time * (0.6 if step <= 10 else 1.0)
+    tokens = 32 * 128 / step_time * (0.6 if step <= 10 else 1.0)
     rec = {"step": step, "loss": 2.1 + 3.3 * math.exp(-step / 60) + noise,
            "lr": 3e-3 * min(1.0, step / 30), "grad_norm": 1.5 * math.exp(-step / 200) + 0.2,
            "tokens_per_s": tokens, "samples_per_s": tokens / 128, "step_time_s": step_time,
@@ -47,9 +47,10 @@ def _record(step: int, full: bool, world: int = 4) -> dict:
     rec.update(mfu=0.38 + noise, time_compute_s=compute, time_comm_s=comm, time_data_s=data,
                time_optim_s=optim, mem_rss_mb=1700 + step, mem_peak_mb=2100 + step * 1.2,
                stragglers=slow)
-    rec["ranks"] = [{"rank": r, "step_time_s": step_time * (1.3 if r in slow else 1.0),
-                     "mem_peak_mb": 2100 + step * 1.2 + 90 * r,
-                     "tokens_per_s": tokens / world} for r in range(world)]
+    rec["ranks"] = [{"rank": r, "total_s": step_time * (1.3 if r in slow else 1.0),
+                     "compute_s": compute, "comm_s": comm, "data_s": data,
+                     "samples": 32 / world, "mem_peak_mb": 2100 + step * 1.2 + 90 * r}
+                    for r in range(world)]
     return rec
 
 
@@ -144,7 +145,7 @@ def test_peak_memory_and_stragglers_per_rank():
 def test_summary_rows_format_the_summary(tmp_path):
     run = report.load_run(write_run(tmp_path / "run"))
     rows = dict(report.summary_rows(run))
-    assert rows["Ranks"] == "4 (dp 2 × pp 1 × tp 2, ZeRO 0)"
+    assert rows["Ranks"] == "4 = dp 2 × pp 1 × tp 2"
     assert rows["Held-out loss"] == "5.3012 → 2.1456"
     assert rows["Throughput"] == "15,873 tokens/s"
     assert rows["Model FLOP/s"] == "79.00 GFLOP/s"
@@ -167,7 +168,7 @@ def test_report_writes_a_valid_png_per_plot(full_report):
         data = (run / "report" / f"{name}.png").read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
         pixels = _decode_png(data)
-        assert pixels.shape[1] > 1000 and pixels.shape[0] > 400, name
+        assert pixels.shape[1] >= 900 and pixels.shape[0] >= 400, name
         assert pixels[..., :3].std() > 0.05, f"{name}.png is blank"
 
 
@@ -185,6 +186,7 @@ def test_html_is_self_contained_with_every_plot_and_the_summary(full_report):
     assert "&lt;b&gt;gpt&lt;/b&gt; &amp; co" in text and "<b>gpt</b>" not in text
     assert "not recorded" not in text
     assert re.search(r'<td class="warn">\d+ of 30</td>', text)  # rank 3 flagged
+    assert "<th>step time</th><th>compute</th><th>exposed comm.</th>" in text
 
 
 def test_report_of_an_older_run_marks_missing_plots_not_recorded(tmp_path):
@@ -199,6 +201,26 @@ def test_report_of_an_older_run_marks_missing_plots_not_recorded(tmp_path):
         card = re.search(rf'<figure class="card" id="plot-{name}">(.*?)</figure>', text, re.S)
         assert card and "not recorded" in card.group(1) and "<img" not in card.group(1)
     assert "no config.toml" in text and "Ranks</h2>" not in text
+
+
+def test_unfinished_large_job_with_a_diverged_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [_record(s, full=True, world=40) for s in (10, 20, 40)]  # rank 3 straggles
+    records[1]["loss"] = float("nan")
+    for entry in records[-1]["ranks"]:  # the per-rank names the issue proposed
+        entry["step_time_s"], entry["tokens_per_s"] = entry.pop("total_s"), 100.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = report.build_report(run).read_text(encoding="utf-8")
+    assert "Summary not available: no summary.json" in text
+    assert "1 record(s) with a non-finite loss are not plotted" in text
+    table = re.search(r"<h2>Ranks</h2>(.*?)</section>", text, re.S).group(1)
+    shown = [int(r) for r in re.findall(r"<tr><td>(\d+)</td>", table)]
+    assert len(shown) == report.MAX_RANK_ROWS and 3 in shown and shown == sorted(shown)
+    assert f"{report.MAX_RANK_ROWS} of 40 ranks" in table
+    assert '<td class="warn">1 of 3</td>' in table
+    assert "<th>step time</th>" in table and "<th>tokens/s</th>" in table
 
 
 def test_out_dir_and_the_cli_entry_point(tmp_path, capsys):
@@ -240,9 +262,9 @@ def _chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProc
                           text=True, timeout=90)
 
 
-def _has_colour(pixels, hex_colour: str, tol: float = 0.04) -> bool:
+def _has_colour(pixels, hex_colour: str, tol: float = 0.05) -> bool:
     rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
-    return bool((abs(pixels[..., :3] - rgb).max(axis=-1) < tol).sum() > 50)
+    return bool((abs(pixels[..., :3] - rgb).max(axis=-1) < tol).sum() > 100)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "

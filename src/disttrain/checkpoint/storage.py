@@ -26,16 +26,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors.torch import save as safetensors_bytes
 
 from ..faults import maybe_fail
 from .format import INDEX_FILE, CheckpointIndex, TensorEntry, shard_file_name
 
 LATEST = "latest"
 _CHUNK = 64 * 2**20
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+# in the order safetensors.torch.save lays tensors out (by dtype, then by name): every
+# tensor stays aligned to its element size, and files match what it writes byte for byte
+_ST_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
+              torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_ORDER = {dtype: i for i, dtype in enumerate(_ST_DTYPES)}
 
 
 def step_name(step: int) -> str:
@@ -67,58 +72,74 @@ def write_atomic(path: Path, data: bytes) -> None:
 def write_shard(staging: Path, rank: int, tensors: dict[str, torch.Tensor],
                 step: int) -> dict[str, Any]:
     """Write this rank's tensors (contiguous, on the CPU) as one safetensors file; return
-    its name, size and sha256.
-
-    The file is streamed straight from the tensors' memory after a header built here,
-    and hashed on a second thread while it is written (hashlib releases the GIL on large
-    buffers), so nothing is serialised into an intermediate ``bytes`` first."""
+    its name, size and sha256. The file is streamed from the tensors' own memory after
+    a header built here, with no serialised copy in between."""
     maybe_fail("save.before_tensors", rank, step)
-    pieces = _safetensors_pieces(tensors)
     name = shard_file_name(rank)
+    size, sha256 = _write_hashed(staging / name, _safetensors_pieces(tensors), rank, step)
+    return {"file": name, "bytes": size, "sha256": sha256}
+
+
+def _write_hashed(path: Path, pieces: list[memoryview], rank: int, step: int
+                  ) -> tuple[int, str]:
+    """Write ``pieces`` one after another and fsync, hashing them on a second thread
+    meanwhile (hashlib releases the GIL on large buffers); returns (bytes, sha256 hex).
+    The ``save.mid_file`` fault fires once the header and the first chunk are flushed."""
     digest = hashlib.sha256()
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sha256-r{rank}")
     try:
-        with open(staging / name, "wb") as fh:
+        with open(path, "wb") as fh:
             for i, piece in enumerate(pieces):
-                hashed = hasher.submit(digest.update, piece)
+                hashed = hasher.submit(digest.update, piece)  # run in order: one worker
                 fh.write(piece)
-                if i == min(1, len(pieces) - 1):  # the header and the first chunk
+                if i == min(1, len(pieces) - 1):
                     fh.flush()
                     maybe_fail("save.mid_file", rank, step)
             fh.flush()
             os.fsync(fh.fileno())
             size = fh.tell()
-        hashed.result()  # updates run in submission order on the one worker
+        hashed.result()
     finally:
         hasher.shutdown(wait=True, cancel_futures=True)
-    return {"file": name, "bytes": size, "sha256": digest.hexdigest()}
+    return size, digest.hexdigest()
 
 
 def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
     """A safetensors file as consecutive buffers: the header, then each tensor's bytes
-    in chunks of at most ``_CHUNK``, viewing the tensors' memory (no copy).
+    in chunks of at most ``_CHUNK``, viewing the tensors' memory (no copy)."""
+    if sys.byteorder != "little":  # safetensors is little-endian: let it swap the bytes
+        data = memoryview(safetensors_bytes(tensors))
+        return [data[s:s + _CHUNK] for s in range(0, len(data), _CHUNK)]
+    order = sorted(tensors, key=lambda n: (_ST_ORDER.get(tensors[n].dtype, -1), n))
+    pieces = [memoryview(_safetensors_header(tensors, order))]
+    for name in order:
+        raw = memoryview(tensor_bytes(tensors[name]))
+        pieces += [raw[s:s + _CHUNK] for s in range(0, len(raw), _CHUNK)]
+    return pieces
 
-    Tensors are laid out like ``safetensors.torch.save`` does (largest element size
-    first, then by name) so that each one is aligned to its element size."""
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The memory of a contiguous CPU tensor as a flat uint8 array (a view, no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _safetensors_header(tensors: dict[str, torch.Tensor], order: list[str]) -> bytes:
+    """The 8-byte little-endian header length, then the JSON header, space-padded so
+    that the data starts 8-byte aligned."""
     header: dict[str, Any] = {}
     offset = 0
     for name in order:
         t = tensors[name]
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"checkpoint tensor {name} must be contiguous on the CPU "
-                             f"(is {t.device}, contiguous={t.is_contiguous()})")
+                             f"(is on {t.device}, contiguous={t.is_contiguous()})")
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _safetensors_dtype(name, t.dtype), "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors does
-    pieces = [memoryview(struct.pack("<Q", len(text)) + text)]
-    for name in order:
-        raw = memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy())
-        pieces += [raw[s:s + _CHUNK] for s in range(0, len(raw), _CHUNK)]
-    return pieces
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _safetensors_dtype(name: str, dtype: torch.dtype) -> str:

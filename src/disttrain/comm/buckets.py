@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..monitor.trace import Tracer, now_us
 from .collectives import Communicator
 
 
@@ -73,9 +74,11 @@ class BucketReducer:
     """Launches the all-reduce of each bucket once all its gradients are ready, in
     bucket order, asynchronously; :meth:`wait` completes them all."""
 
-    def __init__(self, buckets: list[GradBucket], comm: Communicator) -> None:
+    def __init__(self, buckets: list[GradBucket], comm: Communicator,
+                 tracer: Tracer | None = None) -> None:
         self.buckets = buckets
         self.comm = comm
+        self.tracer = tracer
         self._next = 0
 
     def reset(self) -> None:
@@ -99,8 +102,21 @@ class BucketReducer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: GradBucket) -> None:
+        start = now_us()
         bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
         self._next += 1
+        if self.tracer is not None and self.tracer.enabled:
+            self._trace_completion(bucket, start)
+
+    def _trace_completion(self, bucket: GradBucket, start: float) -> None:
+        future = bucket.handle.get_future()
+        name = f"all_reduce bucket {bucket.index}"
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        if future is None:
+            self.tracer.complete(name, start, now_us(), "comm", bytes=nbytes)
+        else:  # the callback runs when the reduction completes, on the backend's thread
+            future.then(lambda _: self.tracer.complete(name, start, now_us(), "comm",
+                                                       bytes=nbytes))
 
     def wait(self, scale: float | torch.Tensor = 1.0) -> None:
         """Launch buckets whose parameters got no gradient (unused in this step), then

@@ -98,6 +98,9 @@ class ParallelConfig:
                       "gloo or nccl", choices=("auto", "gloo", "nccl"))
     timeout_s: float = _f(300.0, "a collective that waits longer fails the job instead of "
                           "hanging (seconds)", gt=0.0)
+    balance: str = _f("static", "split of each global batch over dp ranks: static (even) "
+                      "or dynamic (in proportion to measured throughput)",
+                      choices=("static", "dynamic"))
 
 
 @dataclass(kw_only=True)
@@ -110,12 +113,31 @@ class CheckpointConfig:
                       "copy to host memory", key="async")
 
 
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """Metrics, timeline, hang and straggler diagnostics."""
+
+    hang_timeout: float = _f(120.0, "a collective waiting longer than this (s) is a hang: "
+                             "ranks report where they are and the job exits; 0 = off",
+                             ge=0.0)
+    trace: bool = _f(False, "record a Chrome-trace timeline of every rank (trace.json)")
+    straggler_threshold: float = _f(0.25, "a rank whose compute time exceeds the median "
+                                    "by this fraction is slow", gt=0.0)
+    straggler_window: int = _f(3, "consecutive logged steps a rank must be slow to be "
+                               "named a straggler", ge=1)
+    peak_tflops: float = _f(0.0, "peak TFLOP/s per rank for MFU; 0 = measure at start",
+                            ge=0.0)
+    tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is "
+                           "installed")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
+    "monitor": MonitorConfig,
 }
 
 
@@ -132,6 +154,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     explicit: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

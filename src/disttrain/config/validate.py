@@ -47,6 +47,7 @@ def resolve(config: Config, world_size: int) -> RunPlan:
     _check_model(config)
     _check_data(config)
     _check_device(config)
+    _check_monitor(config)
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
     batch = resolve_batch(config.train, config.explicit, layout.dp)
@@ -111,6 +112,16 @@ def _check_data(config: Config) -> None:
         raise ConfigError("data.path", d.path, "no such directory",
                           "point data.path at a directory of text files, or leave it "
                           "empty for the built-in corpus")
+
+
+def _check_monitor(config: Config) -> None:
+    hang, timeout = config.monitor.hang_timeout, config.parallel.timeout_s
+    if hang and hang >= timeout:
+        raise ConfigError("monitor.hang_timeout", hang,
+                          f"must be below parallel.timeout_s={timeout:g}, or the "
+                          "collective fails before the hang is diagnosed",
+                          f"set monitor.hang_timeout below {timeout:g}, or raise "
+                          "parallel.timeout_s")
 
 
 def _check_device(config: Config) -> None:

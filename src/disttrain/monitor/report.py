@@ -6,8 +6,9 @@ Reads ``summary.json`` (optional: a run still going or one that crashed has none
 
     loss.png  throughput.png  mfu.png  time.png  memory.png  report.html
 
-``report.html`` embeds the PNGs as base64 data URIs and holds no external reference
-(files, scripts, fonts), so it can be mailed or attached as one file. Every metric
+``report.html`` embeds the PNGs as base64 data URIs and refers to nothing outside
+itself (no files, scripts, stylesheets or fonts; its one inline script marks how many
+plots decoded), so it can be mailed or attached as one file. Every metric
 other than ``step`` is optional: a plot whose fields a run did not record is left out
 and the page says "not recorded". Needs matplotlib (``pip install 'disttrain[report]'``);
 it is imported only when a report is built, and through the object-oriented API with
@@ -23,9 +24,10 @@ import io
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import UserError
 from .progress import format_duration
@@ -64,6 +66,7 @@ class Plot:
     caption: str
     png: bytes | None = None
     missing: str = ""
+    wide: bool = False  # spans the page's row
 
 
 # --------------------------------------------------------------------------- loading
@@ -115,8 +118,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None (NaN and inf, which
+    json writes for a diverged loss, are not plotted)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else None
+    return float(value) if ok and math.isfinite(value) else None
 
 
 def series(records: list[Record], key: str) -> tuple[list[float], list[float]]:
@@ -137,11 +142,16 @@ def _matplotlib() -> Any:
 
 
 STYLE = {"font.size": 10, "axes.spines.top": False, "axes.spines.right": False,
-         "axes.grid": True, "grid.color": "#e6e6e6", "grid.linewidth": 0.8,
-         "axes.edgecolor": "#888888", "legend.frameon": False, "figure.dpi": 100}
+         "axes.grid": True, "axes.axisbelow": True, "grid.color": "#e6e6e6",
+         "grid.linewidth": 0.8, "axes.edgecolor": "#888888", "legend.frameon": False}
 
 
-def _render(draw: Callable[[Any], None], size: tuple[float, float] = (8.0, 3.4)) -> bytes:
+# Drawn at 150 dpi and shown about 560 px wide (two plots a row), a 6.4 in figure keeps
+# 10 pt text readable; a wide plot spans the row.
+SIZE, WIDE_SIZE = (6.4, 3.2), (12.8, 3.2)
+
+
+def _render(draw: Callable[[Any], None], size: tuple[float, float] = SIZE) -> bytes:
     """Run ``draw(figure)`` on a fresh Agg figure; return the PNG bytes."""
     mpl = _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -159,18 +169,23 @@ def _render(draw: Callable[[Any], None], size: tuple[float, float] = (8.0, 3.4))
 def _loss_plot(run: RunData) -> Plot:
     steps, loss = series(run.records, "loss")
     esteps, evals = series(run.records, "eval_loss")
-    first = _number(run.summary.get("initial_eval_loss"))
-    if first is not None and (not esteps or esteps[0] > run.summary.get("start_step", 0)):
-        esteps, evals = [float(run.summary.get("start_step", 0)), *esteps], [first, *evals]
-    plot = Plot(name="loss", title="Loss", caption="Training loss, averaged over each "
-                "logging window; held-out loss at each evaluation.")
+    start, first = (_number(run.summary.get(k)) for k in ("start_step", "initial_eval_loss"))
+    if first is not None and (not esteps or esteps[0] > (start or 0)):
+        esteps, evals = [start or 0.0, *esteps], [first, *evals]
+    bad = sum(1 for r in run.records if "loss" in r and _number(r["loss"]) is None)
+    caption = ("Training loss, averaged over each logging window; held-out loss at each "
+               "evaluation." + (f" {bad} record(s) with a non-finite loss are not plotted."
+                                if bad else ""))
+    plot = Plot(name="loss", title="Loss", caption=caption)
     if not steps and not esteps:
         return _missing(plot, "loss")
 
     def draw(fig: Any) -> None:
         ax = fig.add_subplot()
-        ax.plot(steps, loss, color=LOSS_COLOR, lw=1.6, label="train")
-        ax.plot(esteps, evals, "o--", color=EVAL_COLOR, lw=1, ms=5, label="held-out")
+        if steps:
+            ax.plot(steps, loss, color=LOSS_COLOR, lw=1.6, label="train")
+        if esteps:
+            ax.plot(esteps, evals, "o--", color=EVAL_COLOR, lw=1, ms=5, label="held-out")
         ax.set(xlabel="step", ylabel="loss (nats)")
         ax.legend(loc="upper right")
     return _with_png(plot, draw)
@@ -178,11 +193,12 @@ def _loss_plot(run: RunData) -> Plot:
 
 def _throughput_plot(run: RunData) -> Plot:
     steps, rate = series(run.records, "tokens_per_s")
+    mean = _number(run.summary.get("tokens_per_s"))
     plot = Plot(name="throughput", title="Throughput", caption="Tokens per second over "
-                "all ranks, per logging window; dashed: the run's mean.")
+                "all ranks, per logging window" + ("; dashed: the run's mean." if mean
+                                                   is not None else "."))
     if not steps:
         return _missing(plot, "tokens_per_s")
-    mean = _number(run.summary.get("tokens_per_s"))
 
     def draw(fig: Any) -> None:
         from matplotlib.ticker import EngFormatter
@@ -214,7 +230,7 @@ def _mfu_plot(run: RunData) -> Plot:
         ax.axhline(mean, color=MFU_COLOR, ls="--", lw=1, alpha=0.7,
                    label=f"mean {mean:.1%}")
         ax.set(xlabel="step", ylabel="MFU", ylim=(0, max(max(mfu) * 1.2, 0.01)))
-        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
         ax.legend(loc="lower right")
     return _with_png(plot, draw)
 
@@ -236,7 +252,7 @@ def time_breakdown(records: list[Record]) -> tuple[list[float], dict[str, list[f
             parts[label] = [_number(r.get(key)) or 0.0 for r in rows]
     known = [sum(p[i] for p in parts.values()) for i in range(len(rows))]
     other = "other" if len(parts) == len(TIME_PARTS) else "other (not broken down)"
-    parts[other] = [max(r["step_time_s"] - k, 0.0) for r, k in zip(rows, known)]
+    parts[other] = [max(r["step_time_s"] - k, 0.0) for r, k in zip(rows, known, strict=True)]
     return [float(r["step"]) for r in rows], parts
 
 
@@ -257,7 +273,7 @@ def _time_plot(run: RunData) -> Plot:
             ax.stackplot(steps, *ys, labels=list(parts), colors=colors, alpha=0.9, lw=0)
         else:
             bottom = 0.0
-            for label, y, c in zip(parts, ys, colors):
+            for label, y, c in zip(parts, ys, colors, strict=True):
                 ax.bar(steps, y, bottom=bottom, label=label, color=c, width=0.6)
                 bottom += y[0]
         ax.set(xlabel="step", ylabel=f"{unit} per step")
@@ -277,37 +293,46 @@ def peak_memory_per_rank(records: list[Record]) -> dict[int, float]:
 
 
 def straggler_counts(records: list[Record]) -> dict[int, int]:
+    """rank -> in how many records it was listed in ``stragglers``."""
     counts: dict[int, int] = {}
     for r in records:
         for rank in r.get("stragglers") or []:
-            counts[rank] = counts.get(rank, 0) + 1
+            if isinstance(rank, int):
+                counts[rank] = counts.get(rank, 0) + 1
     return counts
 
 
 def _memory_plot(run: RunData) -> Plot:
     rss, peak = series(run.records, "mem_rss_mb"), series(run.records, "mem_peak_mb")
     per_rank, slow = peak_memory_per_rank(run.records), straggler_counts(run.records)
-    plot = Plot(name="memory", title="Memory", caption="Left: this process (rank 0) over "
-                "the run. Right: each rank's peak; red marks ranks flagged as stragglers.")
+    plot = Plot(name="memory", title="Memory", caption="Resident and peak memory over the "
+                "run, as recorded; each rank's highest peak, red where the rank was flagged "
+                "as a straggler.")
     over_time = bool(rss[0] or peak[0])
+    lines = [(rss, MEM_COLOR, "-", "resident (RSS)"), (peak, "#0b6e78", "--", "peak")]
     if not over_time and not per_rank:
         return _missing(plot, "mem_rss_mb, mem_peak_mb or ranks[].mem_peak_mb")
 
     def draw(fig: Any) -> None:
+        from matplotlib.ticker import MaxNLocator
+
         axes = fig.subplots(1, int(over_time) + int(bool(per_rank)), squeeze=False)[0]
         if over_time:
             ax = axes[0]
-            ax.plot(*rss, color=MEM_COLOR, lw=1.6, label="resident (RSS)")
-            ax.plot(*peak, color="#555555", lw=1.2, ls="--", label="peak")
+            for (x, y), color, style, label in lines:
+                if x:
+                    ax.plot(x, y, color=color, ls=style, lw=1.5, label=label)
             ax.set(xlabel="step", ylabel="MB", ylim=(0, max(rss[1] + peak[1]) * 1.15))
             ax.legend(loc="lower right")
         if per_rank:
             ax = axes[-1]
             colors = [STRAGGLER_COLOR if r in slow else MEM_COLOR for r in per_rank]
-            ax.bar([str(r) for r in per_rank], list(per_rank.values()), color=colors)
+            ax.bar(list(per_rank), list(per_rank.values()), color=colors,
+                   width=0.8 if len(per_rank) > 1 else 0.4)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set(xlabel="rank", ylabel="peak MB")
             ax.grid(axis="x", visible=False)
-    return _with_png(plot, draw, size=(8.0, 3.4))
+    return _with_png(plot, draw, wide=over_time and bool(per_rank))
 
 
 def _missing(plot: Plot, fields: str) -> Plot:
@@ -315,9 +340,9 @@ def _missing(plot: Plot, fields: str) -> Plot:
                 missing=f"not recorded: this run's {METRICS_FILE} has no {fields}")
 
 
-def _with_png(plot: Plot, draw: Callable[[Any], None], **kw: Any) -> Plot:
-    return Plot(name=plot.name, title=plot.title, caption=plot.caption,
-                png=_render(draw, **kw))
+def _with_png(plot: Plot, draw: Callable[[Any], None], wide: bool = False) -> Plot:
+    return Plot(name=plot.name, title=plot.title, caption=plot.caption, wide=wide,
+                png=_render(draw, WIDE_SIZE if wide else SIZE))
 
 
 PLOTS = [_loss_plot, _throughput_plot, _mfu_plot, _time_plot, _memory_plot]
@@ -327,12 +352,9 @@ PLOTS = [_loss_plot, _throughput_plot, _mfu_plot, _time_plot, _memory_plot]
 def summary_rows(run: RunData) -> list[tuple[str, str]]:
     """(label, text) rows for the summary table; every summary key appears once."""
     s, rows = dict(run.summary), []
-    if not s:
-        rows.append(("Summary", f"not available: no {SUMMARY_FILE} (the run has not "
-                     "finished, or it stopped early)"))
     for label, keys, fmt in _SUMMARY_FORMATS:
-        if all(k in s for k in keys) and all(s[k] is not None for k in keys):
-            rows.append((label, fmt(*[s[k] for k in keys])))
+        if all(s.get(k) is not None for k in keys):
+            rows.append((label, _format(fmt, [s[k] for k in keys])))
         for k in keys:
             s.pop(k, None)
     rows += [(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in sorted(s.items())]
@@ -341,6 +363,13 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         rows.append(("Mean MFU", f"{sum(mfu) / len(mfu):.1%}"))
     rows.append(("Logged records", f"{len(steps)} (steps {steps[0]:g} to {steps[-1]:g})"))
     return rows
+
+
+def _format(fmt: Callable[..., str], values: list[Any]) -> str:
+    try:
+        return fmt(*values)
+    except (TypeError, ValueError, KeyError):  # an unexpected type: show it as written
+        return ", ".join(json.dumps(v) for v in values)
 
 
 def _seconds(x: float) -> str:
@@ -356,13 +385,13 @@ def _eng(x: float, unit: str) -> str:
 
 def _layout(n: int, lay: dict[str, Any]) -> str:
     parts = " × ".join(f"{k} {lay[k]}" for k in ("dp", "pp", "tp") if k in lay)
-    zero = f", ZeRO {lay['zero']}" if "zero" in lay else ""
-    return f"{n} ({parts}{zero})"
+    zero = f", ZeRO-{lay['zero']}" if lay.get("zero") else ""
+    return f"{n} = {parts}{zero}"
 
 
 _SUMMARY_FORMATS: list[tuple[str, tuple[str, ...], Callable[..., str]]] = [
     ("Steps", ("steps",), lambda n: f"{n:,}"),
-    ("Resumed at step", ("start_step",), lambda n: f"{n:,}" if n else "no (started at 0)"),
+    ("Start step", ("start_step",), lambda n: f"{n:,} (resumed)" if n else "0"),
     ("Ranks", ("world_size", "layout"), _layout),
     ("Global batch", ("global_batch",), lambda n: f"{n:,} samples"),
     ("Parameters", ("parameters",), lambda n: f"{n:,}"),
@@ -377,29 +406,61 @@ _SUMMARY_FORMATS: list[tuple[str, tuple[str, ...], Callable[..., str]]] = [
     ("Run directory", ("run_dir",), str),
 ]
 
-_RANK_COLUMNS = [("step_time_s", "step time", lambda x: f"{x * 1000:,.1f} ms"),
-                 ("tokens_per_s", "tokens/s", lambda x: f"{x:,.0f}"),
-                 ("mem_peak_mb", "peak memory", lambda x: f"{x:,.0f} MB")]
+
+def _ms(x: float) -> str:
+    return f"{x * 1000:,.1f} ms"
+
+
+# (fields in order of preference, heading, format); total_s is the telemetry's name.
+_RANK_COLUMNS: list[tuple[tuple[str, ...], str, Callable[[float], str]]] = [
+    (("step_time_s", "total_s"), "step time", _ms), (("compute_s",), "compute", _ms),
+    (("comm_s",), "exposed comm.", _ms), (("data_s",), "data", _ms),
+    (("tokens_per_s",), "tokens/s", lambda x: f"{x:,.0f}"),
+    (("samples",), "samples/step", lambda x: f"{x:,.4g}"),
+    (("mem_peak_mb",), "peak memory", lambda x: f"{x:,.0f} MB")]
+
+
+def _first_number(entry: Record, keys: tuple[str, ...]) -> float | None:
+    return next((v for k in keys if (v := _number(entry.get(k))) is not None), None)
+
+
+MAX_RANK_ROWS = 16
+
+
+def _ranks_shown(ranks: list[Record], slow: dict[int, int]) -> list[Record]:
+    """All ranks of a small job; of a large one, the most often flagged stragglers,
+    then the slowest steps, in rank order."""
+    if len(ranks) <= MAX_RANK_ROWS:
+        return ranks
+    step_time = _RANK_COLUMNS[0][0]
+    worst = sorted(ranks, key=lambda e: (-slow.get(e["rank"], 0),
+                                         -(_first_number(e, step_time) or 0.0)))
+    return sorted(worst[:MAX_RANK_ROWS], key=lambda e: e["rank"])
+
+
+def _rank_row(e: Record, cols: list, flagged: int, n_records: int) -> str:
+    cells = "".join(f"<td>{fmt(v) if (v := _first_number(e, keys)) is not None else '–'}"
+                    "</td>" for keys, _, fmt in cols)
+    mark = f'<td class="warn">{flagged} of {n_records}</td>' if flagged else "<td>–</td>"
+    return f"<tr><td>{html.escape(str(e.get('rank')))}</td>{cells}{mark}</tr>"
 
 
 def _ranks_table(records: list[Record]) -> str:
+    """Per-rank figures of the last record that has them, with straggler counts."""
     latest = next((r for r in reversed(records) if r.get("ranks")), None)
     if latest is None:
         return ""
-    ranks = [e for e in latest["ranks"] if isinstance(e, dict)]
-    cols = [c for c in _RANK_COLUMNS if any(_number(e.get(c[0])) is not None for e in ranks)]
+    ranks = [e for e in latest["ranks"] if isinstance(e, dict) and isinstance(e.get("rank"), int)]
+    cols = [c for c in _RANK_COLUMNS if any(_first_number(e, c[0]) is not None for e in ranks)]
     slow = straggler_counts(records)
+    shown = _ranks_shown(ranks, slow)
+    rows = "".join(_rank_row(e, cols, slow.get(e.get("rank"), 0), len(records)) for e in shown)
+    more = (f" Showing the {len(shown)} of {len(ranks)} ranks most often flagged as "
+            "stragglers, then slowest." if len(shown) < len(ranks) else "")
     head = "".join(f"<th>{label}</th>" for _, label, _ in cols)
-    body = []
-    for e in ranks:
-        cells = "".join(f"<td>{fmt(v) if (v := _number(e.get(key))) is not None else '–'}"
-                        "</td>" for key, _, fmt in cols)
-        flag = slow.get(e.get("rank"), 0)
-        mark = f'<td class="warn">{flag} of {len(records)}</td>' if flag else "<td>–</td>"
-        body.append(f"<tr><td>{html.escape(str(e.get('rank')))}</td>{cells}{mark}</tr>")
-    return (f"<section><h2>Ranks</h2><p class=\"note\">At step {latest['step']:g}, the "
-            f"last record with per-rank figures.</p><table class=\"grid\"><tr><th>rank</th>"
-            f"{head}<th>flagged as straggler</th></tr>{''.join(body)}</table></section>")
+    return (f'<section><h2>Ranks</h2><p class="note">At step {latest["step"]:g}, the last '
+            f"record with per-rank figures.{more}</p><table class=\"grid\"><tr><th>rank</th>"
+            f"{head}<th>flagged as straggler</th></tr>{rows}</table></section>")
 
 
 def _plot_card(plot: Plot) -> str:
@@ -409,20 +470,24 @@ def _plot_card(plot: Plot) -> str:
     else:
         data = base64.b64encode(plot.png).decode("ascii")
         inner = f'<img src="data:image/png;base64,{data}" alt="{title}">'
-    return (f'<figure class="card" id="plot-{plot.name}"><h3>{title}</h3>{inner}'
+    wide = " wide" if plot.wide else ""
+    return (f'<figure class="card{wide}" id="plot-{plot.name}"><h3>{title}</h3>{inner}'
             f"<figcaption>{html.escape(plot.caption)}</figcaption></figure>")
 
 
 def render_html(run: RunData, plots: list[Plot]) -> str:
     """The whole page: summary, plots as data URIs, per-rank table, config."""
     name = html.escape(run.run_dir.resolve().name)
-    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                   for k, v in summary_rows(run))
+    rows = "".join(f'<div class="stat"><div class="k">{html.escape(k)}</div>'
+                   f'<div class="v">{html.escape(v)}</div></div>' for k, v in summary_rows(run))
     config = (f"<pre>{html.escape(run.config_text)}</pre>" if run.config_text is not None
               else f'<p class="note">no {CONFIG_FILE} in the run directory</p>')
     stamp = time.strftime("%Y-%m-%d %H:%M")
+    no_summary = ("" if run.summary else f'<p class="note">Summary not available: no '
+                  f"{SUMMARY_FILE} (the run has not finished, or it stopped early).</p>")
     return _PAGE.format(
         name=name, where=html.escape(str(run.run_dir.resolve())), stamp=stamp,
+        no_summary=no_summary,
         rows=rows, plots="".join(_plot_card(p) for p in plots),
         ranks=_ranks_table(run.records), config=config)
 
@@ -445,17 +510,23 @@ table {{ border-collapse: collapse; background: #fff; border-radius: 8px;
 th, td {{ text-align: left; padding: 6px 14px; border-bottom: 1px solid #eceef1;
   vertical-align: top; }}
 tr:last-child th, tr:last-child td {{ border-bottom: 0; }}
-.summary th {{ font-weight: 600; color: #3b4252; white-space: nowrap; }}
-.summary td {{ word-break: break-all; }}
+.stats {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(250px, 1fr));
+  gap: 10px; }}
+.stat {{ background: #fff; border-radius: 8px; box-shadow: 0 1px 2px rgba(0,0,0,.08);
+  padding: 8px 14px; }}
+.stat .k {{ color: #5d6575; font-size: 12.5px; }}
+.stat .v {{ font-size: 16px; font-weight: 600; font-variant-numeric: tabular-nums;
+  overflow-wrap: anywhere; }}
 .grid th {{ background: #fafbfc; font-weight: 600; }}
 .warn {{ color: #b42318; font-weight: 600; }}
 .plots {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr));
   gap: 16px; }}
 .card {{ background: #fff; border-radius: 8px; box-shadow: 0 1px 2px rgba(0,0,0,.08);
-  margin: 0; padding: 14px 16px 12px; }}
+  margin: 0; padding: 14px 16px 12px; display: flex; flex-direction: column; }}
+.card.wide {{ grid-column: 1 / -1; }}
 .card img {{ display: block; width: 100%; height: auto; }}
 .missing {{ display: flex; align-items: center; justify-content: center;
-  aspect-ratio: 8 / 3.4; background: #fafbfc; border: 1px dashed #c9ced6;
+  flex: 1; min-height: 90px; background: #fafbfc; border: 1px dashed #c9ced6;
   border-radius: 6px; color: #5d6575; padding: 0 18px; text-align: center; }}
 figcaption {{ margin-top: 4px; }}
 pre {{ background: #fff; border-radius: 8px; box-shadow: 0 1px 2px rgba(0,0,0,.08);
@@ -465,7 +536,7 @@ pre {{ background: #fff; border-radius: 8px; box-shadow: 0 1px 2px rgba(0,0,0,.0
 <body><main>
 <h1>disttrain report: {name}</h1>
 <p class="sub">{where} · generated {stamp}</p>
-<section><h2>Summary</h2><table class="summary">{rows}</table></section>
+<section><h2>Summary</h2>{no_summary}<div class="stats">{rows}</div></section>
 <section><h2>Plots</h2><div class="plots">{plots}</div></section>
 {ranks}
 <section><h2>Configuration</h2>{config}</section>

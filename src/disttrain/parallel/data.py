@@ -23,18 +23,20 @@ from torch import nn
 
 from ..comm.buckets import BucketReducer, GradBucket, assign_buckets
 from ..comm.collectives import Communicator
+from ..monitor.trace import Tracer
 
 
 class DataParallel:
     """Gradient synchronisation for one model replica over the dp group."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int,
+                 tracer: Tracer | None = None) -> None:
         self.model = model
         self.comm = comm
         params = [p for p in model.parameters() if p.requires_grad]
         # Backward visits layers roughly in reverse registration order.
         self.buckets = assign_buckets(list(reversed(params)), bucket_bytes)
-        self.reducer = BucketReducer(self.buckets, comm)
+        self.reducer = BucketReducer(self.buckets, comm, tracer)
         self._sync = True
         self._slots: dict[nn.Parameter, tuple[GradBucket, int]] = {}
         self._hooks = []
@@ -112,9 +114,10 @@ class DataParallel:
 
 
 def apply_data_parallel(model: nn.Module, comm: Communicator, *,
-                        bucket_mb: float = 25.0, broadcast: bool = True) -> DataParallel:
+                        bucket_mb: float = 25.0, broadcast: bool = True,
+                        tracer: Tracer | None = None) -> DataParallel:
     """Attach data-parallel gradient sync to ``model`` over ``comm``'s group."""
-    dp = DataParallel(model, comm, bucket_bytes=int(bucket_mb * 2**20))
+    dp = DataParallel(model, comm, bucket_bytes=int(bucket_mb * 2**20), tracer=tracer)
     if broadcast:
         dp.broadcast_parameters()
     return dp

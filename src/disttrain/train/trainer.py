@@ -13,7 +13,6 @@ the update is the same on any number of ranks and with any accumulation split.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
@@ -31,15 +29,20 @@ from ..config.dump import config_to_toml
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..faults import maybe_fail
 from ..monitor import MetricsWriter, ProgressBar
+from ..monitor.agreement import check_agreement
 from ..monitor.metrics import truncate_metrics
+from ..monitor.stats import StatsWindow, StragglerDetector, measure_peak_flops
+from ..monitor.telemetry import Telemetry, TensorBoardWriter
+from ..monitor.trace import Tracer, merge_traces
+from ..monitor.watchdog import HangWatchdog, default_store
+from ..parallel.balance import BatchSplitter
 from ..parallel.data import DataParallel, apply_data_parallel
 from ..topology import Topology, build_topology
 from . import rundir
 from .checkpointing import RunCheckpoints
 from .optim import build_optimizer, lr_at, set_lr
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
-
-LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
+from .step import LossFn, StepRunner, loss_sum_and_terms, split_batch, to_device
 
 
 def _as_config(config: Config | Mapping | None) -> Config:
@@ -48,25 +51,6 @@ def _as_config(config: Config | Mapping | None) -> Config:
     if isinstance(config, Config):
         return config
     return load_config(values=dict(config))
-
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """(inputs, targets) from a collated batch: a pair, or a mapping with
-    ``input_ids`` and ``targets``."""
-    if isinstance(batch, Mapping):
-        return batch["input_ids"], batch["targets"]
-    inputs, targets = batch
-    return inputs, targets
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, Mapping):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
 
 
 class Trainer:
@@ -110,7 +94,7 @@ class Trainer:
             self._build(runtime)
             return self._run()
         finally:
-            self.metrics.close() if hasattr(self, "metrics") else None
+            self._close()
             shutdown(runtime)
 
     def _build(self, runtime: Runtime) -> None:
@@ -119,32 +103,55 @@ class Trainer:
         self.ledger = CollectiveLedger()
         self.world = Communicator(None, self.ledger, "world")
         self.dp_comm = Communicator(self.topology.group("dp"), self.ledger, "dp")
+        self._build_watchdog()
+        self.tracer = Tracer(self.config.monitor.trace, runtime.rank)
         self._build_model()
         self._build_data()
         self._build_outputs()
         self._build_checkpoints()
+        self._build_step()
+
+    def _build_watchdog(self) -> None:
+        timeout, store = self.config.monitor.hang_timeout, default_store()
+        self.watchdog = None
+        if timeout and store is not None and self.runtime.world_size > 1:
+            self.watchdog = HangWatchdog(self.ledger, store, self.runtime.rank,
+                                         self.runtime.world_size, timeout).start()
 
     def _build_model(self) -> None:
+        check_agreement(self.world, self.config, self.model)  # before any sized collective
         self.model.to(self.runtime.device)
         self.dp: DataParallel = apply_data_parallel(
-            self.model, self.dp_comm, bucket_mb=self.config.parallel.bucket_mb)
+            self.model, self.dp_comm, bucket_mb=self.config.parallel.bucket_mb,
+            tracer=self.tracer)
         self.optimizer = build_optimizer(self.model, self.config.train, self.plan.lr)
 
     def _build_data(self) -> None:
         self.sampler = GlobalOrderSampler(len(self.dataset), self.config.train.seed)
         self.position = 0  # global sample index of the next global batch
+        b = self.plan.batch
+        self.splitter = BatchSplitter(b.global_batch, b.dp,
+                                      self.config.parallel.balance == "dynamic")
 
     def _build_outputs(self) -> None:
-        main = self.runtime.is_main
+        main, mon = self.runtime.is_main, self.config.monitor
         chosen = self.run_dir or (rundir.new_run_dir_name() if main else None)
         self.run_dir = Path(self.world.broadcast_object(str(chosen) if chosen else None))
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             rundir.write_text_atomic(self.run_dir / rundir.CONFIG_FILE,
                                      config_to_toml(self.config, self.plan))
-        self.metrics = MetricsWriter(self.run_dir / rundir.METRICS_FILE if main else None)
         self.bar = ProgressBar(self.config.train.steps, enabled=main, show_bar=self.progress,
                                every=self.config.train.log_every)
+        peak = (mon.peak_tflops * 1e12 if mon.peak_tflops
+                else measure_peak_flops(self.runtime.device))
+        self.telemetry = Telemetry(
+            self.world, self.runtime.device,
+            MetricsWriter(self.run_dir / rundir.METRICS_FILE if main else None),
+            TensorBoardWriter(str(self.run_dir / "tensorboard")
+                              if main and mon.tensorboard else None),
+            StragglerDetector(mon.straggler_threshold, mon.straggler_window), peak,
+            self.bar.message)
 
     def _build_checkpoints(self) -> None:
         self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
@@ -156,89 +163,64 @@ class Trainer:
             if self.runtime.is_main:  # records past the checkpoint are redone
                 truncate_metrics(self.run_dir / rundir.METRICS_FILE, self.start_step)
 
+    def _build_step(self) -> None:
+        self.stepper = StepRunner(
+            model=self.model, dp=self.dp, comm=self.dp_comm, optimizer=self.optimizer,
+            loss_fn=self.loss_fn, load=self._load, grad_clip=self.config.train.grad_clip,
+            device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
+            count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token)
+
     # ----------------------------------------------------------------- the loop
     def _run(self) -> dict[str, Any]:
         train = self.config.train
         start = time.perf_counter()
         initial_eval = self.evaluate()
         self.bar.message(self._banner(initial_eval))
-        window, totals = _Window(), _Window()
+        totals = StatsWindow()
         recent: deque[float] = deque(maxlen=10)
         last_eval = initial_eval
         for step in range(self.start_step, train.steps):
-            loss, count, seconds, data_s = self._train_step(step)
-            window.add(loss, count, seconds, data_s)
-            totals.add(loss, count, seconds, data_s)
-            recent.append(loss)
+            stats = self._train_step(step)
+            self.telemetry.window.add(stats)
+            totals.add(stats)
+            recent.append(stats.loss)
             done = step + 1
-            self.bar.update(done, loss, count / max(seconds, 1e-9))
+            self.bar.update(done, stats.loss, stats.terms / max(stats.total_s, 1e-9))
             evaluate_now = train.eval_every and done % train.eval_every == 0
             if evaluate_now or done == train.steps:
                 last_eval = self.evaluate()
             if self.checkpoints.due(done):
-                self.checkpoints.save(done, self.position)
+                with self.tracer.span("checkpoint"):
+                    self.checkpoints.save(done, self.position)
             maybe_fail("train.step", self.runtime.rank, done)
             if done % train.log_every == 0 or done == train.steps or evaluate_now:
-                self._log(done, window, last_eval if evaluate_now or done == train.steps
-                          else None)
+                self._log(done, last_eval if evaluate_now or done == train.steps else None)
         self.bar.close()
         self.checkpoints.close()
         final_loss = sum(recent) / len(recent) if recent else float("nan")
         return self._finish(initial_eval, last_eval, totals, final_loss,
                             time.perf_counter() - start)
 
-    def _train_step(self, step: int) -> tuple[float, int, float, float]:
-        """One optimizer step over this rank's micro-batches of the global batch.
-        Returns (global mean loss, global loss terms, seconds, seconds loading data)."""
-        t0 = time.perf_counter()
-        b = self.plan.batch
+    def _train_step(self, step: int):
+        """One optimizer step on this rank's share of the global batch."""
         lr = lr_at(step, self.config.train, self.plan.lr)
         set_lr(self.optimizer, lr)
         self.current_lr = lr
-        micro = self.sampler.micro_batches(self.position, b.global_batch,
-                                           self.topology.dp_rank, b.dp, b.grad_accum)
-        self.dp.zero_grad()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
-        data_s, handle = 0.0, None
-        for i, indices in enumerate(micro):
-            last = i == len(micro) - 1
-            td = time.perf_counter()
-            inputs, targets = self._load(indices)
-            data_s += time.perf_counter() - td
-            with contextlib.nullcontext() if last else self.dp.no_sync():
-                loss_sum, count = self._loss_sum(self.model(inputs), targets)
-                totals[0] += loss_sum.detach().double()
-                totals[1] += count
-                if last:  # overlaps the last backward
-                    handle = self.dp_comm.all_reduce(totals, async_op=True)
-                loss_sum.backward()
-        handle.wait()
-        global_loss, global_count = totals.tolist()
-        self.dp.finish_gradient_sync(1.0 / max(global_count, 1.0))
-        self.grad_norm = self._clip()
-        self.optimizer.step()
-        self.position += b.global_batch
-        seconds = time.perf_counter() - t0
-        return global_loss / max(global_count, 1.0), int(global_count), seconds, data_s
+        rank = self.topology.dp_rank
+        share = self.splitter.shares[rank]
+        indices = self.sampler.indices(self.position + self.splitter.offsets()[rank], share)
+        size = self.plan.batch.micro_batch
+        micro = [indices[i:i + size] for i in range(0, share, size)]
+        with self.tracer.span("step", step=step + 1):
+            stats = self.stepper.run(micro)
+        if self.stepper.terms_are_samples:
+            self.bar.unit = "samples"
+        self.position += self.plan.batch.global_batch
+        return stats
 
     def _load(self, indices: list[int]) -> tuple[Any, Any]:
         batch = self.collate_fn([self.dataset[i] for i in indices])
-        return split_batch(_to(batch, self.runtime.device))
-
-    def _loss_sum(self, outputs: Any, targets: Any) -> tuple[torch.Tensor, int]:
-        result = self.loss_fn(outputs, targets)
-        if isinstance(result, tuple):
-            loss_sum, count = result
-            return loss_sum, int(count)
-        self.bar.unit = "samples"  # a mean loss: one term per sample
-        n = len(targets)
-        return result * n, n
-
-    def _clip(self) -> float:
-        clip = self.config.train.grad_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        return float(norm)
+        return split_batch(to_device(batch, self.runtime.device))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -254,8 +236,9 @@ class Trainer:
         for start in range(0, len(indices), size):
             chunk = indices[start:start + size]
             batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
-            inputs, targets = split_batch(_to(batch, self.runtime.device))
-            loss_sum, count = self._loss_sum(self.model(inputs), targets)
+            inputs, targets = split_batch(to_device(batch, self.runtime.device))
+            loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs),
+                                                    targets)
             totals[0] += loss_sum.double()
             totals[1] += count
         self.dp_comm.all_reduce(totals)
@@ -274,44 +257,59 @@ class Trainer:
             text += f"\ninitial held-out loss {initial_eval:.4f}"
         return text
 
-    def _log(self, step: int, window: _Window, eval_loss: float | None) -> None:
-        record = {"step": step, "loss": window.loss(), "lr": self.current_lr,
-                  "grad_norm": self.grad_norm, "tokens_per_s": window.rate(),
-                  "samples_per_s": window.steps * self.plan.batch.global_batch
-                  / max(window.seconds, 1e-9),
-                  "step_time_s": window.seconds / max(window.steps, 1),
-                  "data_time_s": window.data_seconds / max(window.steps, 1),
-                  "samples_seen": self.position,
-                  "checkpoint_stall_s": self.checkpoints.stall_s}
+    def _log(self, step: int, eval_loss: float | None) -> None:
+        record: dict[str, Any] = {
+            "step": step, "lr": self.current_lr, "grad_norm": self.stepper.grad_norm,
+            "samples_per_s": self.telemetry.window.steps * self.plan.batch.global_batch
+            / max(self.telemetry.window.sum.total_s, 1e-9),
+            "samples_seen": self.position, "shares": list(self.splitter.shares),
+            "checkpoint_stall_s": self.checkpoints.stall_s}
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
-        self.metrics.write(record)
-        window.reset()
+        ranks = self.telemetry.log(record, self.stepper.flops_per_term)
+        self.splitter.update([r["samples"] for r in ranks],
+                             [r["compute_s"] + r["data_s"] for r in ranks])
 
     def _finish(self, initial_eval: float | None, final_eval: float | None,
-                totals: _Window, final_loss: float, wall_time: float) -> dict[str, Any]:
-        steps = self.config.train.steps
+                totals: StatsWindow, final_loss: float, wall_time: float) -> dict[str, Any]:
         summary = {
-            "steps": steps, "start_step": self.start_step,
+            "steps": self.config.train.steps, "start_step": self.start_step,
             "world_size": self.runtime.world_size,
             "layout": {"dp": self.plan.layout.dp, "pp": self.plan.layout.pp,
                        "tp": self.plan.layout.tp, "zero": self.plan.layout.zero},
             "global_batch": self.plan.batch.global_batch,
             "final_train_loss": final_loss,
             "initial_eval_loss": initial_eval, "final_eval_loss": final_eval,
-            "wall_time_s": wall_time, "train_time_s": totals.seconds,
-            "tokens_per_s": totals.rate(),
+            "wall_time_s": wall_time, "train_time_s": totals.sum.total_s,
+            "tokens_per_s": totals.terms_per_s(),
             "samples_seen": self.position, "run_dir": str(self.run_dir),
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
-        if self.flops_per_token:
-            summary["model_flops_per_s"] = summary["tokens_per_s"] * self.flops_per_token
+        if self.stepper.flops_per_term:
+            summary["model_flops_per_s"] = (summary["tokens_per_s"]
+                                            * self.stepper.flops_per_term)
         if self.runtime.is_main:
             rundir.save_weights(self.model, self.run_dir)
             rundir.write_summary(self.run_dir, summary)
             self.bar.message(_summary_text(summary, self.bar.unit))
-        dist.barrier()
+        self._write_trace()
         return summary
+
+    def _write_trace(self) -> None:
+        """Each rank writes its spans; rank 0 merges them into ``trace.json``."""
+        if self.tracer.enabled:
+            self.tracer.write(self.run_dir / f"trace-rank{self.runtime.rank}.json")
+        self.world.barrier()
+        if self.tracer.enabled and self.runtime.is_main:
+            parts = [self.run_dir / f"trace-rank{r}.json"
+                     for r in range(self.runtime.world_size)]
+            merge_traces(parts, self.run_dir / "trace.json")
+
+    def _close(self) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
+        if hasattr(self, "telemetry"):
+            self.telemetry.close()
 
 
 def _summary_text(s: dict[str, Any], unit: str) -> str:
@@ -320,27 +318,3 @@ def _summary_text(s: dict[str, Any], unit: str) -> str:
     return (f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s on {s['world_size']} "
             f"rank(s); train loss {s['final_train_loss']:.4f}; {ev}"
             f"{s['tokens_per_s']:,.0f} {unit}/s; run dir {s['run_dir']}")
-
-
-class _Window:
-    """Accumulates steps between two metric records."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.steps, self.seconds, self.data_seconds = 0, 0.0, 0.0
-        self.loss_terms, self.loss_total = 0, 0.0
-
-    def add(self, loss: float, count: int, seconds: float, data_seconds: float) -> None:
-        self.steps += 1
-        self.seconds += seconds
-        self.data_seconds += data_seconds
-        self.loss_total += loss * count
-        self.loss_terms += count
-
-    def loss(self) -> float:
-        return self.loss_total / max(self.loss_terms, 1)
-
-    def rate(self) -> float:
-        return self.loss_terms / max(self.seconds, 1e-9)

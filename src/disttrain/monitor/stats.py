@@ -1,0 +1,106 @@
+"""Per-step timings, memory, peak FLOP/s, and the straggler rule."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+STAT_FIELDS = ("total_s", "compute_s", "comm_s", "data_s", "optim_s")
+
+
+@dataclass
+class StepStats:
+    """One optimizer step on one rank. ``comm_s`` is exposed communication only (time
+    blocked waiting for collectives); ``compute_s`` is forward + backward."""
+
+    loss: float = 0.0
+    terms: int = 0        # global loss terms (tokens) in the step
+    samples: int = 0      # samples this rank processed
+    total_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    data_s: float = 0.0
+    optim_s: float = 0.0
+
+
+class StatsWindow:
+    """Sums StepStats between two logged steps."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.sum = StepStats()
+        self.loss_weighted = 0.0
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        for f in fields(StepStats):
+            setattr(self.sum, f.name, getattr(self.sum, f.name) + getattr(s, f.name))
+        self.loss_weighted += s.loss * s.terms
+
+    def loss(self) -> float:
+        return self.loss_weighted / max(self.sum.terms, 1)
+
+    def per_step(self, name: str) -> float:
+        return getattr(self.sum, name) / max(self.steps, 1)
+
+    def terms_per_s(self) -> float:
+        return self.sum.terms / max(self.sum.total_s, 1e-9)
+
+
+def memory_mb(device: torch.device) -> tuple[float, float]:
+    """(current, peak) memory of this rank in MiB: the GPU allocator's on CUDA, the
+    process's resident set on CPU."""
+    if device.type == "cuda":
+        return (torch.cuda.memory_allocated(device) / 2**20,
+                torch.cuda.max_memory_allocated(device) / 2**20)
+    with open("/proc/self/statm") as fh:
+        rss_pages = int(fh.read().split()[1])
+    import os
+    current = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return current, peak
+
+
+def measure_peak_flops(device: torch.device, seconds: float = 0.3) -> float:
+    """Achievable matmul FLOP/s of this rank (bf16 on GPU, fp32 on CPU): the MFU
+    denominator when no peak is configured."""
+    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    (a @ b).sum().item()  # warm up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        c = a @ b
+        count += 1
+    c.sum().item()
+    return 2 * n ** 3 * count / (time.perf_counter() - start)
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower middle value: with two ranks, the faster one's time."""
+    return sorted(values)[(len(values) - 1) // 2] if values else 0.0
+
+
+class StragglerDetector:
+    """A rank is a straggler once its busy time (compute + data) exceeds the median by
+    more than ``threshold`` in ``window`` consecutive logged intervals."""
+
+    def __init__(self, threshold: float, window: int) -> None:
+        self.threshold, self.window = threshold, window
+        self.streak: dict[int, int] = {}
+
+    def update(self, busy_s: list[float]) -> list[int]:
+        median = lower_median(busy_s)
+        flagged = []
+        for rank, t in enumerate(busy_s):
+            slow = median > 0 and t > median * (1 + self.threshold)
+            self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
+            if self.streak[rank] >= self.window:
+                flagged.append(rank)
+        return flagged

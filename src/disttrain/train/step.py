@@ -1,0 +1,134 @@
+"""One optimizer step on one rank, timed: data, compute, exposed communication, optimizer.
+
+The rank's share of the global batch (equal, or set by the dynamic splitter) is cut into
+micro-batches of at most ``micro_batch`` samples; all but the last run under
+``no_sync()``. The summed loss and the number of loss terms are all-reduced alongside
+the last backward, and the reduced gradients are divided by the global count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..comm import Communicator
+from ..faults import maybe_slow_down
+from ..monitor.stats import StepStats
+from ..monitor.trace import Tracer
+from ..parallel.data import DataParallel
+
+LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """(inputs, targets) from a collated batch: a pair, or a mapping with
+    ``input_ids`` and ``targets``."""
+    if isinstance(batch, Mapping):
+        return batch["input_ids"], batch["targets"]
+    inputs, targets = batch
+    return inputs, targets
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def loss_sum_and_terms(loss_fn: LossFn, outputs: Any, targets: Any
+                       ) -> tuple[torch.Tensor, int, bool]:
+    """(summed loss, loss terms, whether terms are samples) from a loss function that
+    returns a micro-batch mean or a (sum, count) pair."""
+    result = loss_fn(outputs, targets)
+    if isinstance(result, tuple):
+        loss_sum, count = result
+        return loss_sum, int(count), False
+    n = len(targets)
+    return result * n, n, True
+
+
+@dataclass
+class StepRunner:
+    """Everything a step needs; ``run`` performs one."""
+
+    model: nn.Module
+    dp: DataParallel
+    comm: Communicator
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    load: Callable[[list[int]], tuple[Any, Any]]
+    grad_clip: float
+    device: torch.device
+    tracer: Tracer
+    rank: int = 0
+    count_flops: bool = False
+    flops_per_term: float | None = None
+    terms_are_samples: bool = False
+    grad_norm: float = 0.0
+
+    def run(self, micro_batches: list[list[int]]) -> StepStats:
+        stats = StepStats(samples=sum(len(m) for m in micro_batches))
+        t0, waited0 = time.perf_counter(), self.comm.ledger.wait_seconds
+        self.dp.zero_grad()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        handle = None
+        for i, indices in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            td = time.perf_counter()
+            with self.tracer.span("data"):
+                inputs, targets = self.load(indices)
+            stats.data_s += time.perf_counter() - td
+            with contextlib.nullcontext() if last else self.dp.no_sync():
+                handle = self._forward_backward(inputs, targets, totals, last)
+        if handle is None:  # no samples this step: still take part in every collective
+            handle = self.comm.all_reduce(totals, async_op=True)
+        maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
+        handle.wait()
+        loss, count = totals.tolist()
+        self.dp.finish_gradient_sync(1.0 / max(count, 1.0))
+        stats.compute_s = time.perf_counter() - t0 - stats.data_s
+        to = time.perf_counter()
+        with self.tracer.span("optimizer"):
+            self.grad_norm = self._clip()
+            self.optimizer.step()
+        stats.optim_s = time.perf_counter() - to
+        stats.total_s = time.perf_counter() - t0
+        stats.comm_s = self.comm.ledger.wait_seconds - waited0
+        stats.compute_s -= stats.comm_s
+        stats.loss, stats.terms = loss / max(count, 1.0), int(count)
+        return stats
+
+    def _forward_backward(self, inputs: Any, targets: Any, totals: torch.Tensor,
+                          last: bool) -> Any:
+        counter = FlopCounterMode(display=False) if self.count_flops else None
+        with counter or contextlib.nullcontext():
+            with self.tracer.span("forward"):
+                loss_sum, count, samples = loss_sum_and_terms(self.loss_fn,
+                                                              self.model(inputs), targets)
+            self.terms_are_samples = samples
+            totals[0] += loss_sum.detach().double()
+            totals[1] += count
+            # launched before the last backward, so it overlaps it
+            handle = self.comm.all_reduce(totals, async_op=True) if last else None
+            with self.tracer.span("backward"):
+                loss_sum.backward()
+        if counter is not None:  # a user's model: FLOPs counted once, per loss term
+            self.flops_per_term = counter.get_total_flops() / max(count, 1)
+            self.count_flops = False
+        return handle
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        limit = self.grad_clip if self.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, limit))

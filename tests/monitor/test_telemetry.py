@@ -1,0 +1,72 @@
+"""Metrics from every rank, stragglers, dynamic load balancing, and the timeline."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from support import fit_tiny
+
+from disttrain.faults import SLOW_ENV
+from disttrain.parallel.balance import split_by_rate, split_evenly
+from disttrain.testing import run_distributed
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_records_carry_per_rank_figures_time_split_and_mfu(tmp_path):
+    run_distributed(fit_tiny, 2, args=(4, str(tmp_path)), kwargs={"log_every": 2},
+                    timeout=120)
+    last = _records(tmp_path)[-1]
+    assert [r["rank"] for r in last["ranks"]] == [0, 1]
+    for key in ("time_compute_s", "time_comm_s", "time_data_s", "time_optim_s"):
+        assert last[key] >= 0
+    assert last["time_compute_s"] > 0 and last["mem_peak_mb"] > 0
+    assert 0 < last["mfu"] <= 1.5  # peak is measured on a loaded machine: a loose bound
+    assert last["tokens_per_s"] > 0 and last["stragglers"] == []
+
+
+def test_a_slowed_rank_is_named_a_straggler(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv(SLOW_ENV, "1:4")
+    run_distributed(fit_tiny, 2, args=(8, str(tmp_path)), timeout=120,
+                    kwargs={"log_every": 1})
+    records = _records(tmp_path)
+    assert records[-1]["stragglers"] == [1]
+    assert all(0 not in r["stragglers"] for r in records)
+    assert "straggler: rank 1 is" in capfd.readouterr().err
+
+
+def test_split_by_rate_is_proportional_exact_and_keeps_everyone():
+    assert split_by_rate(32, [2.0, 1.0]) == [21, 11]
+    assert sum(split_by_rate(97, [5.0, 1.0, 3.0, 0.01])) == 97
+    assert min(split_by_rate(8, [100.0, 0.001])) == 1
+    assert split_evenly(10, 4) == [3, 3, 2, 2]
+
+
+def test_dynamic_balance_keeps_the_static_trajectory(tmp_path, monkeypatch):
+    static = run_distributed(fit_tiny, 2, args=(10, str(tmp_path / "static")),
+                             kwargs={"log_every": 1}, timeout=120)[0]
+    monkeypatch.setenv(SLOW_ENV, "1:2")
+    dynamic = run_distributed(fit_tiny, 2, args=(10, str(tmp_path / "dynamic")),
+                              kwargs={"log_every": 1, "balance": "dynamic"},
+                              timeout=120)[0]
+    shares = [r["shares"] for r in _records(tmp_path / "dynamic")]
+    assert shares[0] == [4, 4] and shares[-1][0] > shares[-1][1]  # the fast rank got more
+    for name in static:
+        torch.testing.assert_close(dynamic[name], static[name], rtol=0, atol=1e-5)
+
+
+def test_trace_holds_spans_from_every_rank(tmp_path):
+    run_distributed(fit_tiny, 2, args=(3, str(tmp_path)), kwargs={"trace": True},
+                    timeout=120)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    for pid in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == pid}
+        assert {"forward", "backward", "optimizer", "step"} <= names
+        assert any(n.startswith("all_reduce bucket") for n in names)
+    assert all(e["dur"] >= 0 and isinstance(e["ts"], float) for e in spans)
+    assert not list(tmp_path.glob("trace-rank*.json"))  # merged

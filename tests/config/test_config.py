@@ -61,6 +61,8 @@ def test_batch_triple_derives_the_third(given, expected):
     (["model.d_model=30", "model.n_head=4"], 2, "model.d_model", "divisible"),
     (["data.path=/no/such/dir"], 2, "data.path", "no such directory"),
     (["parallel.backend=nccl", "train.device=cpu"], 2, "parallel.backend", "gloo"),
+    (["train.precision=fp16", "train.device=cpu"], 2, "train.precision", "bf16"),
+    (["monitor.hang_timeout=400"], 2, "monitor.hang_timeout", "below"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, world, field, words):
     with pytest.raises(ConfigError) as err:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.activation import canonical_name
 from .format import ShardReader
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
@@ -20,14 +21,15 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters (a tied weight once, under its first name) and persistent buffers."""
-    out = {MODEL + n: p.detach() for n, p in model.named_parameters()}
+    out = {MODEL + canonical_name(n): p.detach() for n, p in model.named_parameters()}
     persistent = set(model.state_dict().keys())
-    out.update({MODEL + n: b.detach() for n, b in model.named_buffers() if n in persistent})
+    out.update({MODEL + canonical_name(n): b.detach() for n, b in model.named_buffers()
+                if canonical_name(n) in persistent})
     return out
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
+    return {id(p): canonical_name(n) for n, p in model.named_parameters()}
 
 
 def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer

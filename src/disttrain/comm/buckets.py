@@ -75,11 +75,16 @@ class BucketReducer:
     bucket order, asynchronously; :meth:`wait` completes them all."""
 
     def __init__(self, buckets: list[GradBucket], comm: Communicator,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.buckets = buckets
         self.comm = comm
         self.tracer = tracer
         self._next = 0
+        # a lower-precision copy per bucket that travels instead of the buffer
+        self._wire = {b.index: torch.empty_like(b.buffer, dtype=reduce_dtype)
+                      for b in buckets if b.buffer.dtype != reduce_dtype
+                      and b.buffer.is_floating_point()}
 
     def reset(self) -> None:
         self._next = 0
@@ -103,7 +108,11 @@ class BucketReducer:
 
     def _launch(self, bucket: GradBucket) -> None:
         start = now_us()
-        bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
+        wire = self._wire.get(bucket.index)
+        if wire is not None:
+            wire.copy_(bucket.buffer)
+        bucket.handle = self.comm.all_reduce(bucket.buffer if wire is None else wire,
+                                             async_op=True)
         self._next += 1
         if self.tracer is not None and self.tracer.enabled:
             self._trace_completion(bucket, start)
@@ -126,5 +135,8 @@ class BucketReducer:
             self._launch(self.buckets[self._next])
         for b in self.buckets:
             b.handle.wait()
+            wire = self._wire.get(b.index)
+            if wire is not None:
+                b.buffer.copy_(wire)
             if not (isinstance(scale, float) and scale == 1.0):
                 b.buffer.mul_(scale)

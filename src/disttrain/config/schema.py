@@ -56,7 +56,7 @@ class DataConfig:
 class TrainConfig:
     """The optimisation loop: batch, schedule, optimizer, evaluation, logging."""
 
-    steps: int = _f(300, "optimizer steps", ge=1)
+    steps: int = _f(250, "optimizer steps", ge=1)
     global_batch: int | None = _f(32, "samples per optimizer step over all ranks "
                                   "(= micro_batch x grad_accum x dp)", ge=1, optional=True)
     micro_batch: int | None = _f(None, "samples per forward pass on one rank", ge=1,
@@ -83,6 +83,14 @@ class TrainConfig:
     log_every: int = _f(10, "write a metrics record every N steps", ge=1)
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)",
                      choices=("auto", "cpu", "cuda"))
+    precision: str = _f("fp32", "forward precision; master weights and optimizer state "
+                        "stay fp32 (fp16 uses dynamic loss scaling, GPU only)",
+                        choices=("fp32", "bf16", "fp16"))
+    activation_checkpointing: str = _f("none", "recompute block activations in backward: "
+                                       "none, full (every block) or every_k",
+                                       choices=("none", "full", "every_k"))
+    activation_checkpointing_k: int = _f(2, "with every_k: checkpoint blocks 0, k, 2k, ...",
+                                         ge=1)
 
 
 @dataclass(kw_only=True)
@@ -94,6 +102,8 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel degree", ge=1)
     zero: int = _f(0, "ZeRO sharding stage over dp (0 = none)", ge=0, le=3)
     bucket_mb: float = _f(25.0, "gradient bucket size in MiB for the all-reduce", gt=0.0)
+    grad_reduce_dtype: str = _f("fp32", "dtype gradients travel in (bf16 halves the bytes)",
+                                choices=("fp32", "bf16"))
     backend: str = _f("auto", "process-group backend: auto (nccl on GPU, gloo on CPU), "
                       "gloo or nccl", choices=("auto", "gloo", "nccl"))
     timeout_s: float = _f(300.0, "a collective that waits longer fails the job instead of "

@@ -132,6 +132,10 @@ def _check_device(config: Config) -> None:
     if dev == "cuda" and not has_cuda:
         raise ConfigError("train.device", dev, "no CUDA device is available",
                           "use train.device=cpu or auto")
-    if backend == "nccl" and not (dev == "cuda" or (dev == "auto" and has_cuda)):
+    on_gpu = dev == "cuda" or (dev == "auto" and has_cuda)
+    if config.train.precision == "fp16" and not on_gpu:
+        raise ConfigError("train.precision", "fp16", "fp16 with loss scaling needs a GPU",
+                          "use train.precision=bf16 on CPU")
+    if backend == "nccl" and not on_gpu:
         raise ConfigError("parallel.backend", backend, "NCCL needs CUDA devices",
                           "use parallel.backend=gloo or auto on CPU")

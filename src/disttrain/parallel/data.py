@@ -30,13 +30,14 @@ class DataParallel:
     """Gradient synchronisation for one model replica over the dp group."""
 
     def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.comm = comm
         params = [p for p in model.parameters() if p.requires_grad]
         # Backward visits layers roughly in reverse registration order.
         self.buckets = assign_buckets(list(reversed(params)), bucket_bytes)
-        self.reducer = BucketReducer(self.buckets, comm, tracer)
+        self.reducer = BucketReducer(self.buckets, comm, tracer, reduce_dtype)
         self._sync = True
         self._slots: dict[nn.Parameter, tuple[GradBucket, int]] = {}
         self._hooks = []
@@ -115,9 +116,12 @@ class DataParallel:
 
 def apply_data_parallel(model: nn.Module, comm: Communicator, *,
                         bucket_mb: float = 25.0, broadcast: bool = True,
-                        tracer: Tracer | None = None) -> DataParallel:
-    """Attach data-parallel gradient sync to ``model`` over ``comm``'s group."""
-    dp = DataParallel(model, comm, bucket_bytes=int(bucket_mb * 2**20), tracer=tracer)
+                        tracer: Tracer | None = None,
+                        reduce_dtype: torch.dtype = torch.float32) -> DataParallel:
+    """Attach data-parallel gradient sync to ``model`` over ``comm``'s group;
+    gradients travel in ``reduce_dtype`` (e.g. bf16 to halve the bytes)."""
+    dp = DataParallel(model, comm, bucket_bytes=int(bucket_mb * 2**20), tracer=tracer,
+                      reduce_dtype=reduce_dtype)
     if broadcast:
         dp.broadcast_parameters()
     return dp

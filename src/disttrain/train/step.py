@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
 from ..parallel.data import DataParallel
+from .precision import LossScaler, autocast
 
 LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
 
@@ -72,6 +73,8 @@ class StepRunner:
     device: torch.device
     tracer: Tracer
     rank: int = 0
+    precision: str = "fp32"
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
     count_flops: bool = False
     flops_per_term: float | None = None
     terms_are_samples: bool = False
@@ -96,12 +99,13 @@ class StepRunner:
         maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
         handle.wait()
         loss, count = totals.tolist()
-        self.dp.finish_gradient_sync(1.0 / max(count, 1.0))
+        self.dp.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
         stats.compute_s = time.perf_counter() - t0 - stats.data_s
         to = time.perf_counter()
         with self.tracer.span("optimizer"):
             self.grad_norm = self._clip()
-            self.optimizer.step()
+            if self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
+                self.optimizer.step()
         stats.optim_s = time.perf_counter() - to
         stats.total_s = time.perf_counter() - t0
         stats.comm_s = self.comm.ledger.wait_seconds - waited0
@@ -113,16 +117,17 @@ class StepRunner:
                           last: bool) -> Any:
         counter = FlopCounterMode(display=False) if self.count_flops else None
         with counter or contextlib.nullcontext():
-            with self.tracer.span("forward"):
+            with self.tracer.span("forward"), autocast(self.precision, self.device):
                 loss_sum, count, samples = loss_sum_and_terms(self.loss_fn,
                                                               self.model(inputs), targets)
+            loss_sum = loss_sum.float()
             self.terms_are_samples = samples
             totals[0] += loss_sum.detach().double()
             totals[1] += count
             # launched before the last backward, so it overlaps it
             handle = self.comm.all_reduce(totals, async_op=True) if last else None
             with self.tracer.span("backward"):
-                loss_sum.backward()
+                (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
         if counter is not None:  # a user's model: FLOPs counted once, per loss term
             self.flops_per_term = counter.get_total_flops() / max(count, 1)
             self.count_flops = False

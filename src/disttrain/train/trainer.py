@@ -35,12 +35,14 @@ from ..monitor.stats import StatsWindow, StragglerDetector, measure_peak_flops
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
+from ..parallel.activation import apply_activation_checkpointing
 from ..parallel.balance import BatchSplitter
 from ..parallel.data import DataParallel, apply_data_parallel
 from ..topology import Topology, build_topology
 from . import rundir
 from .checkpointing import RunCheckpoints
 from .optim import build_optimizer, lr_at, set_lr
+from .precision import DTYPES, LossScaler, autocast
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
 from .step import LossFn, StepRunner, loss_sum_and_terms, split_batch, to_device
 
@@ -119,11 +121,14 @@ class Trainer:
                                          self.runtime.world_size, timeout).start()
 
     def _build_model(self) -> None:
+        train, par = self.config.train, self.config.parallel
+        apply_activation_checkpointing(self.model, train.activation_checkpointing,
+                                       train.activation_checkpointing_k)
         check_agreement(self.world, self.config, self.model)  # before any sized collective
         self.model.to(self.runtime.device)
         self.dp: DataParallel = apply_data_parallel(
-            self.model, self.dp_comm, bucket_mb=self.config.parallel.bucket_mb,
-            tracer=self.tracer)
+            self.model, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
+            reduce_dtype=DTYPES[par.grad_reduce_dtype])
         self.optimizer = build_optimizer(self.model, self.config.train, self.plan.lr)
 
     def _build_data(self) -> None:
@@ -168,6 +173,8 @@ class Trainer:
             model=self.model, dp=self.dp, comm=self.dp_comm, optimizer=self.optimizer,
             loss_fn=self.loss_fn, load=self._load, grad_clip=self.config.train.grad_clip,
             device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
+            precision=self.config.train.precision,
+            scaler=LossScaler(self.config.train.precision == "fp16"),
             count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token)
 
     # ----------------------------------------------------------------- the loop
@@ -237,8 +244,9 @@ class Trainer:
             chunk = indices[start:start + size]
             batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
             inputs, targets = split_batch(to_device(batch, self.runtime.device))
-            loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs),
-                                                    targets)
+            with autocast(self.config.train.precision, self.runtime.device):
+                loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs),
+                                                        targets)
             totals[0] += loss_sum.double()
             totals[1] += count
         self.dp_comm.all_reduce(totals)
@@ -264,6 +272,9 @@ class Trainer:
             / max(self.telemetry.window.sum.total_s, 1e-9),
             "samples_seen": self.position, "shares": list(self.splitter.shares),
             "checkpoint_stall_s": self.checkpoints.stall_s}
+        if self.stepper.scaler.enabled:
+            record |= {"loss_scale": self.stepper.scaler.scale,
+                       "skipped_steps": self.stepper.scaler.skipped}
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         ranks = self.telemetry.log(record, self.stepper.flops_per_term)

@@ -34,7 +34,8 @@ def reference_train(steps: int, mask: bool = False, **train) -> dict[str, torch.
         loss_sum, count = token_loss(model(b["input_ids"]), b["targets"])
         opt.zero_grad()
         (loss_sum / count).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
     return state_of(model)
 

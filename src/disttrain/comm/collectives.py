@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# the single-tensor collectives' names changed in recent torch releases
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,22 @@ class Communicator:
         src = dist.get_global_rank(self.group, src) if self.size > 1 else src
         return self._run("broadcast", tensor, lambda a: dist.broadcast(
             tensor, src=src, group=self.group, async_op=a), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = False) -> TrackedWork | None:
+        """Sum ``input`` [size * n] over ranks; rank r receives block r in ``output`` [n]."""
+        if self.size == 1:
+            output.copy_(input)
+        return self._run("reduce_scatter", input, lambda a: _REDUCE_SCATTER(
+            output, input, group=self.group, async_op=a), async_op)
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor,
+                        async_op: bool = False) -> TrackedWork | None:
+        """Concatenate every rank's ``input`` [n] into ``output`` [size * n]."""
+        if self.size == 1:
+            output.copy_(input)
+        return self._run("all_gather", input, lambda a: _ALL_GATHER(
+            output, input, group=self.group, async_op=a), async_op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Each rank's ``tensor`` (same shape everywhere), in group-rank order."""

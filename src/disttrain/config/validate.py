@@ -48,6 +48,7 @@ def resolve(config: Config, world_size: int) -> RunPlan:
     _check_data(config)
     _check_device(config)
     _check_monitor(config)
+    _check_zero(config)
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
     batch = resolve_batch(config.train, config.explicit, layout.dp)
@@ -112,6 +113,17 @@ def _check_data(config: Config) -> None:
         raise ConfigError("data.path", d.path, "no such directory",
                           "point data.path at a directory of text files, or leave it "
                           "empty for the built-in corpus")
+
+
+def _check_zero(config: Config) -> None:
+    zero = config.parallel.zero
+    if zero and config.checkpoint.every:
+        raise ConfigError("checkpoint.every", config.checkpoint.every,
+                          f"checkpoints of ZeRO-sharded runs (parallel.zero={zero}) are "
+                          "not supported yet", "set checkpoint.every=0 with parallel.zero")
+    if zero and config.parallel.balance == "dynamic":
+        raise ConfigError("parallel.balance", "dynamic", "is not supported with ZeRO yet",
+                          "use parallel.balance=static with parallel.zero")
 
 
 def _check_monitor(config: Config) -> None:

@@ -108,7 +108,18 @@ class DataParallel:
                     p.grad = view
         self.reducer.reset()
 
-    def remove(self) -> None:
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm (replicas hold the same reduced gradients, so the local
+        norm is the global one); clip if ``max_norm > 0``."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        limit = max_norm if max_norm > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+    def after_optimizer_step(self) -> None:
+        """Nothing to do: every replica applied the same update."""
+
+    def finalize(self) -> None:
+        """End of training: remove the gradient hooks; the model is plain again."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

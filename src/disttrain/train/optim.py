@@ -10,14 +10,15 @@ from torch import nn
 from ..config.schema import TrainConfig
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, train: TrainConfig, lr: float,
+                    groups: list[dict] | None = None) -> torch.optim.Optimizer:
     """AdamW or SGD. Weight decay applies to matrices (dim >= 2) only, not to biases
-    and norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    and norm gains. ``groups`` replaces the model's parameters (ZeRO's shards)."""
+    if groups is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2],
+                   "weight_decay": train.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=train.momentum)
     return torch.optim.AdamW(groups, lr=lr, betas=(train.beta1, train.beta2))

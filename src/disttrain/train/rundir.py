@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from torch import nn
 
 CONFIG_FILE = "config.toml"
@@ -36,9 +36,17 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def save_weights(model: nn.Module, run_dir: Path) -> Path:
-    """Final weights as safetensors (shared tensors such as a tied head stored once)."""
+    """Final weights as safetensors, loadable with ``safetensors.torch.load_model``: a
+    tensor shared under several names (a tied head) is stored once, under its first
+    name; each is copied out of whatever flat buffer it may live in."""
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key not in seen:
+            seen.add(key)
+            state[name] = t.detach().cpu().contiguous().clone()
     path = run_dir / WEIGHTS_FILE
     tmp = path.with_name(path.name + ".tmp")
-    save_model(model, str(tmp))
+    save_file(state, str(tmp))
     os.replace(tmp, path)
     return path

@@ -23,6 +23,7 @@ from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
 from ..parallel.data import DataParallel
+from ..parallel.zero import ZeroDataParallel
 from .precision import LossScaler, autocast
 
 LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
@@ -64,7 +65,7 @@ class StepRunner:
     """Everything a step needs; ``run`` performs one."""
 
     model: nn.Module
-    dp: DataParallel
+    dp: DataParallel | ZeroDataParallel
     comm: Communicator
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
@@ -103,9 +104,10 @@ class StepRunner:
         stats.compute_s = time.perf_counter() - t0 - stats.data_s
         to = time.perf_counter()
         with self.tracer.span("optimizer"):
-            self.grad_norm = self._clip()
+            self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
             if self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
                 self.optimizer.step()
+                self.dp.after_optimizer_step()
         stats.optim_s = time.perf_counter() - to
         stats.total_s = time.perf_counter() - t0
         stats.comm_s = self.comm.ledger.wait_seconds - waited0
@@ -132,8 +134,3 @@ class StepRunner:
             self.flops_per_term = counter.get_total_flops() / max(count, 1)
             self.count_flops = False
         return handle
-
-    def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        limit = self.grad_clip if self.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, limit))

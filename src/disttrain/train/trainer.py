@@ -35,9 +35,10 @@ from ..monitor.stats import StatsWindow, StragglerDetector, measure_peak_flops
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
-from ..parallel.activation import apply_activation_checkpointing
+from ..parallel.activation import apply_activation_checkpointing, canonical_name
 from ..parallel.balance import BatchSplitter
-from ..parallel.data import DataParallel, apply_data_parallel
+from ..parallel.data import apply_data_parallel
+from ..parallel.zero import apply_zero
 from ..topology import Topology, build_topology
 from . import rundir
 from .checkpointing import RunCheckpoints
@@ -126,10 +127,16 @@ class Trainer:
                                        train.activation_checkpointing_k)
         check_agreement(self.world, self.config, self.model)  # before any sized collective
         self.model.to(self.runtime.device)
-        self.dp: DataParallel = apply_data_parallel(
-            self.model, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
-            reduce_dtype=DTYPES[par.grad_reduce_dtype])
-        self.optimizer = build_optimizer(self.model, self.config.train, self.plan.lr)
+        if self.plan.layout.zero:
+            names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
+            self.dp = apply_zero(self.model, self.dp_comm, self.plan.layout.zero, names)
+            groups = self.dp.param_groups(train.weight_decay)
+        else:
+            self.dp = apply_data_parallel(
+                self.model, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
+                reduce_dtype=DTYPES[par.grad_reduce_dtype])
+            groups = None
+        self.optimizer = build_optimizer(self.model, train, self.plan.lr, groups)
 
     def _build_data(self) -> None:
         self.sampler = GlobalOrderSampler(len(self.dataset), self.config.train.seed)
@@ -299,6 +306,7 @@ class Trainer:
         if self.stepper.flops_per_term:
             summary["model_flops_per_s"] = (summary["tokens_per_s"]
                                             * self.stepper.flops_per_term)
+        self.dp.finalize()  # the model keeps its full parameters (ZeRO-3 gathers them)
         if self.runtime.is_main:
             rundir.save_weights(self.model, self.run_dir)
             rundir.write_summary(self.run_dir, summary)

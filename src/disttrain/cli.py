@@ -48,11 +48,17 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                    help="number of nodes, or a range for an elastic job (default 1)")
     g.add_argument("--node-rank", type=int, default=None, metavar="R",
-                   help="this node's rank (multi-node, optional with c10d rendezvous)")
+                   help="this node's rank; only for a fixed node order (the c10d "
+                   "rendezvous assigns ranks itself)")
     g.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
                    help="rendezvous endpoint shared by all nodes (multi-node)")
     g.add_argument("--rdzv-id", default="disttrain", metavar="ID",
                    help="job id, the same on all nodes (default disttrain)")
+    g.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...",
+                   help="extra c10d rendezvous settings, e.g. is_host=1,read_timeout=30")
+    g.add_argument("--local-addr", default="", metavar="ADDR",
+                   help="this node's address as the other nodes reach it (default: its "
+                   "host name)")
     g.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="restart the worker group up to R times after a failure")
 
@@ -100,6 +106,7 @@ def _launch_options(ns: argparse.Namespace):
 
     return LaunchOptions(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                          rdzv_endpoint=ns.rdzv_endpoint, rdzv_id=ns.rdzv_id,
+                         rdzv_conf=ns.rdzv_conf, local_addr=ns.local_addr,
                          max_restarts=ns.max_restarts)
 
 

@@ -22,6 +22,8 @@ class LaunchOptions:
     node_rank: int | None = None
     rdzv_endpoint: str = ""
     rdzv_id: str = "disttrain"
+    rdzv_conf: str = ""
+    local_addr: str = ""
     max_restarts: int = 0
 
     def node_counts(self) -> range:
@@ -61,6 +63,10 @@ def torchrun_args(opts: LaunchOptions, target: list[str]) -> list[str]:
                  "--rdzv-id", opts.rdzv_id]
         if opts.node_rank is not None:
             args += ["--node-rank", str(opts.node_rank)]
+        if opts.rdzv_conf:
+            args += ["--rdzv-conf", opts.rdzv_conf]
+        if opts.local_addr:
+            args += ["--local-addr", opts.local_addr]
     else:
         args += ["--standalone"]
     return args + target
@@ -78,11 +84,18 @@ def launch(opts: LaunchOptions, target: list[str]) -> int:
     """Run ``target`` on ``opts.nproc`` workers per node; return an exit code
     (2 when a worker rejected its input, 1 for other failures)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     _worker_env(opts.nproc)
     try:
         run(parse_args(torchrun_args(opts, target)))
+    except RendezvousError as exc:
+        cause = exc.__cause__ or exc
+        print(f"disttrain: lost the rendezvous at {opts.rdzv_endpoint or 'localhost'} "
+              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''});"
+              " is the network to that host up?", file=sys.stderr)
+        return 1
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})"

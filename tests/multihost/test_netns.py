@@ -35,7 +35,7 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model
 # each node says it failed: the launcher's line for a failed worker, or the agent's
 # error when the rendezvous store on the other host cannot be reached
 NODE_FAILED = re.compile(r"disttrain: worker failure: rank \d+ \(exit \d+\)"
-                         r"|RendezvousConnectionError")
+                         r"|disttrain: lost the rendezvous")
 # and between them they name the cause: the hang watchdog's diagnosis, Gloo's
 # collective timeout, or the kernel giving up on the dead link
 NETWORK_CAUSE = re.compile(r"disttrain: hang: rank|Timed out waiting \d+ms"
@@ -79,16 +79,11 @@ def hosts(request) -> HostPair:
     return pair
 
 
-def _node_env(host: Host, cache_dir: Path, hosts_store: bool) -> dict[str, str]:
+def _node_env(host: Host, cache_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PET_", "TORCHELASTIC_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    # PET_<FLAG> is torchrun's environment form of its --<flag>: disttrain has no
-    # --rdzv-conf / --local-addr yet. The hostname resolves to 127.0.0.1 in both
-    # namespaces, so torch can neither tell which node hosts the store nor give the
-    # workers an address of rank 0's host that the other host can reach.
     env.update(DISTTRAIN_CACHE=str(cache_dir), GLOO_SOCKET_IFNAME=host.ifname,
-               PET_RDZV_CONF=f"is_host={int(hosts_store)}", PET_LOCAL_ADDR=host.addr,
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
@@ -99,12 +94,16 @@ def _start_job(hosts: HostPair, run_dir: Path, cache_dir: Path, logs: Path,
     logs.mkdir(parents=True, exist_ok=True)
     nodes = []
     for rank, host in enumerate((hosts.a, hosts.b)):
+        # The host name resolves to 127.0.0.1 in both namespaces: say which node hosts
+        # the store, and the address the other host reaches this one at.
         argv = [DISTTRAIN, "train", *TINY, *args, "--nnodes", "2", "--nproc", "1",
-                "--node-rank", str(rank), "--rdzv-endpoint", f"{hosts.a.addr}:{PORT}",
-                "--rdzv-id", "netns", "--max-restarts", "0", "--run-dir", str(run_dir)]
+                "--rdzv-endpoint", f"{hosts.a.addr}:{PORT}", "--rdzv-id", "netns",
+                "--rdzv-conf", f"is_host={int(host is hosts.a)}",
+                "--local-addr", host.addr,
+                "--max-restarts", "0", "--run-dir", str(run_dir)]
         err = logs / f"{host.netns}.err"
         with open(logs / f"{host.netns}.out", "wb") as out, open(err, "wb") as errf:
-            proc = host.popen(argv, env=_node_env(host, cache_dir, host is hosts.a),
+            proc = host.popen(argv, env=_node_env(host, cache_dir),
                               stdout=out, stderr=errf, stdin=subprocess.DEVNULL)
         nodes.append(Node("ab"[rank], proc, err))
     return nodes

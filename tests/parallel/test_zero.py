@@ -26,3 +26,46 @@ def test_zero_follows_single_process(stage, world_size, tmp_path):
     for other in results[1:]:  # every rank ends with the same full parameters
         for mine, theirs in zip(results[0], other):
             assert_states_close(theirs, mine, atol=0)
+
+
+def _measure(stage: int) -> dict:
+    """Model-state bytes on this rank after two ZeRO steps on a bigger tiny GPT."""
+    import torch
+    import torch.distributed as dist
+    from support import SyntheticTokens
+
+    from disttrain.comm import CollectiveLedger, Communicator
+    from disttrain.data import collate_token_batch
+    from disttrain.models import GPT, num_params, token_loss
+    from disttrain.parallel.zero import apply_zero
+
+    from support import tiny_config
+    cfg = tiny_config()
+    model_cfg = cfg.model.__class__(**{**cfg.model.__dict__, "d_model": 64, "n_layer": 4})
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    zero = apply_zero(model, Communicator(None, CollectiveLedger()), stage, names)
+    opt = torch.optim.AdamW(zero.param_groups(0.1), lr=1e-3)
+    batch = collate_token_batch([SyntheticTokens()[i] for i in range(4)])
+    for _ in range(2):
+        zero.zero_grad()
+        loss, count = token_loss(model(batch["input_ids"]), batch["targets"])
+        loss.backward()
+        zero.finish_gradient_sync(1 / count)
+        zero.clip_grad_norm(1.0)
+        opt.step()
+        zero.after_optimizer_step()
+    return {**zero.model_state_bytes(opt), "psi": num_params(model_cfg),
+            "world": dist.get_world_size()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_bytes_follow_the_zero_formulas(stage):
+    from disttrain.plan import model_state_bytes
+
+    measured = run_distributed(_measure, 4, args=(stage,), timeout=120)[1]
+    expected = model_state_bytes(measured["psi"], dp=4, zero=stage)
+    for part in ("params", "grads", "optimizer"):
+        want = getattr(expected, part)
+        assert abs(measured[part] - want) <= 0.1 * want, (part, measured[part], want)

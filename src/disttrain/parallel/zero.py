@@ -120,8 +120,10 @@ class ZeroDataParallel:
             for p, o in zip(params, offsets):
                 full[o:o + p.numel()].copy_(p.detach().reshape(-1))
         shard_size = padded // size
-        rank = self.comm.rank
-        shard = nn.Parameter(full[rank * shard_size:(rank + 1) * shard_size].clone())
+        mine = full[self.comm.rank * shard_size:(self.comm.rank + 1) * shard_size]
+        # stages 1-2: the shard is this rank's slice of the full parameters (no second
+        # copy); stage 3 frees the full buffer, so the shard is its own tensor
+        shard = nn.Parameter(mine.clone() if self.stage == 3 else mine)
         flat = FlatParam(unit=unit, params=params, names=[names[id(p)] for p in params],
                          offsets=offsets, full=full, shard=shard, decay=decay)
         for p, view in zip(params, flat.views(full)):
@@ -145,7 +147,8 @@ class ZeroDataParallel:
         with torch.no_grad():
             for f in self.flats:
                 self.comm.broadcast(f.full, src=0)
-                f.shard.copy_(self._my_part(f.full, f.shard.numel()))
+                if self.stage == 3:
+                    f.shard.copy_(self._my_part(f.full, f.shard.numel()))
             for b in self.model.buffers():
                 self.comm.broadcast(b.data, src=0)
         if self.stage == 3:
@@ -229,6 +232,9 @@ class ZeroDataParallel:
         self._drain()
         for f in self.flats:
             grad = f.grad_sum if f.grad_sum is not None else torch.zeros_like(f.shard)
+            if f.grad_full is not None:  # stage 1: into this rank's slice of the full one
+                mine = self._my_part(f.grad_full, f.shard.numel())
+                grad = mine.copy_(grad)
             f.shard.grad = grad.mul_(scale)
             f.grad_sum = None
 
@@ -259,8 +265,8 @@ class ZeroDataParallel:
         if self.stage == 3:
             return
         with torch.no_grad():
-            for f in self.flats:
-                self.comm.all_gather_into(f.full, f.shard.detach())
+            for f in self.flats:  # the shard is a slice of full: send a copy of it
+                self.comm.all_gather_into(f.full, f.shard.detach().clone())
 
     # ------------------------------------------------------------------ stage 3
     def _install_stage3_hooks(self) -> None:
@@ -306,6 +312,23 @@ class ZeroDataParallel:
 
     def _free_root(self) -> None:
         self._free_unit(len(self.unit_modules) - 1)
+
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, gradients and optimizer state
+        (full buffers count only while materialised; a shard that is a slice of the full
+        buffer is not counted twice)."""
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().nbytes()
+        params = sum(nbytes(f.full) + (nbytes(f.shard) if self.stage == 3 else 0)
+                     for f in self.flats)
+        grads = sum(nbytes(f.grad_full) if f.grad_full is not None  # shard grad: a slice
+                    else 0 if f.shard.grad is None
+                    else f.shard.grad.numel() * f.shard.grad.element_size()
+                    for f in self.flats)
+        optim = sum(v.numel() * v.element_size() for f in self.flats
+                    for v in optimizer.state.get(f.shard, {}).values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": optim}
 
     def finalize(self) -> None:
         """End of training: every rank keeps the full parameters (stage 3 gathers them

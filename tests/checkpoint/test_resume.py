@@ -88,3 +88,24 @@ def test_a_crash_at_any_stage_of_a_save_keeps_the_previous_checkpoint(
     _states_equal(_resume(tmp_path, 2, sync), reference, atol=1e-6)
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
+
+
+def test_zero3_checkpoint_resumes_under_zero1_and_unsharded(uninterrupted_zero, tmp_path,
+                                                            monkeypatch):
+    """Saved under ZeRO-3 at 4 ranks; resumed under ZeRO-1 at 2 and without sharding at
+    1 rank: the same final parameters as the uninterrupted ZeRO-3 run."""
+    saved = tmp_path / "saved"
+    _crash(saved, 4, monkeypatch, "train.step:13", zero=3)
+    for world, stage in ((2, 1), (1, 0)):
+        run_dir = tmp_path / f"z{stage}w{world}"
+        shutil.copytree(saved, run_dir)
+        state = run_distributed(fit_tiny, world, args=(STEPS, str(run_dir)),
+                                kwargs={"checkpoint": CKPT, "zero": stage}, timeout=120)[0]
+        _states_equal(state, uninterrupted_zero, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_zero(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("refz")
+    return run_distributed(fit_tiny, 4, args=(STEPS, str(run_dir)),
+                           kwargs={"checkpoint": CKPT, "zero": 3}, timeout=120)[0]

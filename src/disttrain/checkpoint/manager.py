@@ -21,9 +21,11 @@ import torch
 
 from ..errors import UserError
 from . import storage
-from .format import CheckpointIndex, ShardReader, shard_file_name, whole_tensor_entry
+from .format import (CheckpointIndex, ShardReader, ShardRef, TensorEntry, dtype_name,
+                     shard_file_name, whole_tensor_entry)
 
 CHECKPOINT_DIR = "checkpoints"
+Part = tuple[str, tuple[int, ...], tuple[int, int]]  # global name, global shape, flat range
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -95,8 +97,10 @@ class CheckpointManager:
             storage.prune(self.root, self.keep)
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], owners: dict[str, int],
-             meta: dict[str, Any]) -> None:
-        """Save the tensors this rank owns (``owners[name] == rank``)."""
+             meta: dict[str, Any], parts: dict[str, Part] | None = None) -> None:
+        """Save the tensors this rank owns (``owners[key] == rank``). A key in ``parts``
+        is a piece of a larger global tensor (a ZeRO shard): ``(global name, global
+        shape, flat range)``; any other key is a whole tensor under its own name."""
         self.wait()
         mine = {n: t.detach() for n, t in tensors.items() if owners[n] == self.rank}
         if self.async_save:
@@ -105,7 +109,7 @@ class CheckpointManager:
             host = {n: t.cpu().contiguous() for n, t in mine.items()}
         staging = storage.staging_dir(self.root, step, self.attempt)
         staging.mkdir(parents=True, exist_ok=True)
-        job = (staging, step, host, meta)
+        job = (staging, step, host, meta, parts or {})
         if self.async_save:
             self._thread = threading.Thread(target=self._run, args=job,
                                             name=f"checkpoint-{step}", daemon=True)
@@ -136,10 +140,18 @@ class CheckpointManager:
             self._error = exc
 
     def _write(self, staging: Path, step: int, host: dict[str, torch.Tensor],
-               meta: dict[str, Any]) -> None:
+               meta: dict[str, Any], parts: dict[str, Part]) -> None:
         file_meta = storage.write_shard(staging, self.rank, host, step) if host else None
         name = shard_file_name(self.rank)
-        entries = {n: whole_tensor_entry(t, name, n) for n, t in host.items()}
+        entries: dict[str, TensorEntry] = {}
+        for key, t in host.items():
+            if key not in parts:
+                entries[key] = whole_tensor_entry(t, name, key)
+                continue
+            global_name, shape, flat = parts[key]
+            entry = entries.setdefault(global_name, TensorEntry(tuple(shape),
+                                                                dtype_name(t.dtype)))
+            entry.shards.append(ShardRef(name, key, flat=tuple(flat)))
         storage.write_marker(staging, self.rank, file_meta, entries)
         if self.rank == 0:
             storage.commit(self.root, staging, step, self.world_size, meta, self.keep)

@@ -28,6 +28,19 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def buffer_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers only (ZeRO saves parameters as shards)."""
+    persistent = set(model.state_dict().keys())
+    return {MODEL + canonical_name(n): b.detach() for n, b in model.named_buffers()
+            if canonical_name(n) in persistent}
+
+
+def restore_buffers(reader: ShardReader, model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, t in buffer_tensors(model).items():
+            t.copy_(reader.tensor(name))
+
+
 def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): canonical_name(n) for n, p in model.named_parameters()}
 

@@ -117,10 +117,6 @@ def _check_data(config: Config) -> None:
 
 def _check_zero(config: Config) -> None:
     zero = config.parallel.zero
-    if zero and config.checkpoint.every:
-        raise ConfigError("checkpoint.every", config.checkpoint.every,
-                          f"checkpoints of ZeRO-sharded runs (parallel.zero={zero}) are "
-                          "not supported yet", "set checkpoint.every=0 with parallel.zero")
     if zero and config.parallel.balance == "dynamic":
         raise ConfigError("parallel.balance", "dynamic", "is not supported with ZeRO yet",
                           "use parallel.balance=static with parallel.zero")

@@ -330,6 +330,63 @@ class ZeroDataParallel:
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": optim}
 
+    # ------------------------------------------------------------------ checkpoints
+    def _pieces(self, f: FlatParam) -> Iterator[tuple[str, int, int, int]]:
+        """(name, param offset in flat, start, stop) of each parameter's part inside
+        this rank's shard; start/stop index the parameter's flattening."""
+        lo, hi = self.comm.rank * f.shard.numel(), (self.comm.rank + 1) * f.shard.numel()
+        for p, name, off in zip(f.params, f.names, f.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                yield name, off, a - off, b - off
+
+    def checkpoint_pieces(self, optimizer: torch.optim.Optimizer
+                          ) -> dict[str, tuple[torch.Tensor, str, tuple, tuple[int, int] | None]]:
+        """What this rank saves: ``key -> (tensor, global name, global shape, flat
+        range)`` for its parts of every parameter and of their optimizer state, under
+        the same global names a plain replica uses (so any layout loads it)."""
+        out = {}
+        for f in self.flats:
+            lo = self.comm.rank * f.shard.numel()
+            state = optimizer.state.get(f.shard, {})
+            shapes = {n: tuple(p.shape) for n, p in zip(f.names, f.params)}
+            for name, off, a, b in self._pieces(f):
+                piece = slice(off + a - lo, off + b - lo)
+                out[f"model/{name}@{a}"] = (f.shard.detach()[piece], f"model/{name}",
+                                            shapes[name], (a, b))
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        out[f"optim/{name}/{key}@{a}"] = (value[piece],
+                                                           f"optim/{name}/{key}",
+                                                           shapes[name], (a, b))
+                    elif a == 0:  # a scalar (Adam's step): once, by the first part's owner
+                        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                        out[f"optim/{name}/{key}"] = (t, f"optim/{name}/{key}", (), None)
+        return out
+
+    def load_checkpoint(self, reader: object, optimizer: torch.optim.Optimizer) -> None:
+        """Fill this rank's shards (and their optimizer state) from any checkpoint:
+        each parameter is read whole by its global name and cut to the shard."""
+        for f in self.flats:
+            lo = self.comm.rank * f.shard.numel()
+            state: dict[str, torch.Tensor] = {}
+            with torch.no_grad():
+                for name, off, a, b in self._pieces(f):
+                    piece = slice(off + a - lo, off + b - lo)
+                    f.shard[piece] = reader.tensor(f"model/{name}").reshape(-1)[a:b]
+                    for full_name in reader.names(f"optim/{name}/"):
+                        key = full_name.rsplit("/", 1)[1]
+                        value = reader.tensor(full_name)
+                        if value.dim() == 0:
+                            state[key] = value
+                            continue
+                        state.setdefault(key, torch.zeros_like(f.shard))[piece] = \
+                            value.reshape(-1)[a:b]
+            if state:
+                optimizer.state[f.shard] = state
+        if self.stage < 3:
+            self.after_optimizer_step()  # rebuild the full parameters from the shards
+
     def finalize(self) -> None:
         """End of training: every rank keeps the full parameters (stage 3 gathers them
         once more) and the hooks are removed, so the model is a plain model again."""

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from ..checkpoint.manager import CheckpointManager, find_checkpoint, open_checkpoint
-from ..checkpoint.state import (assign_owners, model_tensors, optimizer_tensors,
-                                restore_model, restore_optimizer, restore_rng, rng_tensors)
+from ..checkpoint.state import (assign_owners, buffer_tensors, model_tensors,
+                                optimizer_tensors, restore_buffers, restore_model,
+                                restore_optimizer, restore_rng, rng_tensors)
+from ..parallel.zero import ZeroDataParallel
 from ..comm import Communicator
 from ..config import Config, RunPlan
 from ..errors import UserError
@@ -22,9 +24,11 @@ class RunCheckpoints:
     """Saves every ``checkpoint.every`` steps and at the end; resumes a run directory."""
 
     def __init__(self, run_dir: Path, config: Config, plan: RunPlan, world: Communicator,
-                 model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+                 model: nn.Module, optimizer: torch.optim.Optimizer,
+                 zero: ZeroDataParallel | None = None) -> None:
         self.run_dir, self.config, self.plan = run_dir, config, plan
         self.world, self.model, self.optimizer = world, model, optimizer
+        self.zero = zero
         ck = config.checkpoint
         self.every = ck.every
         self.manager = CheckpointManager(run_dir, world.rank, world.size, keep=ck.keep,
@@ -48,8 +52,12 @@ class RunCheckpoints:
         if kind == "none":
             return None
         ckpt = open_checkpoint(Path(value))
-        restore_model(ckpt.reader, self.model)
-        restore_optimizer(ckpt.reader, self.model, self.optimizer)
+        if self.zero is not None:
+            self.zero.load_checkpoint(ckpt.reader, self.optimizer)
+            restore_buffers(ckpt.reader, self.model)
+        else:
+            restore_model(ckpt.reader, self.model)
+            restore_optimizer(ckpt.reader, self.model, self.optimizer)
         restore_rng(ckpt.reader, self.world.rank)
         saved_world = ckpt.meta.get("world_size")
         say(f"resuming from {Path(value).name}: step {ckpt.step}, sample "
@@ -63,12 +71,23 @@ class RunCheckpoints:
 
     def save(self, step: int, position: int) -> None:
         start = time.perf_counter()
-        shared = {**model_tensors(self.model), **optimizer_tensors(self.model, self.optimizer)}
-        owners = assign_owners({n: t.numel() * t.element_size() for n, t in shared.items()},
-                               self.world.size)
+        parts: dict = {}
+        if self.zero is not None:  # every rank writes its shard of each tensor
+            pieces = self.zero.checkpoint_pieces(self.optimizer)
+            mine = {k: v[0] for k, v in pieces.items()}
+            parts = {k: v[1:] for k, v in pieces.items() if v[3] is not None}
+            shared = buffer_tensors(self.model)
+            owners = {n: 0 for n in shared} | {k: self.world.rank for k in mine}
+        else:  # replicated: each tensor written once, by an owner balancing bytes
+            shared = {**model_tensors(self.model),
+                      **optimizer_tensors(self.model, self.optimizer)}
+            mine = {}
+            owners = assign_owners({n: t.numel() * t.element_size()
+                                    for n, t in shared.items()}, self.world.size)
         own_rng = rng_tensors(self.world.rank)
         owners.update({n: self.world.rank for n in own_rng})
-        self.manager.save(step, {**shared, **own_rng}, owners, self._meta(step, position))
+        self.manager.save(step, {**shared, **mine, **own_rng}, owners,
+                          self._meta(step, position), parts)
         self.stall_s = time.perf_counter() - start
 
     def _meta(self, step: int, position: int) -> dict[str, Any]:

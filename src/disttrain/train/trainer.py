@@ -166,8 +166,9 @@ class Trainer:
             self.bar.message)
 
     def _build_checkpoints(self) -> None:
-        self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
-                                          self.model, self.optimizer)
+        self.checkpoints = RunCheckpoints(
+            self.run_dir, self.config, self.plan, self.world, self.model, self.optimizer,
+            self.dp if self.plan.layout.zero else None)
         self.start_step = 0
         resumed = self.checkpoints.resume(say=self.bar.message)
         if resumed is not None:

@@ -118,6 +118,15 @@ class DataParallel:
     def after_optimizer_step(self) -> None:
         """Nothing to do: every replica applied the same update."""
 
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients (the buckets) and optimizer
+        state."""
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        optim = sum(v.numel() * v.element_size() for st in optimizer.state.values()
+                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": optim}
+
     def finalize(self) -> None:
         """End of training: remove the gradient hooks; the model is plain again."""
         for h in self._hooks:

@@ -78,6 +78,7 @@ class StepRunner:
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
     count_flops: bool = False
     flops_per_term: float | None = None
+    activation_bytes: int | None = None  # saved for backward, measured on the first pass
     terms_are_samples: bool = False
     grad_norm: float = 0.0
 
@@ -118,7 +119,10 @@ class StepRunner:
     def _forward_backward(self, inputs: Any, targets: Any, totals: torch.Tensor,
                           last: bool) -> Any:
         counter = FlopCounterMode(display=False) if self.count_flops else None
-        with counter or contextlib.nullcontext():
+        saved = None
+        if self.activation_bytes is None:
+            saved = _SavedBytes(list(self.model.parameters()))
+        with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             with self.tracer.span("forward"), autocast(self.precision, self.device):
                 loss_sum, count, samples = loss_sum_and_terms(self.loss_fn,
                                                               self.model(inputs), targets)
@@ -130,7 +134,33 @@ class StepRunner:
             handle = self.comm.all_reduce(totals, async_op=True) if last else None
             with self.tracer.span("backward"):
                 (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
+        if saved is not None:
+            self.activation_bytes = saved.peak
         if counter is not None:  # a user's model: FLOPs counted once, per loss term
             self.flops_per_term = counter.get_total_flops() / max(count, 1)
             self.count_flops = False
         return handle
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the activations autograd keeps for backward: distinct storages other
+    than the parameters' (or views of them), summed at the end of the forward."""
+
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self.parameters = parameters
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        # looked up now, not in advance: ZeRO-3 gathers parameters into new storage
+        if all(p.untyped_storage().data_ptr() != key for p in self.parameters):
+            if key not in self.live:
+                self.live[key] = t.untyped_storage().nbytes()
+                self.current += self.live[key]
+                self.peak = max(self.peak, self.current)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t

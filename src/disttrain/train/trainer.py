@@ -285,6 +285,7 @@ class Trainer:
                        "skipped_steps": self.stepper.scaler.skipped}
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+        record["memory_mb"] = {k: v / 2**20 for k, v in self._memory().items()}
         ranks = self.telemetry.log(record, self.stepper.flops_per_term)
         self.splitter.update([r["samples"] for r in ranks],
                              [r["compute_s"] + r["data_s"] for r in ranks])
@@ -307,6 +308,7 @@ class Trainer:
         if self.stepper.flops_per_term:
             summary["model_flops_per_s"] = (summary["tokens_per_s"]
                                             * self.stepper.flops_per_term)
+        summary["memory_bytes"] = self._memory()
         self.dp.finalize()  # the model keeps its full parameters (ZeRO-3 gathers them)
         if self.runtime.is_main:
             rundir.save_weights(self.model, self.run_dir)
@@ -314,6 +316,11 @@ class Trainer:
             self.bar.message(_summary_text(summary, self.bar.unit))
         self._write_trace()
         return summary
+
+    def _memory(self) -> dict[str, int]:
+        """This rank's model state and the activations of one micro-batch's forward."""
+        return {**self.dp.model_state_bytes(self.optimizer),
+                "activations": self.stepper.activation_bytes or 0}
 
     def _write_trace(self) -> None:
         """Each rank writes its spans; rank 0 merges them into ``trace.json``."""

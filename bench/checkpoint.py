@@ -1,18 +1,18 @@
 """Checkpoint save throughput against the disk's own write bandwidth, and async stall.
 
-    python bench/checkpoint.py [--reps 5] [--d-model 1024] [--n-layer 4] [--dir DIR]
+    python bench/checkpoint.py [--reps 7] [--d-model 1024] [--n-layer 4] [--dir DIR]
 
-The state is what the trainer saves for a GPT (default d_model 1024, 4 layers: 50.7M
+The state is what the trainer saves for a GPT (default d_model 1024, 4 layers: 50.8M
 parameters) after one AdamW step: ``model/...``, ``optim/.../exp_avg``,
-``optim/.../exp_avg_sq``, ``optim/.../step`` and ``rng/rank0/cpu``, about 608 MB of
+``optim/.../exp_avg_sq``, ``optim/.../step`` and ``rng/rank0/cpu``, a 609 MB file of
 fp32, all owned by one rank (world size 1, one writer). In a temporary directory under
 ``--dir`` (the disk being measured), repetitions rotate through three timings so that
 drifting load hits all alike:
 
 - disk: the same number of bytes as the checkpoint's shard file, written to one file in
   64 MiB writes from memory, then fsync'd;
-- sync: ``CheckpointManager(async_save=False).save(...)``: host copy, shard file, fsync,
-  marker, index, rename and ``latest`` pointer (the whole commit);
+- sync: ``CheckpointManager(async_save=False).save(...)``: shard file (written from the
+  tensors in place), fsync, marker, index, rename and ``latest`` pointer (the commit);
 - async: the time ``CheckpointManager(async_save=True).save(...)`` blocks its caller (the
   training stall); the background write is then waited for, outside the timing.
 
@@ -125,30 +125,37 @@ def shard_bytes(run_dir: Path) -> int:
     return sum(f["bytes"] for f in open_checkpoint(directory).index.files.values())
 
 
-def _bench(work: Path, state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
-    sync = SaveTimer(work / "sync", state, async_save=False)
-    async_ = SaveTimer(work / "async", state, async_save=True)
+def _warm_up(sync: SaveTimer, async_: SaveTimer) -> tuple[int, float]:
+    """One untimed save each; returns the shard file's bytes and the async save's stall
+    (the first one: host buffers allocated and touched for the first time)."""
     sync.save()
     nbytes = shard_bytes(sync.run_dir)
     sync.finish()
     first_stall = async_.save()
     async_.finish()
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    raw = work / "raw.bin"
+    return nbytes, first_stall
+
+
+def _bench(work: Path, state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
+    sync = SaveTimer(work / "sync", state, async_save=False)
+    async_ = SaveTimer(work / "async", state, async_save=True)
+    nbytes, first_stall = _warm_up(sync, async_)
+    data, raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8), work / "raw.bin"
     time_raw_write(raw, data)
     times: dict[str, list[float]] = {"disk": [], "sync": [], "stall": [], "async_total": []}
 
-    def run_async() -> None:
-        stall = async_.save()
-        times["stall"].append(stall)
-        times["async_total"].append(stall + async_.finish())
+    def run_disk() -> None:
+        times["disk"].append(time_raw_write(raw, data))
 
     def run_sync() -> None:
         times["sync"].append(sync.save())
         sync.finish()
 
-    runners: list[Callable[[], None]] = [lambda: times["disk"].append(time_raw_write(raw, data)),
-                                         run_sync, run_async]
+    def run_async() -> None:
+        times["stall"].append(async_.save())
+        times["async_total"].append(times["stall"][-1] + async_.finish())
+
+    runners: list[Callable[[], None]] = [run_disk, run_sync, run_async]
     for rep in range(reps):
         for runner in runners[rep % 3:] + runners[:rep % 3]:
             runner()
@@ -159,7 +166,7 @@ def _bench(work: Path, state: dict[str, torch.Tensor], reps: int) -> dict[str, A
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=5, help="rotating repetitions (default 5)")
+    p.add_argument("--reps", type=int, default=7, help="rotating repetitions (default 7)")
     p.add_argument("--d-model", type=int, default=1024, help="GPT width (default 1024)")
     p.add_argument("--n-layer", type=int, default=4, help="GPT blocks (default 4)")
     p.add_argument("--dir", default=None,

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from ..faults import maybe_fail
+from ..fsutil import fsync_dir
 from .format import INDEX_FILE, CheckpointIndex, TensorEntry, shard_file_name
 
 LATEST = "latest"
@@ -51,14 +52,6 @@ def staging_dir(root: Path, step: int, attempt: int) -> Path:
     return root / f"{step_name(step)}.tmp-{attempt}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as fh:
@@ -66,7 +59,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_shard(staging: Path, rank: int, tensors: dict[str, torch.Tensor],
@@ -199,7 +192,7 @@ def commit(root: Path, staging: Path, step: int, world_size: int, meta: dict[str
     if final.exists():  # an uncommitted leftover of the same step
         shutil.rmtree(final)
     os.replace(staging, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     maybe_fail("save.before_pointer", 0, step)
     write_atomic(root / LATEST, final.name.encode())
     prune(root, keep)

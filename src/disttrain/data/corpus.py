@@ -34,6 +34,7 @@ import numpy as np
 
 from disttrain.config.schema import DataConfig
 from disttrain.errors import DataError
+from disttrain.fsutil import fsync_dir, write_durably
 
 FORMAT_VERSION = 1
 SHARD_TOKENS = 8 * 1024 * 1024
@@ -242,10 +243,10 @@ def _build(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
                 "train_files": len(train), "val_files": len(val),
                 "train_tokens": train_tokens, "val_tokens": val_tokens,
                 "train_shards": train_shards, "val_shards": val_shards}
-        _write_durably(tmp / META_NAME, json.dumps(meta, indent=2).encode())
-        _fsync_dir(tmp)
+        write_durably(tmp / META_NAME, json.dumps(meta, indent=2).encode())
+        fsync_dir(tmp)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -283,21 +284,6 @@ def _write_shard(directory: Path, split: str, index: int,
         f.flush()
         os.fsync(f.fileno())
     return name
-
-
-def _write_durably(path: Path, payload: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

@@ -14,7 +14,15 @@ from disttrain.faults import FAULT_ENV, FAULT_EXIT_CODE
 from disttrain.testing import DistributedTestError, run_distributed
 
 CKPT = {"every": 5, "keep": 2, "async": True}
+SYNC = {**CKPT, "async": False}
 STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def sync_reference(tmp_path_factory):
+    """20 uninterrupted steps at world size 2 with synchronous saves."""
+    return run_distributed(fit_tiny, 2, args=(STEPS, str(tmp_path_factory.mktemp("sref"))),
+                           kwargs={"checkpoint": SYNC}, timeout=120)[0]
 
 
 def _states_equal(a: dict, b: dict, atol: float) -> None:
@@ -33,6 +41,15 @@ def _crash(run_dir, world_size, monkeypatch, fault, checkpoint=CKPT, **train) ->
     monkeypatch.delenv(FAULT_ENV)
 
 
+@pytest.fixture(scope="module")
+def crashed_at_four(tmp_path_factory):
+    """A world-4 run killed after step 13 (checkpoints every 5 steps, async)."""
+    run_dir = tmp_path_factory.mktemp("crashed")
+    with pytest.MonkeyPatch.context() as mp:
+        _crash(run_dir, 4, mp, "train.step:13", log_every=1)
+    return run_dir
+
+
 def _resume(run_dir, world_size, checkpoint=CKPT) -> dict:
     return run_distributed(fit_tiny, world_size, args=(STEPS, str(run_dir)),
                            kwargs={"checkpoint": checkpoint}, timeout=120)[0]
@@ -49,20 +66,21 @@ def uninterrupted(tmp_path_factory):
     return state, losses
 
 
-def test_interrupted_run_resumes_exactly(uninterrupted, tmp_path, monkeypatch):
-    _crash(tmp_path, 4, monkeypatch, "train.step:13")
+def test_interrupted_run_resumes_exactly(uninterrupted, crashed_at_four, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(crashed_at_four, run_dir)
     # the async save of step 10 may or may not have committed before the crash
-    assert find_checkpoint(tmp_path, warn=print).name in ("step-00000005", "step-00000010")
-    _states_equal(_resume(tmp_path, 4), uninterrupted[0], atol=1e-6)
+    assert find_checkpoint(run_dir, warn=print).name in ("step-00000005", "step-00000010")
+    state = run_distributed(fit_tiny, 4, args=(STEPS, str(run_dir)),
+                            kwargs={"checkpoint": CKPT, "log_every": 1}, timeout=120)[0]
+    _states_equal(state, uninterrupted[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("new_world", [2, 1])
-def test_saved_at_four_resumes_at_fewer_ranks(uninterrupted, tmp_path, monkeypatch,
+def test_saved_at_four_resumes_at_fewer_ranks(uninterrupted, crashed_at_four, tmp_path,
                                               new_world):
-    saved = tmp_path / "saved"
-    _crash(saved, 4, monkeypatch, "train.step:13", log_every=1)
     run_dir = tmp_path / f"at{new_world}"
-    shutil.copytree(saved, run_dir)
+    shutil.copytree(crashed_at_four, run_dir)
     state = run_distributed(fit_tiny, new_world, args=(STEPS, str(run_dir)),
                             kwargs={"checkpoint": CKPT, "log_every": 1}, timeout=120)[0]
     _states_equal(state, uninterrupted[0], atol=1e-4)
@@ -78,14 +96,11 @@ def test_saved_at_four_resumes_at_fewer_ranks(uninterrupted, tmp_path, monkeypat
 @pytest.mark.parametrize("stage", ["save.before_tensors", "save.mid_file",
                                    "save.before_rename", "save.before_pointer"])
 def test_a_crash_at_any_stage_of_a_save_keeps_the_previous_checkpoint(
-        stage, tmp_path, monkeypatch):
-    sync = {**CKPT, "async": False}
-    _crash(tmp_path, 2, monkeypatch, f"{stage}:10", checkpoint=sync)
+        stage, sync_reference, tmp_path, monkeypatch):
+    _crash(tmp_path, 2, monkeypatch, f"{stage}:10", checkpoint=SYNC)
     found = find_checkpoint(tmp_path, warn=pytest.fail)
     assert found.name == "step-00000005"  # intact, checksums verified
-    reference = run_distributed(fit_tiny, 2, args=(STEPS, str(tmp_path / "ref")),
-                                kwargs={"checkpoint": sync}, timeout=120)[0]
-    _states_equal(_resume(tmp_path, 2, sync), reference, atol=1e-6)
+    _states_equal(_resume(tmp_path, 2, SYNC), sync_reference, atol=1e-6)
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
 

@@ -50,14 +50,15 @@ def _ranges(ranks: list[int]) -> str:
 
 def diagnose(reports: dict[int, dict], world_size: int) -> str:
     """One line: which ranks wait where; ranks that did not report are named too."""
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
     for rank, rep in reports.items():
-        where = (f"waits at {rep['waiting']}" if rep.get("waiting")
-                 else f"is not in a collective (last issued {rep['last']})")
+        where = (("waits", "wait"), f"at {rep['waiting']}") if rep.get("waiting") else \
+            (("is", "are"), f"not in a collective (last issued {rep['last']})")
         groups.setdefault(where, []).append(rank)
     # the odd one out first: the smallest group is the likely culprit
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
-    text = " while ".join(f"{_ranges(r)} {where}" for where, r in ordered)
+    text = " while ".join(f"{_ranges(r)} {verb[len(r) > 1]} {where}"
+                          for (verb, where), r in ordered)
     silent = sorted(set(range(world_size)) - set(reports))
     if silent:
         text += (f"; {_ranges(silent)} did not report (busy outside any collective, "

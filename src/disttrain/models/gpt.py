@@ -29,18 +29,21 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-                   for z in (q, k, v))
+        # Shapes are read from the projection's output, not from x or the config, so the
+        # same code runs when qkv yields only some heads (or x only some positions).
+        qkv = self.qkv(x)
+        b, t = qkv.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in qkv.chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

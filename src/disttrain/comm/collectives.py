@@ -183,3 +183,18 @@ class Communicator:
 
     def barrier(self) -> None:
         self._run("barrier", None, lambda a: dist.barrier(group=self.group), False)
+
+    # Point-to-point (pipeline parallelism). Peers are ranks within the group; a
+    # message is matched by (sender, tag), so distinct tags never cross.
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> TrackedWork:
+        """Start sending ``tensor`` (contiguous, kept alive by the caller until the
+        returned work completes) to group rank ``dst``."""
+        return self._run("send", tensor, lambda a: dist.isend(
+            tensor, group=self.group, tag=tag, group_dst=dst), True)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> TrackedWork:
+        """Start receiving into ``tensor`` (preallocated, the sender's shape and dtype)
+        from group rank ``src``."""
+        return self._run("recv", tensor, lambda a: dist.irecv(
+            tensor, group=self.group, tag=tag, group_src=src), True)

@@ -1,20 +1,23 @@
 """ZeRO stages 0-3 against torch FSDP2 (``fully_shard``): peak memory per rank, step time.
 
-    python bench/zero_memory.py [--reps 3] [--steps 3] [--d-model 512] [--n-layer 8]
+    python bench/zero_memory.py [--reps 10] [--steps 1] [--d-model 512] [--n-layer 8]
 
 Four Gloo ranks (one torch thread each) train the same GPT, identically initialised, on
 the same random tokens with AdamW (weight decay 0, so every system applies the same
-update) and gradient clipping at 1.0, under five systems: stage 0 (``apply_data_parallel``),
-stages 1-3 (``apply_zero``) and FSDP2 (``fully_shard`` on each block, then the root).
+update) and gradient clipping at 1.0, under five systems: stage 0
+(``apply_data_parallel``), stages 1-3 (``apply_zero``) and FSDP2 (``fully_shard`` on
+each block, then the root; fp32, default resharding).
 
 Peak memory: each system runs alone in a fresh set of 4 processes under torch's
-``MemTracker`` (a TorchDispatchMode that follows every tensor storage from its creation
-to its finalisation, and storage resizes). After one untracked-peak warmup step (which
-creates the optimizer state), the peak of live tensor bytes over ``--mem-steps`` steps
-is taken on each rank; the largest rank counts. Step time: all five systems live in one
-set of 4 processes; after warmup, repetitions of ``--steps`` timed steps rotate through
-the systems so drifting load hits all alike; a step is timed on every rank after a
-barrier and the slowest rank's time counts. Prints one JSON line.
+``MemTracker``, a TorchDispatchMode that follows every tensor storage an op returns
+from its creation (model construction included) to its finalisation, and storage
+resizes (how ZeRO-3 and FSDP2 free and re-gather parameters). After one step (which
+creates the optimizer state) the peak restarts from what is live, and the peak of live
+tensor bytes over ``--mem-steps`` more steps is taken on each rank; the largest rank
+counts. Step time: all five systems live in one set of 4 processes; after warmup,
+rotations of ``--steps`` timed steps per system go round the systems so that drifting
+load hits all alike; a step is timed on every rank after a barrier and the slowest
+rank's time counts. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ SYSTEMS = ("stage0", "stage1", "stage2", "stage3", "fsdp2")
 TARGET_MEMORY = 1.0   # ZeRO-3 peak / FSDP2 peak
 TARGET_TIME = 1.1     # ZeRO-3 step / FSDP2 step
 MiB = 2**20
+CPU = torch.device("cpu")
+_TOTAL = "Total"  # MemTracker's key for the sum over kinds
 Step = Callable[[torch.Tensor, torch.Tensor], float]
 
 
@@ -114,42 +119,44 @@ def _fsdp2_step(model: GPT) -> Step:
     return step
 
 
-def _build(system: str, cfg: ModelConfig, micro_batch: int, bucket_mb: float
-           ) -> tuple[GPT, Step]:
+def _build(system: str, cfg: ModelConfig, micro_batch: int, bucket_mb: float) -> Step:
+    """A fresh GPT (same seed for every system) wrapped by ``system``; its step."""
     torch.manual_seed(0)
     model = GPT(cfg)
     global_count = micro_batch * cfg.seq_len * dist.get_world_size()
     if system == "fsdp2":
-        return model, _fsdp2_step(model)
+        return _fsdp2_step(model)
     stage = int(system.removeprefix("stage"))
     if stage == 0:
-        return model, _data_parallel_step(model, global_count, bucket_mb)
-    return model, _zero_step(model, global_count, stage)
+        return _data_parallel_step(model, global_count, bucket_mb)
+    return _zero_step(model, global_count, stage)
 
 
 def _peak_memory(system: str, cfg: ModelConfig, micro_batch: int, bucket_mb: float,
                  steps: int) -> dict[str, float | dict[str, float]]:
     """This rank's peak live tensor bytes over ``steps`` steady-state steps of
-    ``system``; everything from model construction on is tracked."""
+    ``system``, what was live when they began, and the peak's breakdown by kind.
+
+    Every tensor storage is followed from its creation (model construction included)
+    to its finalisation, whichever thread drops it; storage resizes count.
+    """
     # the tracker's own gradient hook finds .grad already moved away by ZeRO 2-3's hook
     warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
     batches = _batches(cfg, micro_batch)
     tracker = MemTracker()
-    with tracker:  # construction and the first step (optimizer state appears)
-        _, step = _build(system, cfg, micro_batch, bucket_mb)
+    with tracker:  # construction and the first step (the optimizer state appears)
+        step = _build(system, cfg, micro_batch, bucket_mb)
         step(*batches[0])
         tracker.reset_mod_stats()  # per-module stats hold one iteration only
-    before = tracker.get_tracker_snapshot("current")
-    with tracker:  # re-entering resets the peak to what is live now
+    at_begin = tracker.get_tracker_snapshot("current")[CPU][_TOTAL]
+    with tracker:  # re-entering restarts the peak from what is live now
         for i in range(steps):
             step(*batches[(i + 1) % len(batches)])
             tracker.reset_mod_stats()
-    peak = tracker.get_tracker_snapshot("peak")
-    dev = torch.device("cpu")
-    return {"peak": peak[dev]["Total"] / MiB,
-            "between_steps": before[dev]["Total"] / MiB,
-            "at_peak": {str(k.value if hasattr(k, "value") else k): round(v / MiB, 2)
-                        for k, v in peak[dev].items() if v}}
+    peak = tracker.get_tracker_snapshot("peak")[CPU]
+    return {"peak": peak[_TOTAL] / MiB, "between_steps": at_begin / MiB,
+            "at_peak": {getattr(k, "value", k): round(v / MiB, 1) for k, v in peak.items()
+                        if v and k != _TOTAL}}
 
 
 def _time_steps(step: Step, batches: list, first: int, n: int) -> tuple[list[float], float]:
@@ -167,8 +174,9 @@ def _time_steps(step: Step, batches: list, first: int, n: int) -> tuple[list[flo
 
 def _step_times(cfg: ModelConfig, micro_batch: int, bucket_mb: float, reps: int,
                 steps: int) -> dict[str, dict[str, list[float] | float]]:
-    """Every system in these processes; repetitions rotate through them."""
-    runners = {s: _build(s, cfg, micro_batch, bucket_mb)[1] for s in SYSTEMS}
+    """Every system in these processes; rotations go round them. Per system: the
+    slowest rank's seconds for each timed step, and the loss of its last step."""
+    runners = {s: _build(s, cfg, micro_batch, bucket_mb) for s in SYSTEMS}
     batches = _batches(cfg, micro_batch)
     for step in runners.values():
         _time_steps(step, batches, 0, WARMUP_STEPS)
@@ -186,8 +194,10 @@ def _step_times(cfg: ModelConfig, micro_batch: int, bucket_mb: float, reps: int,
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3, help="rotating timing repetitions (default 3)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per system per rep")
+    p.add_argument("--reps", type=int, default=10, help="rotations through the systems "
+                   "(default 10)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per system per "
+                   "rotation (default 1)")
     p.add_argument("--mem-steps", type=int, default=2, help="tracked steps per memory run")
     p.add_argument("--d-model", type=int, default=512, help="GPT width (default 512)")
     p.add_argument("--n-layer", type=int, default=8, help="GPT blocks (default 8)")
@@ -211,7 +221,8 @@ def main() -> None:
                                       args.mem_steps))
         memory[system] = max(ranks, key=lambda r: r["peak"])
         _log(f"memory {system}: peak {memory[system]['peak']:.1f} MiB, between steps "
-             f"{memory[system]['between_steps']:.1f} MiB, at peak {memory[system]['at_peak']}")
+             f"{memory[system]['between_steps']:.1f} MiB; at the peak (MiB, the tracker's "
+             f"own attribution): {memory[system]['at_peak']}")
     timing = run_distributed(_step_times, WORLD_SIZE, timeout=3600,
                              args=(cfg, args.micro_batch, args.bucket_mb, args.reps,
                                    args.steps))[0]

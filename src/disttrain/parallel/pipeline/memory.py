@@ -1,0 +1,64 @@
+"""Counting the activation bytes a stage holds for backward.
+
+:class:`SavedActivationMeter` installs ``torch.autograd.graph.saved_tensors_hooks``
+around a forward: every tensor autograd saves for backward is counted once per
+storage (several saves of one storage count once), parameters excluded, until the
+graph that saved it is freed by backward. ``peak_bytes`` is the most held at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+class _Saved:
+    """What the graph keeps instead of the tensor; releases its count when freed."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedActivationMeter, key: int) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class SavedActivationMeter:
+    """Live and peak bytes of tensors saved for backward (parameters excluded)."""
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in params}
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [saves, bytes]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded or storage.nbytes() == 0:
+            return tensor
+        entry = self._live.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live_bytes += entry[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        return _Saved(tensor, self, key)
+
+    @staticmethod
+    def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self._live[key]

@@ -1,0 +1,104 @@
+"""Check and simulate a :class:`Schedule` without processes (pure Python).
+
+The simulation follows the runner's semantics: sends never block (they are posted
+asynchronously), a rank blocks on an action until the message it needs has been sent,
+and runs its actions strictly in order. If some rank waits for a message that is never
+sent, :func:`simulate` raises :class:`ScheduleDeadlock` naming what each stuck rank
+waits for; otherwise it returns each action's start and end time for given costs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .schedules import BACKWARD, FORWARD, Action, Schedule
+
+
+class ScheduleDeadlock(RuntimeError):
+    """Some rank waits for a message that no rank will ever send."""
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Raise ValueError unless every rank runs the forward and the backward of each of
+    its chunks on each micro-batch exactly once, each backward after its forward."""
+    for rank, actions in enumerate(schedule.actions):
+        want = Counter(Action(kind, c, i) for kind in (FORWARD, BACKWARD)
+                       for c in range(rank, schedule.n_chunks, schedule.pp)
+                       for i in range(schedule.m))
+        if Counter(actions) != want:
+            missing = sorted(map(str, want - Counter(actions)))
+            extra = sorted(map(str, Counter(actions) - want))
+            raise ValueError(f"rank {rank}: missing {missing}, unexpected {extra}")
+        seen: set[tuple[int, int]] = set()
+        for a in actions:
+            if a.kind == FORWARD:
+                seen.add((a.chunk, a.micro))
+            elif (a.chunk, a.micro) not in seen:
+                raise ValueError(f"rank {rank}: {a} runs before its forward")
+
+
+def dependencies(action: Action, n_chunks: int) -> tuple[Action, ...]:
+    """The actions whose results ``action`` consumes (messages or local activations)."""
+    c, i = action.chunk, action.micro
+    if action.kind == FORWARD:
+        return (Action(FORWARD, c - 1, i),) if c > 0 else ()
+    upstream = Action(BACKWARD, c + 1, i) if c < n_chunks - 1 else None
+    return (Action(FORWARD, c, i),) + ((upstream,) if upstream else ())
+
+
+def simulate(schedule: Schedule, *, forward_time: float = 1.0, backward_time: float = 2.0,
+             message_time: float = 0.0) -> list[list[TimedAction]]:
+    """Each rank's actions with start/end times; costs are per chunk action."""
+    done: dict[Action, float] = {}
+    pos, free = [0] * schedule.pp, [0.0] * schedule.pp
+    out: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
+    remaining = sum(map(len, schedule.actions))
+    while remaining:
+        moved = 0
+        for rank, actions in enumerate(schedule.actions):
+            while pos[rank] < len(actions):
+                action = actions[pos[rank]]
+                deps = dependencies(action, schedule.n_chunks)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[rank]] + [
+                    done[d] + (message_time if schedule.rank_of(d.chunk) != rank else 0.0)
+                    for d in deps])
+                cost = forward_time if action.kind == FORWARD else backward_time
+                done[action] = free[rank] = start + cost
+                out[rank].append(TimedAction(action, rank, start, start + cost))
+                pos[rank] += 1
+                moved += 1
+        if not moved:
+            raise ScheduleDeadlock(_stuck(schedule, pos, done))
+        remaining -= moved
+    return out
+
+
+def bubble_fractions(timeline: list[list[TimedAction]]) -> list[float]:
+    """Per rank: 1 - busy / span, the span being the whole step (first start to last
+    end over all ranks)."""
+    starts = [t.start for actions in timeline for t in actions]
+    ends = [t.end for actions in timeline for t in actions]
+    span = max(ends) - min(starts)
+    return [1 - sum(t.end - t.start for t in actions) / span for actions in timeline]
+
+
+def _stuck(schedule: Schedule, pos: list[int], done: dict[Action, float]) -> str:
+    lines = []
+    for rank, actions in enumerate(schedule.actions):
+        if pos[rank] < len(actions):
+            action = actions[pos[rank]]
+            waits = [str(d) for d in dependencies(action, schedule.n_chunks) if d not in done]
+            lines.append(f"rank {rank} at {action} waits for {', '.join(waits)}")
+    return f"{schedule.name} pp={schedule.pp} m={schedule.m} v={schedule.v} deadlocks: " \
+        + "; ".join(lines)

@@ -1,0 +1,269 @@
+"""apply_tensor_parallel: swap a model's modules for tensor-parallel shards, by plan.
+
+A plan is data: module-name patterns (``fnmatch``, matched against
+``model.named_modules()`` names) -> style. Styles:
+
+- ``colwise``: ``nn.Linear`` -> :class:`ColumnParallelLinear` (output rows sharded)
+- ``colwise_qkv``: the same for a fused q|k|v projection, cut so each rank gets its
+  own heads' q, k and v rows; the parent's ``n_head`` becomes this rank's head count
+- ``rowwise``: ``nn.Linear`` -> :class:`RowParallelLinear` (input columns sharded)
+- ``vocab``: ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
+- ``vocab_head``: ``nn.Linear`` -> :class:`VocabParallelHead` (local logits), sharing
+  the vocab embedding's shard when the full head is tied to it
+- ``sequence``: a replicated module (a norm) that, under sequence parallelism, runs
+  on this rank's positions only; its gradients are then partial sums over tp
+- ``split_sequence``: under sequence parallelism, this module's output is split along
+  the sequence dim: the sequence-parallel region starts here
+
+The last two do nothing without sequence parallelism. Modules are swapped in place under
+the same attribute names, so ``named_parameters()`` keeps the unsharded model's names.
+"""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from ...comm.collectives import Communicator
+from ...config.schema import ModelConfig
+from ...errors import ConfigError
+from .functions import scatter_to_sequence_region, vocab_parallel_token_loss
+from .layers import (
+    Box,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    cut,
+    whole_box,
+)
+
+GPT_PLAN: dict[str, str] = {
+    "tok_emb": "vocab",
+    "drop": "split_sequence",
+    "blocks.*.ln1": "sequence",
+    "blocks.*.attn.qkv": "colwise_qkv",
+    "blocks.*.attn.out": "rowwise",
+    "blocks.*.ln2": "sequence",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "ln_f": "sequence",
+    "head": "vocab_head",
+}
+
+_SWAPPED = ("colwise", "colwise_qkv", "rowwise", "vocab", "vocab_head")
+STYLES = (*_SWAPPED, "sequence", "split_sequence")
+
+
+class TensorParallelLayoutError(ConfigError, ValueError):
+    """The model cannot be split over this many tp ranks."""
+
+
+def check_divisible(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Raise :class:`TensorParallelLayoutError` (a ValueError) naming the first model
+    field that tp does not divide: heads, MLP width, vocabulary (and sequence length
+    under sequence parallelism)."""
+    fields = [("model.n_head", cfg.n_head, cfg.n_head, "attention heads"),
+              ("model.d_model", cfg.d_model, 4 * cfg.d_model, "MLP width 4 x d_model"),
+              ("model.vocab_size", cfg.vocab_size, cfg.vocab_size, "vocabulary rows")]
+    if sequence_parallel:
+        fields.append(("model.seq_len", cfg.seq_len, cfg.seq_len, "sequence positions"))
+    for name, value, split, what in fields:
+        if split % tp:
+            ok = [k for k in range(1, split + 1) if split % k == 0 and k <= 64]
+            raise TensorParallelLayoutError(
+                name, value, f"the {what} ({split}) cannot be split over tp={tp} ranks",
+                f"use a parallel.tp that divides {split} (one of {ok}) or change "
+                f"{name} so that tp={tp} divides the {what}")
+
+
+class TensorParallel:
+    """What :func:`apply_tensor_parallel` did to a model, for the trainer and checkpoints.
+
+    Knows, for every parameter name (tied aliases included), the boxes placing the local
+    tensor in the global one; which parameters are sharded; and which replicated ones
+    receive partial gradients (sequence parallelism).
+    """
+
+    def __init__(self, comm: Communicator, boxes: dict[str, list[Box]],
+                 sharded: set[int], partial: list[nn.Parameter],
+                 sequence_parallel: bool) -> None:
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self._boxes, self._sharded, self._partial = boxes, sharded, partial
+
+    @property
+    def tp_size(self) -> int:
+        return self.comm.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.comm.rank
+
+    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(summed loss, target count) from local logits [B, T, V/tp]; use instead of
+        :func:`disttrain.models.token_loss`. Same value on every tp rank."""
+        return vocab_parallel_token_loss(outputs, targets, self.comm)
+
+    def boxes(self, name: str) -> list[Box]:
+        """Where this rank's tensor for parameter ``name`` lies in the global tensor."""
+        try:
+            return list(self._boxes[name])
+        except KeyError:
+            raise KeyError(f"{name!r} is not a parameter of the tensor-parallel model") from None
+
+    def local_from_global(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor for ``name``, cut from the global ``full`` tensor."""
+        return cut(full, self._boxes[name])
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        """True if ``param`` holds only part of its global tensor (its squared norm must
+        be summed over tp); False for a replicated one (count it once)."""
+        return id(param) in self._sharded
+
+    def sync_replicated_grads(self) -> None:
+        """Sum over tp the gradients that are partial per rank; call once after the
+        backward passes of a step, before clipping and the optimizer step.
+
+        Without sequence parallelism this is a no-op: every replicated parameter (norms,
+        row-parallel biases, position embedding) sees the full activations and the full
+        output gradient on every rank (the all-reduces of copy-to- and
+        reduce-from-tp-region make them identical), so its gradient is already complete.
+        Under sequence parallelism the norms and row-parallel biases see only this
+        rank's positions, so each rank holds a partial sum.
+        """
+        grads = [p.grad for p in self._partial if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all
+        self.comm.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
+                          plan: dict[str, str] | None = None,
+                          sequence_parallel: bool = False) -> TensorParallel:
+    """Shard ``model`` in place over the tp group of ``comm`` following ``plan``
+    (default :data:`GPT_PLAN`); every tp rank must pass an identically initialised
+    model. Returns the :class:`TensorParallel` handle."""
+    plan = dict(GPT_PLAN if plan is None else plan)
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        check_divisible(cfg, comm.size, sequence_parallel=sequence_parallel)
+    targets = _match(model, plan)
+    _check_ties(model, targets)
+    if sequence_parallel and "split_sequence" not in plan.values():
+        raise ValueError("sequence_parallel=True needs a 'split_sequence' entry in the "
+                         "plan: the module whose output enters the sequence-parallel region")
+    shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard
+    partial: list[nn.Parameter] = []
+    for name, style in targets:
+        module = model.get_submodule(name)
+        if style in _SWAPPED:
+            _swap(model, name, _build(style, module, comm, sequence_parallel, shards))
+        elif sequence_parallel and style == "sequence":
+            partial.extend(p for p in module.parameters() if p.requires_grad)
+        elif sequence_parallel and style == "split_sequence":
+            module.register_forward_hook(
+                lambda _m, _inp, out: scatter_to_sequence_region(out, comm))
+        if style == "colwise_qkv":
+            _set_local_heads(model, name, comm.size)
+    return _handle(model, comm, partial, sequence_parallel)
+
+
+def _match(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+    """[(module name, style)] in module order, vocab heads last (they reuse the
+    embedding's shard). Each pattern must match a module; the first match wins."""
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; "
+                             f"choose one of {', '.join(STYLES)}")
+    names = [n for n, _ in model.named_modules() if n]
+    unused = [p for p in plan if not any(fnmatchcase(n, p) for n in names)]
+    if unused:
+        raise ValueError(f"plan patterns {unused} match no module of the model; "
+                         "fix or remove them")
+    targets = []
+    for n in names:
+        style = next((s for p, s in plan.items() if fnmatchcase(n, p)), None)
+        if style is not None:
+            targets.append((n, style))
+    return sorted(targets, key=lambda t: t[1] == "vocab_head")
+
+
+def _check_ties(model: nn.Module, targets: list[tuple[str, str]]) -> None:
+    """A module left whole must not share a parameter with one being sharded (the
+    GPT's head is tied to tok_emb: sharding one needs the other in the plan too)."""
+    swapped = {n for n, s in targets if s in _SWAPPED}
+    to_shard = {id(p) for n in swapped
+                for p in model.get_submodule(n).parameters(recurse=False)}
+    for name, m in model.named_modules():
+        if name not in swapped and any(id(p) in to_shard
+                                       for p in m.parameters(recurse=False)):
+            raise ValueError(f"module {name!r} is not in the plan but shares a parameter "
+                             "with a module that is sharded; add it to the plan "
+                             "(a head tied to a 'vocab' embedding: 'vocab_head')")
+
+
+_EXPECTED = {"colwise": nn.Linear, "colwise_qkv": nn.Linear, "rowwise": nn.Linear,
+             "vocab": nn.Embedding, "vocab_head": nn.Linear}
+
+
+def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel: bool,
+           shards: dict[int, nn.Parameter]) -> nn.Module:
+    if type(module) is not _EXPECTED[style]:
+        raise ValueError(f"style {style!r} needs a {_EXPECTED[style].__name__} module, "
+                         f"got a {type(module).__name__}")
+    full_weight = module.weight
+    tied = shards.get(id(full_weight))
+    if tied is not None and style != "vocab_head":
+        raise ValueError(f"a {style!r} module shares a weight with a module already "
+                         "sharded; only a 'vocab_head' may share the 'vocab' embedding's")
+    sp = {"sequence_parallel": sequence_parallel}
+    if style == "vocab":
+        new = VocabParallelEmbedding(module, comm)
+    elif style == "vocab_head":
+        new = VocabParallelHead(module, comm, tied=tied, **sp)
+    elif style == "rowwise":
+        new = RowParallelLinear(module, comm, **sp)
+    else:
+        new = ColumnParallelLinear(module, comm, parts=3 if style == "colwise_qkv" else 1,
+                                   **sp)
+    shards[id(full_weight)] = new.weight
+    return new
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _set_local_heads(model: nn.Module, qkv_name: str, tp: int) -> None:
+    parent = model.get_submodule(qkv_name.rpartition(".")[0])
+    if hasattr(parent, "n_head"):
+        parent.n_head //= tp
+
+
+def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
+            sequence_parallel: bool) -> TensorParallel:
+    """Collect every parameter's boxes (tied aliases too) once the swaps are done."""
+    boxes: dict[str, list[Box]] = {}
+    sharded: set[int] = set()
+    for mod_name, m in model.named_modules():
+        own = m.param_boxes() if hasattr(m, "param_boxes") else {}
+        partial.extend(m.partial_grad_params() if hasattr(m, "partial_grad_params") else [])
+        for p_name, p in m._parameters.items():
+            if p is None:
+                continue
+            box = own.get(p_name) or whole_box(tuple(p.shape))
+            boxes[f"{mod_name}.{p_name}" if mod_name else p_name] = box
+            if p.numel() < math.prod(box[0].global_shape):
+                sharded.add(id(p))
+    return TensorParallel(comm, boxes, sharded, partial, sequence_parallel)
+

@@ -1,0 +1,234 @@
+"""Tensor-parallel layers: each holds this rank's shard of a full layer's weights.
+
+Each layer is built from the full (unsharded) module, identical on every tp rank, and
+cuts its shard from it, so the tp layers together compute exactly what the full layer
+computes. Each reports, per local parameter, the :class:`Box` es that place it in the
+global tensor (``param_boxes``), and which of its parameters get only a partial
+gradient on each rank (``partial_grad_params``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...comm.collectives import Communicator
+from .functions import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Box:
+    """A block shared by a local tensor and the global tensor it is a shard of:
+    ``local[local_offsets + i] == global[global_offsets + i]`` for every i < ``shape``
+    (all tuples have one entry per dimension)."""
+
+    local_offsets: tuple[int, ...]
+    global_offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    def local_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape))
+
+    def global_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape))
+
+
+def whole_box(shape: tuple[int, ...]) -> list[Box]:
+    """A replicated tensor: one box covering all of it."""
+    zeros = (0,) * len(shape)
+    return [Box(local_offsets=zeros, global_offsets=zeros, shape=tuple(shape),
+                global_shape=tuple(shape))]
+
+
+def dim_boxes(global_shape: tuple[int, ...], dim: int, rank: int, size: int,
+              parts: int = 1) -> list[Box]:
+    """Rank ``rank`` of ``size``'s boxes when ``dim`` is sharded.
+
+    With ``parts`` > 1 the dim is ``parts`` equal consecutive blocks (the q, k and v
+    rows of a fused projection) and each block is sharded on its own: the local tensor
+    is this rank's slice of block 0, then of block 1, ... (one box per block).
+    """
+    n = global_shape[dim]
+    if n % (parts * size):
+        raise ValueError(f"dim {dim} of size {n} cannot be cut into {parts} part(s) x "
+                         f"tp={size} equal shards: make it a multiple of {parts * size}")
+    block, shard = n // parts, n // (parts * size)
+    shape = tuple(shard if d == dim else s for d, s in enumerate(global_shape))
+
+    def at(offset: int) -> tuple[int, ...]:
+        return tuple(offset if d == dim else 0 for d in range(len(global_shape)))
+
+    return [Box(local_offsets=at(j * shard), global_offsets=at(j * block + rank * shard),
+                shape=shape, global_shape=tuple(global_shape)) for j in range(parts)]
+
+
+def local_shape(boxes: list[Box]) -> tuple[int, ...]:
+    """The local tensor's shape: the extent the boxes cover."""
+    return tuple(max(b.local_offsets[d] + b.shape[d] for b in boxes)
+                 for d in range(len(boxes[0].shape)))
+
+
+def cut(full: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
+    """This rank's local tensor, copied out of the ``full`` global tensor."""
+    if tuple(full.shape) != boxes[0].global_shape:
+        raise ValueError(f"global tensor has shape {tuple(full.shape)}, the boxes "
+                         f"describe {boxes[0].global_shape}")
+    local = full.new_empty(local_shape(boxes))
+    for b in boxes:
+        local[b.local_slices()] = full[b.global_slices()]
+    return local
+
+
+def _shard_param(full: torch.Tensor | None, boxes: list[Box]) -> nn.Parameter | None:
+    if full is None:
+        return None
+    return nn.Parameter(cut(full.detach(), boxes), requires_grad=full.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T + b_local, output sharded on its last dim.
+
+    weight: [out/tp, in], sharded on dim 0; bias: [out/tp]. With ``parts`` > 1 the
+    output is ``parts`` equal blocks (q | k | v) each sharded on its own, so the local
+    rows are [q_r; k_r; v_r]. Input [B, T, in] replicated (identity forward,
+    all-reduce backward), or [B, T/tp, in] under sequence parallelism (all-gathered
+    along T forward, reduce-scattered backward). Output [B, T, out/tp].
+    """
+
+    def __init__(self, full: nn.Linear, comm: Communicator, *, parts: int = 1,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        shape = tuple(full.weight.shape)
+        self._boxes = {"weight": dim_boxes(shape, 0, comm.rank, comm.size, parts)}
+        if full.bias is not None:
+            self._boxes["bias"] = dim_boxes(shape[:1], 0, comm.rank, comm.size, parts)
+        self.in_features, self.out_features = full.in_features, shape[0] // comm.size
+        self.weight = _shard_param(full.weight, self._boxes["weight"])
+        self.bias = _shard_param(full.bias, self._boxes.get("bias", []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.comm)
+        else:
+            x = copy_to_tp_region(x, self.comm)
+        return F.linear(x, self.weight, self.bias)
+
+    def param_boxes(self) -> dict[str, list[Box]]:
+        return dict(self._boxes)
+
+    def partial_grad_params(self) -> list[nn.Parameter]:
+        return []
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out_local={self.out_features}, tp={self.comm.size}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of (x_local @ W_local^T), then + b.
+
+    weight: [out, in/tp], sharded on dim 1; bias: [out], replicated, added once after
+    the reduction. Input [B, T, in/tp] (sharded on its last dim, as a column-parallel
+    layer leaves it). Output [B, T, out] all-reduced, or [B, T/tp, out]
+    reduce-scattered along T under sequence parallelism (then each rank adds the bias
+    to its own positions only, so the bias gradient is partial per rank).
+    """
+
+    def __init__(self, full: nn.Linear, comm: Communicator, *,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        shape = tuple(full.weight.shape)
+        self._boxes = {"weight": dim_boxes(shape, 1, comm.rank, comm.size)}
+        if full.bias is not None:
+            self._boxes["bias"] = whole_box(shape[:1])
+        self.in_features, self.out_features = shape[1] // comm.size, full.out_features
+        self.weight = _shard_param(full.weight, self._boxes["weight"])
+        self.bias = _shard_param(full.bias, self._boxes.get("bias", []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.comm)
+        else:
+            y = reduce_from_tp_region(y, self.comm)
+        return y if self.bias is None else y + self.bias
+
+    def param_boxes(self) -> dict[str, list[Box]]:
+        return dict(self._boxes)
+
+    def partial_grad_params(self) -> list[nn.Parameter]:
+        return [self.bias] if self.sequence_parallel and self.bias is not None else []
+
+    def extra_repr(self) -> str:
+        return (f"in_local={self.in_features}, out={self.out_features}, tp={self.comm.size}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids [B, T] -> [B, T, d], the table sharded by vocabulary rows.
+
+    weight: [V/tp, d], rows [r*V/tp, (r+1)*V/tp) of the full table on rank r. Ids
+    outside this rank's rows look up zeros; the partial outputs are all-reduced
+    (identity backward: each rank's rows get their own tokens' gradient).
+    """
+
+    def __init__(self, full: nn.Embedding, comm: Communicator) -> None:
+        super().__init__()
+        if full.padding_idx is not None or full.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding supports neither padding_idx nor "
+                             "max_norm: build the embedding without them")
+        self.comm = comm
+        shape = tuple(full.weight.shape)
+        self._boxes = {"weight": dim_boxes(shape, 0, comm.rank, comm.size)}
+        self.num_local = shape[0] // comm.size
+        self.vocab_start = comm.rank * self.num_local
+        self.weight = _shard_param(full.weight, self._boxes["weight"])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.comm)
+
+    def param_boxes(self) -> dict[str, list[Box]]:
+        return dict(self._boxes)
+
+    def partial_grad_params(self) -> list[nn.Parameter]:
+        return []
+
+    def extra_repr(self) -> str:
+        return (f"vocab_local={self.num_local}, start={self.vocab_start}, "
+                f"tp={self.comm.size}")
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output projection, sharded by vocabulary: [B, T, d] -> local logits
+    [B, T, V/tp] (vocabulary ids [r*V/tp, (r+1)*V/tp) on rank r), never gathered.
+
+    weight: [V/tp, d], sharded on dim 0. When the full head is tied to an embedding
+    that is itself vocab-sharded, pass that embedding's shard as ``tied`` and the head
+    uses the very same Parameter (same rows, one gradient). Input as for
+    :class:`ColumnParallelLinear` (replicated, or [B, T/tp, d] under sequence
+    parallelism).
+    """
+
+    def __init__(self, full: nn.Linear, comm: Communicator, *,
+                 tied: nn.Parameter | None = None, sequence_parallel: bool = False) -> None:
+        super().__init__(full, comm, sequence_parallel=sequence_parallel)
+        if tied is not None:
+            if tuple(tied.shape) != tuple(self.weight.shape):
+                raise ValueError(f"tied shard has shape {tuple(tied.shape)}, the head's "
+                                 f"shard is {tuple(self.weight.shape)}")
+            self.weight = tied

@@ -198,3 +198,11 @@ class Communicator:
         from group rank ``src``."""
         return self._run("recv", tensor, lambda a: dist.irecv(
             tensor, group=self.group, tag=tag, group_src=src), True)
+
+    def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
+        """Receive into ``tensor`` from whichever group rank's message comes first
+        (blocking; the parameter servers' inbox); returns that sender's group rank."""
+        work = self._run("recv_any", tensor, lambda a: dist.irecv(
+            tensor, group=self.group, tag=tag), True)
+        work.wait()
+        return work.work._source_rank()

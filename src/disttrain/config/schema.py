@@ -91,6 +91,22 @@ class TrainConfig:
                                        choices=("none", "full", "every_k"))
     activation_checkpointing_k: int = _f(2, "with every_k: checkpoint blocks 0, k, 2k, ...",
                                          ge=1)
+    sync: str = _f("every_step", "how dp replicas synchronise: every_step (gradient "
+                   "all-reduce), local_sgd (average parameters every sync_every steps), "
+                   "diloco (outer Nesterov step every sync_every steps), async (parameter "
+                   "servers), fedavg (federated averaging over non-IID partitions)",
+                   choices=("every_step", "local_sgd", "diloco", "async", "fedavg"))
+    sync_every: int = _f(50, "local_sgd/diloco/fedavg: local steps per synchronisation "
+                         "round (H)", ge=1)
+    outer_lr: float = _f(0.7, "diloco: outer SGD learning rate", gt=0.0)
+    outer_momentum: float = _f(0.9, "diloco: outer Nesterov momentum", ge=0.0,
+                               le=0.999)
+    ps_servers: int = _f(1, "async: ranks 0..ps_servers-1 serve parameter shards, the "
+                         "rest are workers", ge=1)
+    staleness_bound: int = _f(4, "async: a gradient computed on parameters more than this "
+                              "many versions old is dropped", ge=0)
+    fed_fraction: float = _f(1.0, "fedavg: fraction of clients chosen (seeded) each round",
+                             gt=0.0, le=1.0)
 
 
 @dataclass(kw_only=True)

@@ -51,7 +51,8 @@ def resolve(config: Config, world_size: int) -> RunPlan:
     _check_zero(config)
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
-    batch = resolve_batch(config.train, config.explicit, layout.dp)
+    _check_sync(config, layout)
+    batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))
 
 
@@ -120,6 +121,53 @@ def _check_zero(config: Config) -> None:
     if zero and config.parallel.balance == "dynamic":
         raise ConfigError("parallel.balance", "dynamic", "is not supported with ZeRO yet",
                           "use parallel.balance=static with parallel.zero")
+
+
+def data_parallel_degree(config: Config, layout: Layout) -> int:
+    """Ranks that each take a share of the global batch: the dp ranks, except under
+    ``train.sync=async`` where the parameter servers take none."""
+    if config.train.sync == "async":
+        return layout.dp - config.train.ps_servers
+    return layout.dp
+
+
+def _check_sync(config: Config, layout: Layout) -> None:
+    mode = config.train.sync
+    if mode == "every_step":
+        return
+    p = config.parallel
+    for key, value, off in (("zero", p.zero, 0), ("pp", p.pp, 1), ("tp", p.tp, 1)):
+        if value != off:
+            raise ConfigError(f"parallel.{key}", value,
+                              f"is not supported with train.sync={mode} (replicas keep "
+                              "whole, unsharded models)",
+                              f"set parallel.{key}={off}, or train.sync=every_step")
+    if p.balance == "dynamic":
+        raise ConfigError("parallel.balance", "dynamic",
+                          f"is not supported with train.sync={mode}",
+                          "use parallel.balance=static")
+    codec = getattr(getattr(config, "comm", None), "codec", "none")
+    if codec != "none":
+        raise ConfigError("comm.codec", codec,
+                          f"compresses the every_step gradient all-reduce; train.sync="
+                          f"{mode} sends parameters, uncompressed",
+                          "set comm.codec=none, or train.sync=every_step")
+    if mode == "async":
+        _check_async(config, layout)
+
+
+def _check_async(config: Config, layout: Layout) -> None:
+    t = config.train
+    if layout.dp <= t.ps_servers:
+        raise ConfigError("train.ps_servers", t.ps_servers,
+                          f"leaves no worker among {layout.dp} rank(s)",
+                          f"use at least {t.ps_servers + 1} ranks, or fewer servers")
+    every = config.checkpoint.every
+    if every and "checkpoint.every" in config.explicit:
+        raise ConfigError("checkpoint.every", every,
+                          "async training writes no checkpoints (the servers' optimizer "
+                          "state and the workers' progress are not captured)",
+                          "set checkpoint.every=0, or use another train.sync mode")
 
 
 def _check_monitor(config: Config) -> None:

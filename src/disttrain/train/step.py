@@ -81,6 +81,7 @@ class StepRunner:
     activation_bytes: int | None = None  # saved for backward, measured on the first pass
     terms_are_samples: bool = False
     grad_norm: float = 0.0
+    local: bool = False  # train.sync other than every_step: no collective in a step
 
     def run(self, micro_batches: list[list[int]]) -> StepStats:
         stats = StepStats(samples=sum(len(m) for m in micro_batches))
@@ -96,10 +97,11 @@ class StepRunner:
             stats.data_s += time.perf_counter() - td
             with contextlib.nullcontext() if last else self.dp.no_sync():
                 handle = self._forward_backward(inputs, targets, totals, last)
-        if handle is None:  # no samples this step: still take part in every collective
+        if handle is None and not self.local:  # no samples: still join every collective
             handle = self.comm.all_reduce(totals, async_op=True)
         maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         loss, count = totals.tolist()
         self.dp.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
         stats.compute_s = time.perf_counter() - t0 - stats.data_s
@@ -116,6 +118,20 @@ class StepRunner:
         stats.loss, stats.terms = loss / max(count, 1.0), int(count)
         return stats
 
+    def gradients(self, micro_batches: list[list[int]]) -> tuple[float, int]:
+        """Forward and backward only (an async worker's half of a step; the servers
+        own the optimizer): leaves this rank's gradient, normalised by its own loss-term
+        count and clipped, in ``.grad``; returns (summed loss, loss terms)."""
+        self.dp.zero_grad()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for indices in micro_batches:
+            inputs, targets = self.load(indices)
+            self._forward_backward(inputs, targets, totals, last=False)
+        loss, count = totals.tolist()
+        self.dp.finish_gradient_sync(1.0 / max(count, 1.0))
+        self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
+        return loss, int(count)
+
     def _forward_backward(self, inputs: Any, targets: Any, totals: torch.Tensor,
                           last: bool) -> Any:
         counter = FlopCounterMode(display=False) if self.count_flops else None
@@ -131,7 +147,8 @@ class StepRunner:
             totals[0] += loss_sum.detach().double()
             totals[1] += count
             # launched before the last backward, so it overlaps it
-            handle = self.comm.all_reduce(totals, async_op=True) if last else None
+            handle = (self.comm.all_reduce(totals, async_op=True)
+                      if last and not self.local else None)
             with self.tracer.span("backward"):
                 (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
         if saved is not None:

@@ -31,13 +31,14 @@ from ..faults import maybe_fail
 from ..monitor import MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
 from ..monitor.metrics import truncate_metrics
-from ..monitor.stats import StatsWindow, StragglerDetector, measure_peak_flops
+from ..monitor.stats import StatsWindow, StepStats, StragglerDetector, measure_peak_flops
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
 from ..parallel.activation import apply_activation_checkpointing, canonical_name
 from ..parallel.balance import BatchSplitter
 from ..parallel.data import apply_data_parallel
+from ..parallel.sync import LocalGradients, SyncStrategy, build_sync
 from ..parallel.zero import apply_zero
 from ..topology import Topology, build_topology
 from . import rundir
@@ -131,6 +132,8 @@ class Trainer:
             names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
             self.dp = apply_zero(self.model, self.dp_comm, self.plan.layout.zero, names)
             groups = self.dp.param_groups(train.weight_decay)
+        elif train.sync != "every_step":  # replicas reconciled by self.sync, not per step
+            self.dp, groups = LocalGradients(self.model, self.dp_comm), None
         else:
             self.dp = apply_data_parallel(
                 self.model, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
@@ -183,11 +186,17 @@ class Trainer:
             device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
             precision=self.config.train.precision,
             scaler=LossScaler(self.config.train.precision == "fp16"),
-            count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token)
+            count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token,
+            local=self.config.train.sync != "every_step")
+        self.sync: SyncStrategy = build_sync(self.config.train, self.model, self.dp_comm,
+                                             len(self.dataset))
+        self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
 
     # ----------------------------------------------------------------- the loop
     def _run(self) -> dict[str, Any]:
         train = self.config.train
+        if train.sync == "async":
+            return self._run_async()
         start = time.perf_counter()
         initial_eval = self.evaluate()
         self.bar.message(self._banner(initial_eval))
@@ -195,16 +204,20 @@ class Trainer:
         recent: deque[float] = deque(maxlen=10)
         last_eval = initial_eval
         for step in range(self.start_step, train.steps):
+            sent = self.ledger.payload_bytes
             stats = self._train_step(step)
+            self.sync.after_step(step + 1, last=step + 1 == train.steps)
+            self.step_bytes += self.ledger.payload_bytes - sent
             self.telemetry.window.add(stats)
             totals.add(stats)
-            recent.append(stats.loss)
+            if stats.terms:  # a fedavg client that sat the step out has no loss
+                recent.append(stats.loss)
             done = step + 1
             self.bar.update(done, stats.loss, stats.terms / max(stats.total_s, 1e-9))
             evaluate_now = train.eval_every and done % train.eval_every == 0
             if evaluate_now or done == train.steps:
                 last_eval = self.evaluate()
-            if self.checkpoints.due(done):
+            if self.checkpoints.due(done) and self.sync.at_boundary(done):
                 with self.tracer.span("checkpoint"):
                     self.checkpoints.save(done, self.position)
             maybe_fail("train.step", self.runtime.rank, done)
@@ -225,13 +238,41 @@ class Trainer:
         share = self.splitter.shares[rank]
         indices = self.sampler.indices(self.position + self.splitter.offsets()[rank], share)
         size = self.plan.batch.micro_batch
-        micro = [indices[i:i + size] for i in range(0, share, size)]
+        indices = self.sync.select(step, indices)
+        micro = [indices[i:i + size] for i in range(0, len(indices), size)]
         with self.tracer.span("step", step=step + 1):
-            stats = self.stepper.run(micro)
+            # a fedavg client sitting this round out does not step
+            stats = self.stepper.run(micro) if micro or not self.sync.local_gradients \
+                else StepStats()
         if self.stepper.terms_are_samples:
             self.bar.unit = "samples"
         self.position += self.plan.batch.global_batch
         return stats
+
+    def _run_async(self) -> dict[str, Any]:
+        """train.sync=async: parameter servers and workers run their own loop; no
+        checkpoints are written."""
+        train, b = self.config.train, self.plan.batch
+        start = time.perf_counter()
+        initial_eval = self.evaluate()
+        self.bar.message(self._banner(initial_eval))
+        result = self.sync.run(
+            optimizer=self.optimizer, steps=train.steps, sampler=self.sampler,
+            per_worker=b.global_batch // b.dp, micro_batch=b.micro_batch,
+            compute=self.stepper.gradients, lr_at=lambda s: lr_at(s, train, self.plan.lr),
+            log=self._log_async, log_every=train.log_every)
+        self.position = result["samples"]
+        totals = StatsWindow()
+        totals.add(StepStats(terms=result["terms"], total_s=result["loop_s"]))
+        final_eval = self.evaluate()
+        self.bar.close()
+        self.checkpoints.close()
+        return self._finish(initial_eval, final_eval, totals, result["train_loss"],
+                            time.perf_counter() - start)
+
+    def _log_async(self, record: dict[str, Any]) -> None:
+        self.bar.update(record["step"], record["loss"], 0.0)
+        self.telemetry.writer.write(record)
 
     def _load(self, indices: list[int]) -> tuple[Any, Any]:
         batch = self.collate_fn([self.dataset[i] for i in indices])
@@ -245,7 +286,7 @@ class Trainer:
             return None
         self.model.eval()
         indices = eval_indices(len(self.eval_dataset), self.config.train.eval_samples,
-                               self.topology.dp_rank, self.plan.batch.dp)
+                               self.dp_comm.rank, self.dp_comm.size)
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         size = self.plan.batch.micro_batch
         for start in range(0, len(indices), size):
@@ -286,6 +327,10 @@ class Trainer:
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         record["memory_mb"] = {k: v / 2**20 for k, v in self._memory().items()}
+        record["comm_bytes_per_step"] = ((self.step_bytes - self.logged_bytes)
+                                         / max(self.telemetry.window.steps, 1))
+        self.logged_bytes = self.step_bytes
+        record |= self.sync.metrics()
         ranks = self.telemetry.log(record, self.stepper.flops_per_term)
         self.splitter.update([r["samples"] for r in ranks],
                              [r["compute_s"] + r["data_s"] for r in ranks])
@@ -304,11 +349,14 @@ class Trainer:
             "tokens_per_s": totals.terms_per_s(),
             "samples_seen": self.position, "run_dir": str(self.run_dir),
             "parameters": sum(p.numel() for p in self.model.parameters()),
+            "comm_bytes_per_step": self.step_bytes / max(self.config.train.steps
+                                                         - self.start_step, 1),
         }
         if self.stepper.flops_per_term:
             summary["model_flops_per_s"] = (summary["tokens_per_s"]
                                             * self.stepper.flops_per_term)
         summary["memory_bytes"] = self._memory()
+        summary |= self.sync.metrics()
         self.dp.finalize()  # the model keeps its full parameters (ZeRO-3 gathers them)
         if self.runtime.is_main:
             rundir.save_weights(self.model, self.run_dir)

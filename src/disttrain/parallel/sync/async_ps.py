@@ -1,0 +1,323 @@
+"""Asynchronous parameter-server training on point-to-point messages.
+
+Ranks ``0 .. S-1`` are servers, ranks ``S .. world-1`` are the ``W`` workers. The
+trainable parameters are split into S shards of whole parameters
+(:func:`assign_shards`); server ``s`` owns shard ``s`` and the optimizer state for it.
+Every rank starts from the same parameters (dp rank 0's, broadcast at start).
+
+A worker repeats, with no barrier with the other workers:
+
+1. compute a gradient on its next batch (normalised by its own loss-term count, clipped
+   to ``train.grad_clip`` by its own norm);
+2. send shard ``s`` of it to server ``s`` as ``[PUSH, version, loss_sum, terms,
+   grad_s...]`` (fp32, [4 + numel_s]), where ``version`` is the version of shard ``s``
+   the gradient was computed on;
+3. receive ``[PARAMS, new version, applied, staleness, params_s...]`` from every server
+   and load the parameters.
+
+A server takes pushes in arrival order from any worker. The push's staleness is the
+number of updates the shard received since the worker's version. If it is at most
+``staleness_bound`` the server applies it (one optimizer step, version + 1); otherwise
+the gradient is **dropped** - never applied - and the reply carries the fresh
+parameters, so the worker's next gradient is current. Applied pushes thus have
+staleness <= bound by construction; the count of dropped ones shows how often the bound
+bit. The LR at a server follows the schedule at ``pushes received // W`` (the
+equivalent synchronous step).
+
+Data: worker ``w``'s ``k``-th batch is positions ``[(k W + w) b, (k W + w + 1) b)`` of
+the global sample order (``b = global_batch / W``), so workers take distinct samples and
+a slow worker never holds a fast one back. The budget is ``train.steps x W`` pushes per
+server - the samples of ``train.steps`` synchronous steps.
+
+Stopping: once a server has received its budget it answers each further push with
+``STOP`` (not applied). A worker that gets ``STOP`` from any server sends ``BYE`` to the
+servers that answered ``PARAMS`` and leaves its loop. A server leaves its loop once
+every worker has been sent ``STOP`` or said ``BYE``. Then each server broadcasts its
+shard, so every rank ends with the final parameters, and the ranks exchange their
+reports (one all-gather). Bytes: every message is recorded twice in the ledgers (the
+sender's send and the receiver's receive), so bytes sent are half the ledger total.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm.collectives import Communicator
+from ...data.sampler import GlobalOrderSampler
+from ...faults import maybe_slow_down
+from .base import SyncStrategy, flatten, unflatten_into
+
+HEADER = 4
+PUSH, BYE, PARAMS, STOP = 1.0, 2.0, 3.0, 4.0
+
+# (micro-batches of dataset indices) -> (summed loss, loss terms); leaves the
+# normalised, clipped gradient in each parameter's .grad
+ComputeGradients = Callable[[list[list[int]]], tuple[float, int]]
+
+
+def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
+    """Parameter indices per server: largest parameter first, each to the server with
+    the fewest elements so far; every list in model order."""
+    load, shards = [0] * servers, [[] for _ in range(servers)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        s = min(range(servers), key=lambda s: (load[s], s))
+        shards[s].append(i)
+        load[s] += sizes[i]
+    return [sorted(shard) for shard in shards]
+
+
+@dataclass
+class AsyncReport:
+    """One rank's account of the loop (servers and workers fill different fields)."""
+
+    role: str
+    rank: int
+    pushes: int = 0          # worker: gradients sent; server: pushes received
+    applied: int = 0
+    dropped: int = 0
+    staleness_sum: int = 0   # over applied pushes
+    staleness_max: int = 0
+    terms: int = 0
+    samples: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+    loop_s: float = 0.0
+    ledger_bytes: int = 0
+
+
+@dataclass
+class _ServerWindow:
+    """Pushes between two metrics records at server 0."""
+
+    loss_sum: float = 0.0
+    terms: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+
+
+class AsyncParameterServer(SyncStrategy):
+    """Parameter servers and workers over ``comm`` (the world). :meth:`run` replaces
+    the trainer's step loop."""
+
+    name = "async"
+    local_gradients = True
+
+    def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
+                 staleness_bound: int) -> None:
+        if comm.size <= servers:
+            raise ValueError(f"async training needs more than {servers} rank(s)")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm, self.servers, self.bound = comm, servers, staleness_bound
+        self.workers = comm.size - servers
+        self.shards = [[self.params[i] for i in shard] for shard in
+                       assign_shards([p.numel() for p in self.params], servers)]
+        self.sizes = [sum(p.numel() for p in shard) for shard in self.shards]
+        self.is_server = comm.rank < servers
+        self.summary: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------- the loop
+    def run(self, *, optimizer: torch.optim.Optimizer, steps: int,
+            sampler: GlobalOrderSampler, per_worker: int, micro_batch: int,
+            compute: ComputeGradients, lr_at: Callable[[int], float],
+            log: Callable[[dict[str, Any]], None], log_every: int) -> dict[str, Any]:
+        """Train for ``steps x W`` pushes per server; every rank returns the same
+        summary (see :meth:`metrics`) and holds the final parameters."""
+        start, bytes0 = time.perf_counter(), self.comm.ledger.payload_bytes
+        if self.is_server:
+            report = self._serve(optimizer, steps * self.workers, lr_at, log, log_every,
+                                 per_worker)
+        else:
+            report = self._work(sampler, per_worker, micro_batch, compute)
+        report.loop_s = time.perf_counter() - start
+        report.ledger_bytes = self.comm.ledger.payload_bytes - bytes0
+        self._assemble()
+        reports = self.comm.all_gather_object(asdict(report))
+        self.summary = summarise([AsyncReport(**r) for r in reports], self.workers,
+                                 self.bound)
+        return self.summary
+
+    def metrics(self) -> dict[str, Any]:
+        return self.summary
+
+    def _assemble(self) -> None:
+        """Every rank takes each server's shard (a broadcast from its server)."""
+        for s, shard in enumerate(self.shards):
+            flat = flatten(shard)
+            self.comm.broadcast(flat, src=s)
+            unflatten_into(flat, shard)
+
+    # ----------------------------------------------------------------- server
+    def _serve(self, optimizer: torch.optim.Optimizer, budget: int,
+               lr_at: Callable[[int], float], log: Callable[[dict[str, Any]], None],
+               log_every: int, per_worker: int) -> AsyncReport:
+        s = self.comm.rank
+        shard = self.shards[s]
+        opt = shard_optimizer(optimizer, shard)
+        inbox = torch.empty(HEADER + self.sizes[s])
+        replies = {w: torch.empty(HEADER + self.sizes[s])
+                   for w in range(self.servers, self.comm.size)}
+        sending: dict[int, Any] = {}
+        report, window = AsyncReport(role="server", rank=s), _ServerWindow()
+        finished: set[int] = set()
+        version = 0
+        while len(finished) < self.workers:
+            src = self.comm.recv_any(inbox)
+            if inbox[0].item() == BYE:
+                finished.add(src)
+                continue
+            if report.pushes >= budget:
+                self._reply(src, replies, sending, STOP, version, 0, 0, shard)
+                finished.add(src)
+                continue
+            base, loss_sum, terms = inbox[1:HEADER].tolist()
+            staleness = version - int(base)
+            lr = lr_at(report.pushes // self.workers)
+            report.pushes += 1
+            if staleness <= self.bound:
+                _apply(opt, shard, inbox[HEADER:], lr)
+                version += 1
+                report.applied += 1
+                report.staleness_sum += staleness
+                report.staleness_max = max(report.staleness_max, staleness)
+                window.staleness.append(staleness)
+            else:
+                report.dropped += 1
+            self._reply(src, replies, sending, PARAMS, version, staleness <= self.bound,
+                        staleness, shard)
+            window.loss_sum, window.terms = window.loss_sum + loss_sum, window.terms + terms
+            if s == 0 and report.pushes % (log_every * self.workers) == 0:
+                log(_record(report, window, lr, self.workers, per_worker))
+                window = _ServerWindow()
+        for work in sending.values():
+            work.wait()
+        return report
+
+    def _reply(self, dst: int, replies: dict[int, torch.Tensor], sending: dict[int, Any],
+               kind: float, version: int, applied: bool | int, staleness: int,
+               shard: list[nn.Parameter]) -> None:
+        """Send ``[kind, version, applied, staleness, params...]`` to worker ``dst``;
+        its previous reply has arrived (it pushed again), so the buffer is free."""
+        if dst in sending:
+            sending[dst].wait()
+        buf = replies[dst]
+        buf[:HEADER] = torch.tensor([kind, version, float(applied), staleness])
+        buf[HEADER:] = flatten(shard)
+        sending[dst] = self.comm.isend(buf, dst)
+
+    # ----------------------------------------------------------------- worker
+    def _work(self, sampler: GlobalOrderSampler, per_worker: int, micro_batch: int,
+              compute: ComputeGradients) -> AsyncReport:
+        w, rank = self.comm.rank - self.servers, self.comm.rank
+        report = AsyncReport(role="worker", rank=rank)
+        versions = [0] * self.servers
+        pushes = [torch.empty(HEADER + n) for n in self.sizes]
+        replies = [torch.empty(HEADER + n) for n in self.sizes]
+        recent: deque[float] = deque(maxlen=10)
+        while True:
+            first = (report.pushes * self.workers + w) * per_worker
+            indices = sampler.indices(first, per_worker)
+            t0 = time.perf_counter()
+            loss_sum, terms = compute([indices[i:i + micro_batch]
+                                       for i in range(0, per_worker, micro_batch)])
+            maybe_slow_down(rank, time.perf_counter() - t0)
+            for s, shard in enumerate(self.shards):
+                pushes[s][:HEADER] = torch.tensor([PUSH, versions[s], loss_sum, terms])
+                pushes[s][HEADER:] = flatten([_grad(p) for p in shard])
+            works = [self.comm.isend(pushes[s], s) for s in range(self.servers)]
+            works += [self.comm.irecv(replies[s], s) for s in range(self.servers)]
+            for work in works:
+                work.wait()
+            report.pushes += 1
+            report.samples += per_worker
+            report.terms += terms
+            recent.append(loss_sum / max(terms, 1))
+            stopped = [s for s in range(self.servers) if replies[s][0].item() == STOP]
+            for s in range(self.servers):
+                if s not in stopped:
+                    versions[s] = int(replies[s][1].item())
+                    unflatten_into(replies[s][HEADER:], self.shards[s])
+            if stopped:
+                self._say_bye(pushes, stopped)
+                break
+        report.recent_losses = list(recent)
+        return report
+
+    def _say_bye(self, pushes: list[torch.Tensor], stopped: list[int]) -> None:
+        for s in range(self.servers):
+            if s not in stopped:
+                pushes[s][0] = BYE
+                self.comm.isend(pushes[s], s).wait()
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer,
+                    shard: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and settings over ``shard`` only (each
+    parameter keeps its group's settings, e.g. no weight decay on biases)."""
+    ids = {id(p) for p in shard}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [p for p in g["params"] if id(p) in ids]}
+              for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)([g for g in groups if g["params"]], **defaults)
+
+
+def _apply(opt: torch.optim.Optimizer, shard: list[nn.Parameter], grads: torch.Tensor,
+           lr: float) -> None:
+    """One optimizer step on ``shard`` with the flat gradient ``grads`` [numel]."""
+    offset = 0
+    for p in shard:
+        p.grad = grads[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    for p in shard:
+        p.grad = None
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _record(report: AsyncReport, window: _ServerWindow, lr: float, workers: int,
+            per_worker: int) -> dict[str, Any]:
+    """A metrics record written by server 0."""
+    st = window.staleness
+    return {"step": report.pushes // workers, "lr": lr,
+            "loss": window.loss_sum / max(window.terms, 1.0),
+            "samples_seen": report.pushes * per_worker,
+            "updates": report.applied, "dropped": report.dropped,
+            "staleness_mean": sum(st) / len(st) if st else 0.0,
+            "staleness_max": max(st) if st else 0}
+
+
+def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str, Any]:
+    """The run's async figures from every rank's report."""
+    servers = [r for r in reports if r.role == "server"]
+    workers_ = [r for r in reports if r.role == "worker"]
+    applied = sum(r.applied for r in servers)
+    losses = [x for r in workers_ for x in r.recent_losses]
+    steps = max(r.pushes for r in servers) / workers
+    return {
+        "sync": "async", "ps_servers": len(servers), "workers": workers,
+        "staleness_bound": bound,
+        "staleness_mean": sum(r.staleness_sum for r in servers) / max(applied, 1),
+        "staleness_max": max(r.staleness_max for r in servers),
+        "updates": applied, "dropped": sum(r.dropped for r in servers),
+        "worker_steps": [r.pushes for r in workers_],
+        "samples": sum(r.samples for r in workers_),
+        "terms": sum(r.terms for r in workers_),
+        "loop_s": max(r.loop_s for r in reports),
+        "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+        "equivalent_steps": steps,
+        # each message is in the sender's and the receiver's ledger
+        "comm_bytes_per_step": sum(r.ledger_bytes for r in reports) / 2
+        / len(reports) / max(steps, 1e-9),
+    }

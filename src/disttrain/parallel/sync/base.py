@@ -1,0 +1,128 @@
+"""What every synchronisation mode shares: the trainer's hooks, local gradients, and
+flat parameter vectors.
+
+A mode is a :class:`SyncStrategy`; the trainer calls it at fixed points of its loop:
+
+- :meth:`SyncStrategy.select` - which dataset indices this rank trains on in a step
+  (fedavg swaps in its client's partition, or none when the client sits out a round);
+- :meth:`SyncStrategy.after_step` - after every optimizer step (rounds end here);
+- :meth:`SyncStrategy.at_boundary` - whether replicas agree now (checkpoints wait for it);
+- :meth:`SyncStrategy.metrics` - fields added to metrics records and the summary.
+
+The base class is ``every_step``: gradients are all-reduced inside each step by
+:class:`~disttrain.parallel.data.DataParallel`, so there is nothing to do in between.
+The other modes step on :class:`LocalGradients` (no communication inside a step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm.collectives import Communicator
+
+
+class SyncStrategy:
+    """``every_step``: today's per-step gradient all-reduce; every hook is a no-op."""
+
+    name = "every_step"
+    local_gradients = False  # steps use this rank's own gradient, unreduced
+
+    def select(self, step: int, indices: list[int]) -> list[int]:
+        """This rank's dataset indices for 0-based ``step`` (default: its share of the
+        global batch from the global-order sampler)."""
+        return indices
+
+    def after_step(self, done: int, last: bool) -> None:
+        """Called after optimizer step ``done`` (1-based); ``last`` on the final one."""
+
+    def at_boundary(self, done: int) -> bool:
+        """Whether every replica holds the same parameters after step ``done``."""
+        return True
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+
+class LocalGradients:
+    """The DataParallel interface with no communication inside a step: each rank keeps
+    its own gradient, normalised by its own loss-term count.
+
+    Parameters and buffers are broadcast from dp rank 0 once, so replicas start equal.
+    """
+
+    def __init__(self, model: nn.Module, comm: Communicator, broadcast: bool = True) -> None:
+        self.model, self.comm = model, comm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if broadcast:
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    comm.broadcast(t.data, src=0)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
+        """No reduction: only the normalisation (1 / this rank's loss-term count)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """This rank's gradient norm; clip if ``max_norm > 0``."""
+        params = [p for p in self.params if p.grad is not None]
+        if not params:
+            return 0.0
+        limit = max_norm if max_norm > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+    def after_optimizer_step(self) -> None:
+        """Nothing: replicas are reconciled by the sync mode, not here."""
+
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        grads = sum(p.numel() * p.element_size() for p in self.params)
+        optim = sum(v.numel() * v.element_size() for st in optimizer.state.values()
+                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+    def finalize(self) -> None:
+        """Nothing to remove: no hooks were attached."""
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One new fp32 vector [sum of numel] holding ``tensors`` in order."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+@torch.no_grad()
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` [sum of numel] into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view(t.shape))
+        offset += n
+
+
+def weighted_average(comm: Communicator, tensors: Sequence[torch.Tensor],
+                     weight: float) -> float:
+    """Replace ``tensors`` on every rank by sum_r w_r x_r / sum_r w_r over ``comm``
+    (one all-reduce of [numel + 1] values); returns the total weight. A rank with
+    weight 0 contributes nothing; if every weight is 0 the tensors are left alone."""
+    flat = flatten(tensors)
+    packed = torch.cat([flat * weight, flat.new_tensor([weight])])
+    comm.all_reduce(packed)
+    total = float(packed[-1])
+    if total > 0:
+        unflatten_into(packed[:-1] / total, tensors)
+    return total

@@ -1,0 +1,79 @@
+"""DiLoCo: ``sync_every`` inner steps of the local optimizer (AdamW), then one outer
+step shared by all dp ranks.
+
+Each rank keeps the *global* parameters of the round's start, ``theta`` [numel] (fp32,
+flat). At the round's end:
+
+    delta   = theta - local parameters          (this rank's pseudo-gradient, [numel])
+    delta   = mean over dp of delta             (one all-reduce of [numel])
+    buf     = outer_momentum * buf + delta      (buf = delta on the first round)
+    theta  -= outer_lr * (delta + outer_momentum * buf)     (Nesterov)
+
+and every rank copies ``theta`` into its model, so replicas agree after each round. The
+outer step is ``torch.optim.SGD(nesterov=True)`` on ``theta`` (plain momentum SGD when
+outer_momentum is 0). Inner optimizer states stay per rank across rounds. The
+pseudo-gradient travels uncompressed (fp32): no gradient codec is applied to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm.collectives import Communicator
+from .base import SyncStrategy, flatten, unflatten_into
+
+
+class OuterNesterov:
+    """The outer optimizer over the flat global parameters ``theta`` [numel]."""
+
+    def __init__(self, theta: torch.Tensor, lr: float, momentum: float) -> None:
+        self.theta = nn.Parameter(theta, requires_grad=False)
+        self.optimizer = torch.optim.SGD([self.theta], lr=lr, momentum=momentum,
+                                         nesterov=momentum > 0)
+
+    def step(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Apply one outer step with ``pseudo_grad`` [numel]; returns the new theta."""
+        self.theta.grad = pseudo_grad
+        self.optimizer.step()
+        self.theta.grad = None
+        return self.theta.detach()
+
+
+def outer_round(comm: Communicator, params: list[torch.Tensor],
+                outer: OuterNesterov) -> None:
+    """End one round: average the pseudo-gradients over ``comm``, take the outer step,
+    and load the new global parameters into ``params`` on every rank."""
+    delta = outer.theta.detach() - flatten(params)
+    comm.all_reduce(delta)
+    delta /= comm.size
+    unflatten_into(outer.step(delta), params)
+
+
+class DiLoCo(SyncStrategy):
+    """Inner steps on local gradients; an outer Nesterov step every ``every`` steps."""
+
+    name = "diloco"
+    local_gradients = True
+
+    def __init__(self, model: nn.Module, comm: Communicator, every: int, outer_lr: float,
+                 outer_momentum: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm, self.every = comm, every
+        self.outer = OuterNesterov(flatten(self.params), outer_lr, outer_momentum)
+        self.rounds = 0
+        self.last_sync = 0
+
+    def after_step(self, done: int, last: bool) -> None:
+        if done % self.every == 0 or last:
+            outer_round(self.comm, self.params, self.outer)
+            self.rounds += 1
+            self.last_sync = done
+
+    def at_boundary(self, done: int) -> bool:
+        return done == self.last_sync
+
+    def metrics(self) -> dict[str, Any]:
+        return {"sync": self.name, "sync_rounds": self.rounds}

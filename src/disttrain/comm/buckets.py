@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..monitor.trace import Tracer, now_us
+from .codecs import GradientCodec
 from .collectives import Communicator
 
 
@@ -72,15 +73,29 @@ def _make_bucket(index: int, params: list[nn.Parameter]) -> GradBucket:
 
 class BucketReducer:
     """Launches the all-reduce of each bucket once all its gradients are ready, in
-    bucket order, asynchronously; :meth:`wait` completes them all."""
+    bucket order, asynchronously; :meth:`wait` completes them all.
+
+    With a ``codec``, each bucket is reduced through it instead (keyed by the bucket
+    index, segmented by its parameters' shapes); without one, the bucket's buffer (or its
+    ``reduce_dtype`` copy) is all-reduced as is. Either way the result is the SUM over
+    ranks. ``sent_bytes`` / ``dense_bytes`` count, since the last :meth:`reset`, the
+    payload the ledger recorded for the buckets and their size as fp32.
+    """
 
     def __init__(self, buckets: list[GradBucket], comm: Communicator,
                  tracer: Tracer | None = None,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+                 reduce_dtype: torch.dtype = torch.float32,
+                 codec: GradientCodec | None = None) -> None:
         self.buckets = buckets
         self.comm = comm
         self.tracer = tracer
+        self.codec = codec
+        self.sent_bytes = 0
+        self.dense_bytes = 0
         self._next = 0
+        self._started: dict[int, float] = {}
+        if codec is not None and reduce_dtype != torch.float32:
+            raise ValueError("a codec sets the wire format itself; leave reduce_dtype fp32")
         # a lower-precision copy per bucket that travels instead of the buffer
         self._wire = {b.index: torch.empty_like(b.buffer, dtype=reduce_dtype)
                       for b in buckets if b.buffer.dtype != reduce_dtype
@@ -88,6 +103,7 @@ class BucketReducer:
 
     def reset(self) -> None:
         self._next = 0
+        self.sent_bytes = self.dense_bytes = 0
         for b in self.buckets:
             b.pending, b.handle = len(b.params), None
             b.ready.clear()
@@ -107,15 +123,24 @@ class BucketReducer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: GradBucket) -> None:
-        start = now_us()
-        wire = self._wire.get(bucket.index)
-        if wire is not None:
-            wire.copy_(bucket.buffer)
-        bucket.handle = self.comm.all_reduce(bucket.buffer if wire is None else wire,
-                                             async_op=True)
+        start, sent = now_us(), self.comm.ledger.payload_bytes
+        if self.codec is not None:
+            bucket.handle = self.codec.start(bucket.buffer, self.comm, key=bucket.index,
+                                             segments=[p.shape for p in bucket.params])
+        else:
+            wire = self._wire.get(bucket.index)
+            if wire is not None:
+                wire.copy_(bucket.buffer)
+            bucket.handle = self.comm.all_reduce(bucket.buffer if wire is None else wire,
+                                                 async_op=True)
+        self.sent_bytes += self.comm.ledger.payload_bytes - sent
+        self.dense_bytes += bucket.buffer.numel() * 4
         self._next += 1
         if self.tracer is not None and self.tracer.enabled:
-            self._trace_completion(bucket, start)
+            if self.codec is None:
+                self._trace_completion(bucket, start)
+            else:  # several collectives: traced from launch to the end of wait()
+                self._started[bucket.index] = start
 
     def _trace_completion(self, bucket: GradBucket, start: float) -> None:
         future = bucket.handle.get_future()
@@ -134,7 +159,12 @@ class BucketReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for b in self.buckets:
+            sent = self.comm.ledger.payload_bytes  # a codec's later rounds are sent here
             b.handle.wait()
+            self.sent_bytes += self.comm.ledger.payload_bytes - sent
+            if b.index in self._started:
+                self.tracer.complete(f"{self.codec.name} bucket {b.index}",
+                                     self._started.pop(b.index), now_us(), "comm")
             wire = self._wire.get(b.index)
             if wire is not None:
                 b.buffer.copy_(wire)

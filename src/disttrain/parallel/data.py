@@ -10,7 +10,9 @@ keys) and returns a :class:`DataParallel` handle that owns the gradient hooks:
 - :meth:`DataParallel.no_sync` turns the hooks off for accumulation micro-batches;
 - :meth:`DataParallel.finish_gradient_sync` waits for the reductions and applies the
   loss normalisation (1 / global number of target tokens), so the update does not depend
-  on how the global batch was split into ranks and micro-batches.
+  on how the global batch was split into ranks and micro-batches;
+- an optional gradient codec (:mod:`disttrain.comm.codecs`) reduces each bucket in a
+  compressed form; :meth:`DataParallel.comm_stats` reports the bytes it sent.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from ..comm.buckets import BucketReducer, GradBucket, assign_buckets
+from ..comm.codecs import GradientCodec
 from ..comm.collectives import Communicator
 from ..monitor.trace import Tracer
 
@@ -31,13 +34,15 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int,
                  tracer: Tracer | None = None,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+                 reduce_dtype: torch.dtype = torch.float32,
+                 codec: GradientCodec | None = None) -> None:
         self.model = model
         self.comm = comm
         params = [p for p in model.parameters() if p.requires_grad]
         # Backward visits layers roughly in reverse registration order.
         self.buckets = assign_buckets(list(reversed(params)), bucket_bytes)
-        self.reducer = BucketReducer(self.buckets, comm, tracer, reduce_dtype)
+        self.reducer = BucketReducer(self.buckets, comm, tracer, reduce_dtype, codec)
+        self._last_bytes = (0, 0)  # (sent, fp32 size) of the last gradient sync
         self._sync = True
         self._slots: dict[nn.Parameter, tuple[GradBucket, int]] = {}
         self._hooks = []
@@ -97,7 +102,16 @@ class DataParallel:
         ``scale`` (the trainer passes 1 / global target-token count)."""
         self._adopt_unready_grads()
         self.reducer.wait(scale)
+        self._last_bytes = (self.reducer.sent_bytes, self.reducer.dense_bytes)
         self.reducer.reset()
+
+    def comm_stats(self) -> dict[str, float]:
+        """The last gradient sync: payload bytes this rank sent (``comm_bytes_per_step``,
+        as the ledger counted them) and ``compression_ratio`` = the buckets' fp32 bytes /
+        the bytes sent (1.0 for a plain fp32 all-reduce)."""
+        sent, dense = self._last_bytes
+        return {"comm_bytes_per_step": sent,
+                "compression_ratio": dense / sent if sent else 1.0}
 
     def zero_grad(self) -> None:
         """Zero the buckets and point every ``.grad`` back at its view."""
@@ -137,11 +151,13 @@ class DataParallel:
 def apply_data_parallel(model: nn.Module, comm: Communicator, *,
                         bucket_mb: float = 25.0, broadcast: bool = True,
                         tracer: Tracer | None = None,
-                        reduce_dtype: torch.dtype = torch.float32) -> DataParallel:
+                        reduce_dtype: torch.dtype = torch.float32,
+                        codec: GradientCodec | None = None) -> DataParallel:
     """Attach data-parallel gradient sync to ``model`` over ``comm``'s group;
-    gradients travel in ``reduce_dtype`` (e.g. bf16 to halve the bytes)."""
+    gradients travel in ``reduce_dtype`` (e.g. bf16 to halve the bytes), or through
+    ``codec`` (see :func:`disttrain.comm.codecs.build_codec`; None = plain all-reduce)."""
     dp = DataParallel(model, comm, bucket_bytes=int(bucket_mb * 2**20), tracer=tracer,
-                      reduce_dtype=reduce_dtype)
+                      reduce_dtype=reduce_dtype, codec=codec)
     if broadcast:
         dp.broadcast_parameters()
     return dp

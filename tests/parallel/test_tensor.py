@@ -122,8 +122,7 @@ def _check_linear_layers(comm: Communicator, sequence_parallel: bool) -> None:
 
 
 def _qkv_rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This rank's heads of each of q, k, v, stacked (along dim 0 of a weight, or the
-    last dim of an output when ``t`` is moved there by the caller)."""
+    """Rows of this rank's heads in each of the q, k, v thirds of dim 0, stacked."""
     return torch.cat([part.chunk(size, 0)[rank] for part in t.chunk(3, 0)])
 
 
@@ -131,7 +130,8 @@ def _check_qkv_embedding_head(comm: Communicator) -> None:
     size, rank = comm.size, comm.rank
     d, vocab = 8, 16 * size
     torch.manual_seed(4)
-    qkv, emb, head = nn.Linear(d, 3 * d, bias=False), nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
+    qkv, emb = nn.Linear(d, 3 * d, bias=False), nn.Embedding(vocab, d)
+    head = nn.Linear(d, vocab, bias=False)
     qkv_tp = tpl.ColumnParallelLinear(qkv, comm, parts=3)
     emb_tp = tpl.VocabParallelEmbedding(emb, comm)
     head_tp = tpl.VocabParallelHead(head, comm)
@@ -145,7 +145,10 @@ def _check_qkv_embedding_head(comm: Communicator) -> None:
     ((y_qkv * w_qkv).sum() + (y_emb * w_emb).sum() + (y_head * w_head).sum()).backward()
 
     x = x_full.detach().clone().requires_grad_()
-    local = lambda t: _qkv_rows(t.movedim(-1, 0), rank, size).movedim(0, -1)  # noqa: E731
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # this rank's q, k, v features
+        return _qkv_rows(t.movedim(-1, 0), rank, size).movedim(0, -1)
+
     o_qkv, o_emb, o_head = qkv_tp(x), emb_tp(ids), head_tp(x)
     ((o_qkv * local(w_qkv)).sum() + (o_emb * w_emb).sum()
      + (o_head * _last(w_head, rank, size)).sum()).backward()

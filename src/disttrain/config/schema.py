@@ -71,7 +71,11 @@ class TrainConfig:
     lr_scaling: str = _f("none", "scale lr with the global batch (linear: lr x "
                          "global_batch / base_batch)", choices=("none", "linear"))
     base_batch: int = _f(32, "global batch at which train.lr applies unscaled", ge=1)
-    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
+    optimizer: str = _f("adamw", "optimizer: adamw, sgd (momentum), lars (momentum SGD "
+                        "with a layer-wise trust ratio) or lamb (AdamW with one)",
+                        choices=("adamw", "sgd", "lars", "lamb"))
+    trust_coefficient: float = _f(0.001, "lars: eta in the layer-wise rate eta x ||w|| / "
+                                  "||g + wd w|| (lamb uses the plain ratio)", gt=0.0)
     weight_decay: float = _f(0.1, "decoupled weight decay (matrices only)", ge=0.0)
     beta1: float = _f(0.9, "AdamW beta1", ge=0.0, le=1.0)
     beta2: float = _f(0.95, "AdamW beta2", ge=0.0, le=1.0)
@@ -127,6 +131,35 @@ class ParallelConfig:
     balance: str = _f("static", "split of each global batch over dp ranks: static (even) "
                       "or dynamic (in proportion to measured throughput)",
                       choices=("static", "dynamic"))
+    pp_schedule: str = _f("1f1b", "pipeline schedule when pp > 1: gpipe, 1f1b or "
+                          "interleaved (micro-batches per step = train.grad_accum)",
+                          choices=("gpipe", "1f1b", "interleaved"))
+    pp_virtual: int = _f(2, "interleaved: model chunks (virtual stages) per pipeline rank",
+                         ge=1)
+    pp_split: str = _f("auto", "where pipeline chunks begin: auto (balance the estimated "
+                       "cost per block) or block indices, e.g. '0,3,5'")
+    sequence_parallel: bool = _f(False, "tp > 1: norms and dropout on sequence shards "
+                                 "(reduce-scatter / all-gather instead of all-reduce)")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Gradient compression for the data-parallel all-reduce."""
+
+    codec: str = _f("none", "gradient codec: none, fp16, bf16, topk, randomk, powersgd, "
+                    "onebit or qsgd", choices=("none", "fp16", "bf16", "topk", "randomk",
+                                               "powersgd", "onebit", "qsgd"))
+    topk_ratio: float = _f(0.01, "topk: fraction of each bucket's entries sent", gt=0.0,
+                           le=1.0)
+    randomk_ratio: float = _f(0.01, "randomk: fraction of each bucket's entries sent",
+                              gt=0.0, le=1.0)
+    powersgd_rank: int = _f(4, "powersgd: rank of each gradient matrix's approximation",
+                            ge=1)
+    powersgd_warm_start: bool = _f(True, "powersgd: reuse the previous step's Q")
+    qsgd_levels: int = _f(16, "qsgd: quantisation levels of |x| / ||x|| (int8 on the "
+                          "wire)", ge=1, le=127)
+    error_feedback: bool = _f(True, "topk, onebit, powersgd: add what was not sent to the "
+                              "next step's gradient (the unbiased codecs do not use it)")
 
 
 @dataclass(kw_only=True)
@@ -162,6 +195,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "train": TrainConfig,
     "parallel": ParallelConfig,
+    "comm": CommConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
 }
@@ -179,6 +213,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     explicit: frozenset[str] = frozenset()

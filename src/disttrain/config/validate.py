@@ -49,6 +49,7 @@ def resolve(config: Config, world_size: int) -> RunPlan:
     _check_device(config)
     _check_monitor(config)
     _check_zero(config)
+    _check_codec(config)
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
     _check_sync(config, layout)
@@ -168,6 +169,27 @@ def _check_async(config: Config, layout: Layout) -> None:
                           "async training writes no checkpoints (the servers' optimizer "
                           "state and the workers' progress are not captured)",
                           "set checkpoint.every=0, or use another train.sync mode")
+
+
+def _check_codec(config: Config) -> None:
+    """Gradient codecs and layer-wise optimizers work on whole per-parameter gradients,
+    which ZeRO's flat shards are not."""
+    codec, p, opt = config.comm.codec, config.parallel, config.train.optimizer
+    if codec != "none" and p.zero:
+        raise ConfigError("comm.codec", codec, f"is not supported with parallel.zero="
+                          f"{p.zero} (ZeRO reduce-scatters flat shards uncompressed)",
+                          "set comm.codec=none with ZeRO, or parallel.zero=0 to compress "
+                          "the gradient all-reduce")
+    if codec != "none" and p.grad_reduce_dtype != "fp32":
+        raise ConfigError("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
+                          f"conflicts with comm.codec={codec} (both set the gradient wire "
+                          "format)", "leave parallel.grad_reduce_dtype=fp32 and let the "
+                          "codec decide (comm.codec=bf16 halves the bytes)")
+    if opt in ("lars", "lamb") and p.zero:
+        raise ConfigError("train.optimizer", opt, f"is not supported with parallel.zero="
+                          f"{p.zero} (the trust ratio needs each layer's whole weight, ZeRO "
+                          "holds flat shards)", "use parallel.zero=0 with lars/lamb, or "
+                          "train.optimizer=adamw/sgd with ZeRO")
 
 
 def _check_monitor(config: Config) -> None:

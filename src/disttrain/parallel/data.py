@@ -106,11 +106,13 @@ class DataParallel:
         self.reducer.reset()
 
     def comm_stats(self) -> dict[str, float]:
-        """The last gradient sync: payload bytes this rank sent (``comm_bytes_per_step``,
-        as the ledger counted them) and ``compression_ratio`` = the buckets' fp32 bytes /
-        the bytes sent (1.0 for a plain fp32 all-reduce)."""
+        """The last gradient sync: payload bytes this rank sent for the buckets
+        (``grad_sync_bytes``, as the ledger counted them; the trainer's
+        ``comm_bytes_per_step`` is the whole step's ledger payload) and
+        ``compression_ratio`` = the buckets' fp32 bytes / the bytes sent (1.0 for a
+        plain fp32 all-reduce)."""
         sent, dense = self._last_bytes
-        return {"comm_bytes_per_step": sent,
+        return {"grad_sync_bytes": sent,
                 "compression_ratio": dense / sent if sent else 1.0}
 
     def zero_grad(self) -> None:

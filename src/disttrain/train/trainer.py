@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ..comm import CollectiveLedger, Communicator
+from ..comm.codecs import build_codec
 from ..config import Config, RunPlan, load_config, resolve
 from ..config.dump import config_to_toml
 from ..data.sampler import GlobalOrderSampler, eval_indices
@@ -137,7 +138,8 @@ class Trainer:
         else:
             self.dp = apply_data_parallel(
                 self.model, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
-                reduce_dtype=DTYPES[par.grad_reduce_dtype])
+                reduce_dtype=DTYPES[par.grad_reduce_dtype],
+                codec=build_codec(self.config.comm, train.seed))
             groups = None
         self.optimizer = build_optimizer(self.model, train, self.plan.lr, groups)
 
@@ -327,6 +329,7 @@ class Trainer:
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         record["memory_mb"] = {k: v / 2**20 for k, v in self._memory().items()}
+        record |= getattr(self.dp, "comm_stats", dict)()  # bytes sent, compression ratio
         record["comm_bytes_per_step"] = ((self.step_bytes - self.logged_bytes)
                                          / max(self.telemetry.window.steps, 1))
         self.logged_bytes = self.step_bytes

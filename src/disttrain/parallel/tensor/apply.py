@@ -17,6 +17,10 @@ A plan is data: module-name patterns (``fnmatch``, matched against
 
 The last two do nothing without sequence parallelism. Modules are swapped in place under
 the same attribute names, so ``named_parameters()`` keeps the unsharded model's names.
+
+With dropout > 0 the result equals the full model's in distribution only: each rank
+draws the masks of its own heads (and, under sequence parallelism, of its own
+positions) itself. With dropout 0 it computes what the full model computes.
 """
 
 from __future__ import annotations

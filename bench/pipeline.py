@@ -1,0 +1,187 @@
+"""Pipeline schedules on real ranks: measured bubble against the analytic one, and
+activation memory of 1F1B against GPipe.
+
+    python bench/pipeline.py [--pp 2,4] [--m-per-pp 1,2,4] [--v 2] [--reps 3] [--d-model 256]
+
+For p in --pp, one spawn of p Gloo ranks (one torch thread each) runs GPipe, 1F1B and
+interleaved 1F1B (v chunks per rank) for m = k p micro-batches, k in --m-per-pp, on a
+uniform stack: a GPT of p v equal blocks (small vocabulary so the embedding and head
+are cheap), cut into equal chunks. Each step's per-action timings give each stage's
+bubble, 1 - busy / span (span: first action start to last action end over all stages;
+busy: the stage's compute, excluding the time blocked on receives), averaged over
+stages; a case's bubble is the median over --reps steps. The same cases run again with
+"sleep" blocks (an autograd Function that sleeps in forward and backward): no CPU
+contention, so they check the runner and schedule alone. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.comm import CollectiveLedger, Communicator
+from disttrain.config.schema import ModelConfig
+from disttrain.models import GPT, token_loss
+from disttrain.parallel.pipeline import (analytic_bubble, build_chunks, build_schedule,
+                                         plan_stages, run_pipeline, sync_tied_grads)
+from disttrain.testing import run_distributed
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+
+
+class _SleepIdentity(torch.autograd.Function):
+    """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad.clone(), None, None
+
+
+class SleepBlock(nn.Module):
+    """A block [B, T, d] -> [B, T, d] of fixed duration and no parameters."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepIdentity.apply(x, self.forward_s, self.backward_s)
+
+
+def _model(cfg: ModelConfig, work: str, sleep_ms: float) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if work == "sleep":
+        model.blocks = nn.ModuleList(SleepBlock(sleep_ms / 1e3, 2 * sleep_ms / 1e3)
+                                     for _ in model.blocks)
+    return model
+
+
+def _step_spans(comm: Communicator, timings: list) -> list[tuple[float, float, float]]:
+    """Every stage's (busy, first start, last end) for one step."""
+    mine = (sum(t.end - t.start for t in timings), timings[0].start, timings[-1].end)
+    return comm.all_gather_object(mine)
+
+
+def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v: int,
+          args: argparse.Namespace) -> dict:
+    pp = comm.size
+    v = v if name == "interleaved" else 1
+    per_chunk = cfg.n_layer // (pp * v)
+    plan = plan_stages(cfg, pp=pp, v=v, cuts=range(per_chunk, cfg.n_layer, per_chunk))
+    chunks = build_chunks(model, plan, comm.rank)
+    schedule = build_schedule(name, pp=pp, m=m, v=v)
+    g = torch.Generator().manual_seed(m)
+    tokens = torch.randint(0, cfg.vocab_size, (m, args.micro_batch, cfg.seq_len + 1),
+                           generator=g)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    bubbles, steps, peak = [], [], 0
+    for rep in range(1 + args.reps):  # one warmup step
+        for ch in chunks:
+            ch.zero_grad(set_to_none=True)
+        dist.barrier()
+        result = run_pipeline(chunks, batches, token_loss, comm, schedule,
+                              activation_shape=(args.micro_batch, cfg.seq_len, cfg.d_model),
+                              loss_scale=1.0 / (m * args.micro_batch * cfg.seq_len))
+        sync_tied_grads(chunks, comm)
+        spans = _step_spans(comm, result.timings)
+        peak = max(peak, result.peak_activation_bytes)
+        if rep:
+            span = max(s[2] for s in spans) - min(s[1] for s in spans)
+            bubbles.append([1 - busy / span for busy, _, _ in spans])
+            steps.append(span)
+    per_stage = [statistics.median(b[s] for b in bubbles) for s in range(pp)]
+    return {"schedule": name, "p": pp, "v": v, "m": m,
+            "bubble_measured": round(statistics.median(statistics.fmean(b) for b in bubbles), 4),
+            "bubble_per_stage": [round(b, 4) for b in per_stage],
+            "bubble_analytic": round(analytic_bubble(name, pp, m, v), 4),
+            "step_s": round(statistics.median(steps), 4),
+            "peak_activation_bytes": comm.all_gather_object(peak)}
+
+
+def _bench(work: str, args: argparse.Namespace) -> list[dict]:
+    pp = dist.get_world_size()
+    cfg = ModelConfig(vocab_size=64, seq_len=args.seq_len, n_layer=pp * args.v,
+                      n_head=4, d_model=args.d_model)
+    model = _model(cfg, work, args.sleep_ms)
+    comm = Communicator(None, CollectiveLedger(), name="pp")
+    out = []
+    for k in args.m_per_pp:
+        for name in SCHEDULE_NAMES:
+            case = _case(model, cfg, comm, name, k * pp, args.v, args)
+            case["work"] = work
+            if dist.get_rank() == 0:
+                print(f"[pipeline] {json.dumps(case)}", file=sys.stderr, flush=True)
+            out.append(case)
+    return out
+
+
+def _summary(cases: list[dict]) -> dict:
+    for c in cases:
+        c["bubble_rel_error"] = round(
+            abs(c["bubble_measured"] - c["bubble_analytic"]) / c["bubble_analytic"], 4)
+    by_key = {(c["work"], c["p"], c["m"], c["schedule"]): c for c in cases}
+    ratios = [max(c["peak_activation_bytes"])
+              / max(by_key[("gpt", c["p"], c["m"], "gpipe")]["peak_activation_bytes"])
+              for c in cases if c["work"] == "gpt" and c["schedule"] == "1f1b"
+              and c["m"] > c["p"]]
+    gpt = [c["bubble_rel_error"] for c in cases if c["work"] == "gpt"]
+    sleep = [c["bubble_rel_error"] for c in cases if c["work"] == "sleep"]
+    return {"max_bubble_rel_error": max(gpt) if gpt else None,
+            "max_bubble_rel_error_sleep": max(sleep) if sleep else None,
+            "onef1b_vs_gpipe_activation_memory": round(max(ratios), 4) if ratios else None}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--pp", type=ints, default=[2, 4], help="stage counts (default 2,4)")
+    p.add_argument("--m-per-pp", type=ints, default=[1, 2, 4],
+                   help="micro-batches per step as multiples of p (default 1,2,4)")
+    p.add_argument("--v", type=int, default=2, help="chunks per rank, interleaved")
+    p.add_argument("--reps", type=int, default=3, help="timed steps per case (median)")
+    p.add_argument("--d-model", type=int, default=256, help="GPT width (default 256)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    p.add_argument("--sleep-ms", type=float, default=20.0,
+                   help="forward ms of a sleep block (backward twice); 0 skips them")
+    p.add_argument("--work", choices=("both", "gpt", "sleep"), default="both")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    works = ["gpt", "sleep"] if args.work == "both" else [args.work]
+    if args.sleep_ms <= 0:
+        works = [w for w in works if w != "sleep"]
+    load = os.getloadavg()[0]
+    cases = []
+    for work in works:
+        for pp in args.pp:
+            print(f"[pipeline] {work} p={pp}", file=sys.stderr, flush=True)
+            cases += run_distributed(_bench, pp, args=(work, args), timeout=1800)[0]
+    print(json.dumps({
+        "bench": "pipeline", **_summary(cases), "target_bubble_rel_error": 0.15,
+        "bubble": "mean over stages of 1 - busy/span, median over steps",
+        "d_model": args.d_model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        "v": args.v, "reps": args.reps, "sleep_ms": args.sleep_ms, "cases": cases,
+        "machine": f"{os.cpu_count()} cpu cores, load average {load:.1f} at start"}))
+
+
+if __name__ == "__main__":
+    main()

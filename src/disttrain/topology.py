@@ -19,7 +19,7 @@ MESH_AXES = ("pp", "dp", "tp")
 
 # Strategies whose implementation has landed. Validation refuses a layout that needs
 # one that has not, with the fix, instead of failing inside a collective.
-AVAILABLE = {"pp": False, "tp": False, "zero": True}
+AVAILABLE = {"pp": True, "tp": True, "zero": True}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,9 @@ from .format import (CheckpointIndex, ShardReader, ShardRef, TensorEntry, dtype_
                      shard_file_name, whole_tensor_entry)
 
 CHECKPOINT_DIR = "checkpoints"
-Part = tuple[str, tuple[int, ...], tuple[int, int]]  # global name, global shape, flat range
+# global name, global shape, and where the piece lies: a flat range (start, stop) of the
+# row-major flattening, or a box {"offsets": [...], "shape": [...]}
+Part = tuple[str, tuple[int, ...], "tuple[int, int] | dict[str, list[int]]"]
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -148,10 +150,13 @@ class CheckpointManager:
             if key not in parts:
                 entries[key] = whole_tensor_entry(t, name, key)
                 continue
-            global_name, shape, flat = parts[key]
+            global_name, shape, where = parts[key]
             entry = entries.setdefault(global_name, TensorEntry(tuple(shape),
                                                                 dtype_name(t.dtype)))
-            entry.shards.append(ShardRef(name, key, flat=tuple(flat)))
+            entry.shards.append(
+                ShardRef(name, key, offsets=tuple(where["offsets"]),
+                         shape=tuple(where["shape"])) if isinstance(where, dict)
+                else ShardRef(name, key, flat=tuple(where)))
         storage.write_marker(staging, self.rank, file_meta, entries)
         if self.rank == 0:
             storage.commit(self.root, staging, step, self.world_size, meta, self.keep)

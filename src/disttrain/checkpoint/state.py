@@ -8,6 +8,7 @@ rank writes only what it owns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,11 +80,20 @@ def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
 
 
 def restore_model(reader: ShardReader, model: nn.Module) -> None:
+    restore_named(reader, model_tensors(model))
+
+
+def restore_named(reader: ShardReader, tensors: dict[str, torch.Tensor],
+                  to_local: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Copy each ``model/<name>`` tensor into ``tensors[name]``; ``to_local(name, full)``
+    cuts this rank's part out of the global tensor (tensor parallelism)."""
     with torch.no_grad():
-        for name, t in model_tensors(model).items():
+        for name, t in tensors.items():
             if name not in reader.index.tensors:
                 raise KeyError(f"checkpoint has no tensor {name} (a different model?)")
             loaded = reader.tensor(name)
+            if to_local is not None:
+                loaded = to_local(name[len(MODEL):], loaded)
             if loaded.shape != t.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != model "
                                  f"shape {tuple(t.shape)}")
@@ -91,15 +101,21 @@ def restore_model(reader: ShardReader, model: nn.Module) -> None:
 
 
 def restore_optimizer(reader: ShardReader, model: nn.Module,
-                      optimizer: torch.optim.Optimizer) -> None:
-    """Rebuild ``optimizer.state`` from ``optim/...`` tensors, on each parameter's device."""
-    names = _param_names(model)
+                      optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None,
+                      to_local: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+                      ) -> None:
+    """Rebuild ``optimizer.state`` from ``optim/...`` tensors, on each parameter's device;
+    ``names`` (id(param) -> global name) and ``to_local`` as in :func:`restore_named`."""
+    names = names or _param_names(model)
     state: dict[int, dict[str, Any]] = {}
     index = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
             prefix = f"{OPTIM}{names[id(p)]}/"
             entries = {n[len(prefix):]: reader.tensor(n) for n in reader.names(prefix)}
+            if to_local is not None:  # per-element state has the parameter's shape
+                entries = {k: to_local(names[id(p)], t) if t.dim() else t
+                           for k, t in entries.items()}
             if entries:  # load_state_dict moves each value to its parameter's device
                 state[index] = entries
             index += 1

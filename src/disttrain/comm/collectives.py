@@ -119,6 +119,10 @@ class Communicator:
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
 
+    def __deepcopy__(self, memo: dict) -> Communicator:
+        """A handle on a shared process group: copies of a module share it."""
+        return self
+
     def _run(self, op: str, tensor: torch.Tensor | None, call: Callable[[bool], Any],
              async_op: bool) -> Any:
         """Record ``op``, then issue it (``call(async_op)``); a blocking call is marked

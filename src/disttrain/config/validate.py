@@ -54,6 +54,7 @@ def resolve(config: Config, world_size: int) -> RunPlan:
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
     _check_sync(config, layout)
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
+    _check_model_parallel(config, layout, batch)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))
 
 
@@ -217,3 +218,69 @@ def _check_device(config: Config) -> None:
     if backend == "nccl" and not on_gpu:
         raise ConfigError("parallel.backend", backend, "NCCL needs CUDA devices",
                           "use parallel.backend=gloo or auto on CPU")
+
+
+def _check_model_parallel(config: Config, layout: Layout, batch: BatchPlan) -> None:
+    """Tensor and pipeline layouts that cannot work are refused here, with the fix,
+    before any process group exists (nothing can hang on a bad split)."""
+    p, m = config.parallel, config.model
+    if layout.tp > 1:
+        for field, value in (("model.n_head", m.n_head), ("model.vocab_size", m.vocab_size),
+                             ("model.d_model", 4 * m.d_model)):
+            if value % layout.tp:
+                what = "4 x d_model" if field == "model.d_model" else field
+                raise ConfigError(field, value if field != "model.d_model" else m.d_model,
+                                  f"{what} = {value} is not divisible by parallel.tp="
+                                  f"{layout.tp}", "choose a tp that divides n_head, "
+                                  "vocab_size and 4 x d_model")
+    if layout.pp > 1 or layout.tp > 1:
+        if p.balance == "dynamic":
+            raise ConfigError("parallel.balance", "dynamic", "is not supported with pp or "
+                              "tp > 1 (every pipeline needs the same micro-batches)",
+                              "use parallel.balance=static")
+        if layout.zero and config.checkpoint.every:
+            raise ConfigError("checkpoint.every", config.checkpoint.every,
+                              "checkpoints of ZeRO shards under pp or tp > 1 are not "
+                              "supported yet", "set checkpoint.every=0, or parallel.zero=0")
+    if layout.pp > 1:
+        _check_pipeline(config, layout, batch)
+
+
+def _check_pipeline(config: Config, layout: Layout, batch: BatchPlan) -> None:
+    from ..parallel.pipeline.schedules import validate_schedule
+
+    p = config.parallel
+    if layout.zero > 1:
+        raise ConfigError("parallel.zero", layout.zero, "stages 2 and 3 reduce and gather "
+                          "per micro-batch, which a pipeline schedule interleaves",
+                          "use parallel.zero=1 (or 0) with parallel.pp > 1")
+    v = p.pp_virtual if p.pp_schedule == "interleaved" else 1
+    try:
+        validate_schedule(p.pp_schedule, layout.pp, batch.grad_accum, v,
+                          config.model.n_layer)
+    except ValueError as exc:
+        field = ("train.grad_accum" if "micro-batches" in str(exc)
+                 else "parallel.pp_schedule")
+        raise ConfigError(field, batch.grad_accum if field.startswith("train")
+                          else p.pp_schedule, f"{exc} (micro-batches per step = "
+                          "train.grad_accum)") from None
+    pipeline_starts(p.pp_split, layout.pp * v, config.model.n_layer)
+
+
+def pipeline_starts(split: str, chunks: int, n_layer: int) -> list[int] | None:
+    """``parallel.pp_split`` as the first block of each chunk, or None for auto."""
+    if split.strip() == "auto":
+        return None
+    try:
+        starts = [int(x) for x in split.split(",")]
+    except ValueError:
+        raise ConfigError("parallel.pp_split", split, "is neither 'auto' nor a list of "
+                          "block indices", "write e.g. '0,2' or 'auto'") from None
+    ok = (len(starts) == chunks and starts[0] == 0 and all(a < b for a, b in
+          zip(starts, starts[1:])) and starts[-1] < n_layer)
+    if not ok:
+        even = ",".join(str(i * n_layer // chunks) for i in range(chunks))
+        raise ConfigError("parallel.pp_split", split, f"needs {chunks} increasing block "
+                          f"indices starting at 0 and below n_layer={n_layer}",
+                          f"e.g. '{even}', or 'auto'")
+    return starts

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from ..checkpoint.manager import CheckpointManager, find_checkpoint, open_checkpoint
-from ..checkpoint.state import (assign_owners, buffer_tensors, model_tensors,
+from ..checkpoint.state import (MODEL, OPTIM, assign_owners, buffer_tensors, model_tensors,
                                 optimizer_tensors, restore_buffers, restore_model,
-                                restore_optimizer, restore_rng, rng_tensors)
+                                restore_named, restore_optimizer, restore_rng,
+                                rng_tensors)
+from ..parallel.hybrid import ModelParallel
 from ..parallel.zero import ZeroDataParallel
 from ..comm import Communicator
 from ..config import Config, RunPlan
@@ -25,10 +27,11 @@ class RunCheckpoints:
 
     def __init__(self, run_dir: Path, config: Config, plan: RunPlan, world: Communicator,
                  model: nn.Module, optimizer: torch.optim.Optimizer,
-                 zero: ZeroDataParallel | None = None) -> None:
+                 zero: ZeroDataParallel | None = None, mp: ModelParallel | None = None,
+                 dp_rank: int = 0) -> None:
         self.run_dir, self.config, self.plan = run_dir, config, plan
         self.world, self.model, self.optimizer = world, model, optimizer
-        self.zero = zero
+        self.zero, self.mp, self.dp_rank = zero, mp, dp_rank
         ck = config.checkpoint
         self.every = ck.every
         self.manager = CheckpointManager(run_dir, world.rank, world.size, keep=ck.keep,
@@ -52,7 +55,12 @@ class RunCheckpoints:
         if kind == "none":
             return None
         ckpt = open_checkpoint(Path(value))
-        if self.zero is not None:
+        if self.mp is not None:  # any saved layout, cut to this rank's boxes
+            restore_named(ckpt.reader, {MODEL + n: p for n, p in self.mp.named_parameters()},
+                          self.mp.local_from_global)
+            restore_optimizer(ckpt.reader, self.mp.module, self.optimizer, self.mp.names,
+                              self.mp.local_from_global)
+        elif self.zero is not None:
             self.zero.load_checkpoint(ckpt.reader, self.optimizer)
             restore_buffers(ckpt.reader, self.model)
         else:
@@ -72,7 +80,11 @@ class RunCheckpoints:
     def save(self, step: int, position: int) -> None:
         start = time.perf_counter()
         parts: dict = {}
-        if self.zero is not None:  # every rank writes its shard of each tensor
+        if self.mp is not None:  # each rank writes the boxes it alone holds
+            mine, parts = model_parallel_pieces(self.mp, self.optimizer, self.dp_rank,
+                                                self.world.rank)
+            shared, owners = {}, {k: self.world.rank for k in mine}
+        elif self.zero is not None:  # every rank writes its shard of each tensor
             pieces = self.zero.checkpoint_pieces(self.optimizer)
             mine = {k: v[0] for k, v in pieces.items()}
             parts = {k: v[1:] for k, v in pieces.items() if v[3] is not None}
@@ -100,3 +112,28 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self.manager.wait()
+
+
+def model_parallel_pieces(mp: ModelParallel, optimizer: torch.optim.Optimizer,
+                          dp_rank: int, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """The parameter and optimizer-state boxes this rank writes (dp rank 0; tp rank 0
+    for replicated tensors; never the tied copy), keyed uniquely, with their parts."""
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, tuple] = {}
+    for name, p in mp.named_parameters():
+        if not mp.writes(p, dp_rank):
+            continue
+        state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                 for k, v in optimizer.state.get(p, {}).items()}
+        for prefix, t in [(MODEL + name, p), *((f"{OPTIM}{name}/{k}", v)
+                                                for k, v in state.items())]:
+            if t.dim() == 0:  # a scalar (Adam's step): whole, from tp rank 0
+                if mp.tp_comm.rank == 0:
+                    tensors[prefix] = t.detach()
+                continue
+            for i, box in enumerate(mp.boxes(name, p)):
+                key = f"{prefix}#r{rank}.{i}"
+                tensors[key] = t.detach()[box.local_slices()].contiguous()
+                parts[key] = (prefix, box.global_shape,
+                              {"offsets": list(box.global_offsets), "shape": list(box.shape)})
+    return tensors, parts

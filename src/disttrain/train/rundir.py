@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
+import torch
 from torch import nn
 
 CONFIG_FILE = "config.toml"
@@ -35,12 +36,14 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True))
 
 
-def save_weights(model: nn.Module, run_dir: Path) -> Path:
+def save_weights(model: nn.Module | dict[str, torch.Tensor], run_dir: Path) -> Path:
     """Final weights as safetensors, loadable with ``safetensors.torch.load_model``: a
     tensor shared under several names (a tied head) is stored once, under its first
-    name; each is copied out of whatever flat buffer it may live in."""
+    name; each is copied out of whatever flat buffer it may live in. ``model`` may be an
+    already assembled state (tensor and pipeline parallelism)."""
     state, seen = {}, set()
-    for name, t in model.state_dict().items():
+    items = model.items() if isinstance(model, dict) else model.state_dict().items()
+    for name, t in items:
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         if key not in seen:
             seen.add(key)

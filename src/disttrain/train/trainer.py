@@ -27,6 +27,7 @@ from ..comm import CollectiveLedger, Communicator
 from ..comm.codecs import build_codec
 from ..config import Config, RunPlan, load_config, resolve
 from ..config.dump import config_to_toml
+from ..config.validate import pipeline_starts
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..faults import maybe_fail
 from ..monitor import MetricsWriter, ProgressBar
@@ -39,11 +40,14 @@ from ..monitor.watchdog import HangWatchdog, default_store
 from ..parallel.activation import apply_activation_checkpointing, canonical_name
 from ..parallel.balance import BatchSplitter
 from ..parallel.data import apply_data_parallel
+from ..parallel.hybrid import ModelParallel, apply_model_parallel
 from ..parallel.sync import LocalGradients, SyncStrategy, build_sync
 from ..parallel.zero import apply_zero
 from ..topology import Topology, build_topology
 from . import rundir
 from .checkpointing import RunCheckpoints
+from .model_parallel import (ModelParallelGrads, PipelineStepRunner, gather_full_state,
+                             pipeline_eval_totals)
 from .optim import build_optimizer, lr_at, set_lr
 from .precision import DTYPES, LossScaler, autocast
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
@@ -108,6 +112,8 @@ class Trainer:
         self.ledger = CollectiveLedger()
         self.world = Communicator(None, self.ledger, "world")
         self.dp_comm = Communicator(self.topology.group("dp"), self.ledger, "dp")
+        self.pp_comm = Communicator(self.topology.group("pp"), self.ledger, "pp")
+        self.tp_comm = Communicator(self.topology.group("tp"), self.ledger, "tp")
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, runtime.rank)
         self._build_model()
@@ -125,23 +131,43 @@ class Trainer:
 
     def _build_model(self) -> None:
         train, par = self.config.train, self.config.parallel
-        apply_activation_checkpointing(self.model, train.activation_checkpointing,
-                                       train.activation_checkpointing_k)
+        self.total_params = sum(p.numel() for p in self.model.parameters())
         check_agreement(self.world, self.config, self.model)  # before any sized collective
         self.model.to(self.runtime.device)
+        self.mp = self._build_model_parallel()
+        local = self.mp.module if self.mp is not None else self.model
         if self.plan.layout.zero:
-            names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
-            self.dp = apply_zero(self.model, self.dp_comm, self.plan.layout.zero, names)
+            names = (self.mp.names if self.mp is not None else
+                     {id(p): canonical_name(n) for n, p in local.named_parameters()})
+            self.dp = apply_zero(local, self.dp_comm, self.plan.layout.zero, names)
             groups = self.dp.param_groups(train.weight_decay)
         elif train.sync != "every_step":  # replicas reconciled by self.sync, not per step
             self.dp, groups = LocalGradients(self.model, self.dp_comm), None
         else:
             self.dp = apply_data_parallel(
-                self.model, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
+                local, self.dp_comm, bucket_mb=par.bucket_mb, tracer=self.tracer,
                 reduce_dtype=DTYPES[par.grad_reduce_dtype],
                 codec=build_codec(self.config.comm, train.seed))
             groups = None
-        self.optimizer = build_optimizer(self.model, train, self.plan.lr, groups)
+        self.optimizer = build_optimizer(local, train, self.plan.lr, groups)
+        if self.mp is not None:
+            self.dp = ModelParallelGrads(self.dp, self.mp, self.world)
+
+    def _build_model_parallel(self) -> ModelParallel | None:
+        """Tensor and pipeline parallelism (the GPT only), or None when pp = tp = 1."""
+        lay, par, train = self.plan.layout, self.config.parallel, self.config.train
+        checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
+        if lay.pp == 1 and lay.tp == 1:
+            apply_activation_checkpointing(self.model, *checkpointing)
+            return None
+        v = par.pp_virtual if par.pp_schedule == "interleaved" else 1
+        mp = apply_model_parallel(
+            self.model, self.topology, par, self.pp_comm, self.tp_comm,
+            micro_batches=self.plan.batch.grad_accum, checkpointing=checkpointing,
+            starts=pipeline_starts(par.pp_split, lay.pp * v, self.config.model.n_layer))
+        if mp.tp is not None:  # local logits: the vocab-parallel loss
+            self.loss_fn = mp.tp.loss_fn
+        return mp
 
     def _build_data(self) -> None:
         self.sampler = GlobalOrderSampler(len(self.dataset), self.config.train.seed)
@@ -173,7 +199,7 @@ class Trainer:
     def _build_checkpoints(self) -> None:
         self.checkpoints = RunCheckpoints(
             self.run_dir, self.config, self.plan, self.world, self.model, self.optimizer,
-            self.dp if self.plan.layout.zero else None)
+            self.dp if self.plan.layout.zero else None, self.mp, self.topology.dp_rank)
         self.start_step = 0
         resumed = self.checkpoints.resume(say=self.bar.message)
         if resumed is not None:
@@ -182,14 +208,17 @@ class Trainer:
                 truncate_metrics(self.run_dir / rundir.METRICS_FILE, self.start_step)
 
     def _build_step(self) -> None:
-        self.stepper = StepRunner(
+        pipelined = self.mp is not None and bool(self.mp.chunks)
+        extra = ({"mp": self.mp, "world": self.world, "d_model": self.config.model.d_model}
+                 if pipelined else {})
+        self.stepper = (PipelineStepRunner if pipelined else StepRunner)(
             model=self.model, dp=self.dp, comm=self.dp_comm, optimizer=self.optimizer,
             loss_fn=self.loss_fn, load=self._load, grad_clip=self.config.train.grad_clip,
             device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
             precision=self.config.train.precision,
             scaler=LossScaler(self.config.train.precision == "fp16"),
             count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token,
-            local=self.config.train.sync != "every_step")
+            local=self.config.train.sync != "every_step", **extra)
         self.sync: SyncStrategy = build_sync(self.config.train, self.model, self.dp_comm,
                                              len(self.dataset))
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
@@ -287,6 +316,7 @@ class Trainer:
         if self.eval_dataset is None:
             return None
         self.model.eval()
+        pipelined = self.mp is not None and bool(self.mp.chunks)
         indices = eval_indices(len(self.eval_dataset), self.config.train.eval_samples,
                                self.dp_comm.rank, self.dp_comm.size)
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
@@ -296,11 +326,16 @@ class Trainer:
             batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
             inputs, targets = split_batch(to_device(batch, self.runtime.device))
             with autocast(self.config.train.precision, self.runtime.device):
-                loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs),
-                                                        targets)
-            totals[0] += loss_sum.double()
+                if pipelined:
+                    loss_sum, count = pipeline_eval_totals(
+                        self.mp, self.loss_fn, inputs, targets, self.config.model.d_model)
+                else:
+                    loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs),
+                                                            targets)
+            totals[0] += loss_sum
             totals[1] += count
-        self.dp_comm.all_reduce(totals)
+        # a pipeline counts each loss on one rank of the last stage: sum over everyone
+        (self.world if pipelined else self.dp_comm).all_reduce(totals)
         self.model.train()
         return float(totals[0] / totals[1].clamp(min=1))
 
@@ -310,11 +345,23 @@ class Trainer:
         text = (f"disttrain: {self.runtime.world_size} rank(s) on "
                 f"{self.runtime.device.type}/{self.runtime.backend}, dp={lay.dp}; "
                 f"global batch {b.global_batch} = {b.micro_batch} x {b.grad_accum} x "
-                f"{b.dp}; {sum(p.numel() for p in self.model.parameters()):,} parameters; "
-                f"run dir {self.run_dir}")
+                f"{b.dp}; {self.total_params:,} parameters; run dir {self.run_dir}")
+        text += self._layout_lines()
         if initial_eval is not None:
             text += f"\ninitial held-out loss {initial_eval:.4f}"
         return text
+
+    def _layout_lines(self) -> str:
+        """Which ranks hold which layers and shards (pp or tp > 1), gathered from all."""
+        if self.mp is None:
+            return ""
+        lay = self.plan.layout
+        mine = (f"rank {self.runtime.rank} (pp {self.mp.pp_comm.rank}, dp "
+                f"{self.topology.dp_rank}, tp {self.mp.tp_comm.rank}): {self.mp.describe()}")
+        head = (f"\nlayout pp={lay.pp} x dp={lay.dp} x tp={lay.tp}"
+                + (f", schedule {self.mp.schedule.name} with {self.mp.schedule.m} "
+                   f"micro-batches" if self.mp.schedule else ""))
+        return head + "".join(f"\n  {line}" for line in self.world.all_gather_object(mine))
 
     def _log(self, step: int, eval_loss: float | None) -> None:
         record: dict[str, Any] = {
@@ -329,11 +376,11 @@ class Trainer:
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         record["memory_mb"] = {k: v / 2**20 for k, v in self._memory().items()}
-        record |= getattr(self.dp, "comm_stats", dict)()  # bytes sent, compression ratio
         record["comm_bytes_per_step"] = ((self.step_bytes - self.logged_bytes)
                                          / max(self.telemetry.window.steps, 1))
         self.logged_bytes = self.step_bytes
         record |= self.sync.metrics()
+        record |= getattr(self.dp, "comm_stats", dict)()  # bytes sent, compression ratio
         ranks = self.telemetry.log(record, self.stepper.flops_per_term)
         self.splitter.update([r["samples"] for r in ranks],
                              [r["compute_s"] + r["data_s"] for r in ranks])
@@ -351,9 +398,10 @@ class Trainer:
             "wall_time_s": wall_time, "train_time_s": totals.sum.total_s,
             "tokens_per_s": totals.terms_per_s(),
             "samples_seen": self.position, "run_dir": str(self.run_dir),
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": self.total_params,
             "comm_bytes_per_step": self.step_bytes / max(self.config.train.steps
                                                          - self.start_step, 1),
+            "collectives": self.ledger.seq,
         }
         if self.stepper.flops_per_term:
             summary["model_flops_per_s"] = (summary["tokens_per_s"]
@@ -361,8 +409,10 @@ class Trainer:
         summary["memory_bytes"] = self._memory()
         summary |= self.sync.metrics()
         self.dp.finalize()  # the model keeps its full parameters (ZeRO-3 gathers them)
+        full = (gather_full_state(self.mp, self.world, self.topology.dp_rank)
+                if self.mp is not None else None)
         if self.runtime.is_main:
-            rundir.save_weights(self.model, self.run_dir)
+            rundir.save_weights(full if self.mp is not None else self.model, self.run_dir)
             rundir.write_summary(self.run_dir, summary)
             self.bar.message(_summary_text(summary, self.bar.unit))
         self._write_trace()

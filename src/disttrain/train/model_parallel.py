@@ -1,0 +1,153 @@
+"""The trainer's side of tensor and pipeline parallelism.
+
+- :class:`ModelParallelGrads` wraps the dp handle (data parallelism or ZeRO) so the
+  step sees model-parallel gradients: partial and tied gradients are summed before the
+  dp reduction, and the norm is global over every stage and shard.
+- :class:`PipelineStepRunner` runs one optimizer step through the pipeline schedule.
+- :func:`pipeline_logits` is the forward-only pass used for evaluation.
+- :func:`gather_full_state` assembles the unsharded model on rank 0 (final weights).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import Communicator
+from ..monitor.stats import StepStats
+from ..parallel.hybrid import ModelParallel, model_parallel_grad_norm
+from ..parallel.pipeline import run_pipeline
+from .precision import autocast
+from .step import StepRunner, loss_sum_and_terms
+
+
+class ModelParallelGrads:
+    """The dp handle, seen through (pp, tp): every other attribute is the handle's.
+
+    With a pipeline or sequence parallelism the dp reductions are deferred to
+    :meth:`finish_gradient_sync` (no reduction launches from hooks during backward),
+    because the tp sum of partial gradients and the tied weight's exchange must act on
+    complete local gradients, before they are reduced (ZeRO keeps only a shard after).
+    """
+
+    def __init__(self, dp: Any, mp: ModelParallel, world: Communicator) -> None:
+        self.dp, self.mp, self.world = dp, mp, world
+        self.deferred = bool(mp.chunks) or bool(mp.tp and mp.tp.sequence_parallel)
+        if self.deferred:
+            dp._sync = False  # hooks only record; finish_gradient_sync reduces all
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dp, name)
+
+    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+        if self.deferred:
+            self.mp.finish_backward()
+        self.dp.finish_gradient_sync(scale)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return model_parallel_grad_norm(self.mp, self.dp, self.world, max_norm)
+
+
+@dataclass
+class PipelineStepRunner(StepRunner):
+    """One step through the pipeline: every micro-batch of this dp rank's share goes
+    through ``mp.schedule``; the loss terms are counted on the last stage."""
+
+    mp: ModelParallel | None = None
+    world: Communicator | None = None
+    d_model: int = 0
+
+    def run(self, micro_batches: list[list[int]]) -> StepStats:
+        stats = StepStats(samples=sum(len(m) for m in micro_batches))
+        t0, waited0 = time.perf_counter(), self.comm.ledger.wait_seconds
+        self.dp.zero_grad()
+        td = time.perf_counter()
+        loaded = [self.load(indices) for indices in micro_batches]
+        stats.data_s = time.perf_counter() - td
+        b, t = loaded[0][0].shape[:2]
+        with autocast(self.precision, self.device):
+            result = run_pipeline(self.mp.chunks, loaded, self.loss_fn, self.mp.pp_comm,
+                                  self.mp.schedule, activation_shape=(b, t, self.d_model),
+                                  loss_scale=self.scaler.scale if self.scaler.enabled else 1.0)
+        if self.activation_bytes is None:
+            self.activation_bytes = result.peak_activation_bytes
+        counts = self.mp.counts_loss
+        totals = torch.tensor([float(result.loss_sum) if counts else 0.0,
+                               float(result.count) if counts else 0.0], dtype=torch.float64)
+        self.world.all_reduce(totals)
+        loss, count = totals.tolist()
+        self.dp.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
+        stats.compute_s = time.perf_counter() - t0 - stats.data_s
+        to = time.perf_counter()
+        with self.tracer.span("optimizer"):
+            self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
+            if self.scaler.update(self.grad_norm):
+                self.optimizer.step()
+                self.dp.after_optimizer_step()
+        stats.optim_s = time.perf_counter() - to
+        stats.total_s = time.perf_counter() - t0
+        stats.comm_s = self.comm.ledger.wait_seconds - waited0
+        stats.compute_s -= stats.comm_s
+        stats.loss, stats.terms = loss / max(count, 1.0), int(count)
+        return stats
+
+
+def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor, d_model: int
+                    ) -> torch.Tensor | None:
+    """Forward only, chunk after chunk (no schedule needed): the last stage gets the
+    output [B, T, V(/tp)], the other stages None."""
+    comm, stages = mp.pp_comm, mp.stages
+    mine = {c.index: c for c in mp.chunks}
+    b, t = inputs.shape[:2]
+    x: torch.Tensor | None = None
+    for c in range(stages.n_chunks):
+        owner = stages.rank_of(c)
+        if owner != comm.rank:
+            continue
+        if c == 0:
+            x = mine[c](inputs)
+        else:
+            x = torch.empty(b, t, d_model, device=inputs.device)
+            comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
+            x = mine[c](x)
+        if c < stages.n_chunks - 1:
+            comm.isend(x.contiguous(), stages.rank_of(c + 1), tag=c + 1).wait()
+    return x if mp.is_last_stage else None
+
+
+def pipeline_eval_totals(mp: ModelParallel, loss_fn: Any, inputs: torch.Tensor,
+                         targets: torch.Tensor, d_model: int) -> tuple[float, float]:
+    """(summed loss, terms) of one evaluation micro-batch, counted on one rank only."""
+    out = pipeline_logits(mp, inputs, d_model) if mp.chunks else None
+    if mp.chunks and not mp.is_last_stage:
+        return 0.0, 0.0
+    loss_sum, count, _ = loss_sum_and_terms(loss_fn, out, targets)
+    return (float(loss_sum), float(count)) if mp.counts_loss else (0.0, 0.0)
+
+
+def gather_full_state(mp: ModelParallel, world: Communicator, dp_rank: int
+                      ) -> dict[str, torch.Tensor] | None:
+    """The unsharded model's parameters on global rank 0 (None elsewhere): every rank
+    sends the boxes it writes in checkpoints (one all-gather of small objects; meant
+    for final weights, not for models too large for one host)."""
+    pieces = [(name, [(b.global_offsets, b.shape, b.global_shape) for b in
+                      mp.boxes(name, p)], _local_boxes(mp, name, p))
+              for name, p in mp.named_parameters() if mp.writes(p, dp_rank)]
+    everyone = world.all_gather_object(pieces)
+    if world.rank != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for rank_pieces in everyone:
+        for name, boxes, tensors in rank_pieces:
+            for (offsets, shape, global_shape), t in zip(boxes, tensors):
+                out = full.setdefault(name, torch.empty(global_shape, dtype=t.dtype))
+                out[tuple(slice(o, o + n) for o, n in zip(offsets, shape))] = t
+    return full
+
+
+def _local_boxes(mp: ModelParallel, name: str, p: nn.Parameter) -> list[torch.Tensor]:
+    return [p.detach()[b.local_slices()].cpu().clone() for b in mp.boxes(name, p)]

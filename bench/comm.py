@@ -1,0 +1,121 @@
+"""Communication efficiency: gradient codecs and synchronisation modes against the
+every_step / uncompressed baseline.
+
+    python bench/comm.py [--steps 100] [--nproc 4] [--global-batch 24] [--sync-every 50]
+                         [--codecs none,fp16,...] [--modes local_sgd,diloco,...]
+
+Each measurement is one run of the default job (``disttrain train --nproc N``: the
+byte-level GPT on the standard-library corpus, Gloo) in a fresh run directory, with
+checkpoints off, the same seed, ``--steps`` optimizer steps of ``--global-batch``
+samples (so every run sees the same number of samples) and the same held-out samples.
+Codec runs use ``train.sync=every_step``; mode runs use ``comm.codec=none``. From each
+run's ``summary.json`` (rank 0):
+
+- bytes per step: ``comm_bytes_per_step``, the collective-ledger payload of the steps
+  and their synchronisation, per rank per step (async: bytes sent, half of the ledgers'
+  send + receive total, averaged over all ranks);
+- step time: ``train_time_s`` / steps (async: the loop's wall time / equivalent steps);
+- held-out loss: ``final_eval_loss`` of the final model.
+
+Prints one JSON line: ``bytes_reduction`` (baseline bytes / its bytes) and
+``loss_ratio`` (its loss / baseline loss), each keyed by codec or mode name, plus
+``bytes_per_step``, ``step_time_s``, ``eval_loss``, the targets and the settings.
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CODECS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "qsgd")
+MODES = ("local_sgd", "diloco", "async", "fedavg")
+# name -> (minimum bytes_reduction, maximum loss_ratio)
+TARGETS = {"powersgd": (50.0, 1.05), "topk": (50.0, 1.05), "diloco": (50.0, 1.05),
+           "local_sgd": (None, 1.05), "async": (None, 1.10), "fedavg": (None, 1.10)}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    p.add_argument("--nproc", type=int, default=4, help="ranks (world size)")
+    p.add_argument("--global-batch", type=int, default=24,
+                   help="samples per step (divisible by nproc and by nproc - 1 for async)")
+    p.add_argument("--sync-every", type=int, default=50, help="H for local_sgd/diloco/fedavg")
+    p.add_argument("--eval-samples", type=int, default=256)
+    p.add_argument("--codecs", default=",".join(CODECS[1:]))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra settings for every run")
+    return p.parse_args()
+
+
+def disttrain_cmd() -> list[str]:
+    exe = Path(sys.executable).with_name("disttrain")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "disttrain"]
+
+
+def run_job(args: argparse.Namespace, name: str, settings: list[str]) -> dict:
+    """One training run; its summary."""
+    base = [f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
+            "checkpoint.every=0", f"train.eval_samples={args.eval_samples}",
+            f"train.log_every={max(1, args.steps // 5)}", *args.set]
+    with tempfile.TemporaryDirectory(prefix=f"bench-comm-{name}-") as tmp:
+        cmd = [*disttrain_cmd(), "train", "--nproc", str(args.nproc), "--quiet",
+               "--run-dir", tmp]
+        for item in base + settings:
+            cmd += ["--set", item]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    print(f"{name}: {time.perf_counter() - start:.0f}s, "
+          f"{summary['comm_bytes_per_step']:.0f} B/step, held-out loss "
+          f"{summary['final_eval_loss']:.4f}", file=sys.stderr)
+    return summary
+
+
+def measure(summary: dict) -> dict:
+    steps = summary["steps"] - summary.get("start_step", 0)
+    return {"bytes": summary["comm_bytes_per_step"],
+            "step_s": summary["train_time_s"] / max(steps, 1),
+            "loss": summary["final_eval_loss"]}
+
+
+def main() -> None:
+    args = parse_args()
+    runs: dict[str, list[str]] = {"baseline": ["train.sync=every_step", "comm.codec=none"]}
+    for codec in filter(None, args.codecs.split(",")):
+        if codec != "none":
+            runs[codec] = ["train.sync=every_step", f"comm.codec={codec}"]
+    for mode in filter(None, args.modes.split(",")):
+        runs[mode] = [f"train.sync={mode}", "comm.codec=none",
+                      f"train.sync_every={args.sync_every}"]
+    results = {name: measure(run_job(args, name, s)) for name, s in runs.items()}
+    base = results.pop("baseline")
+    out = {
+        "bench": "comm", "world_size": args.nproc, "backend": "gloo", "steps": args.steps,
+        "global_batch": args.global_batch, "sync_every": args.sync_every,
+        "baseline": base,
+        "bytes_reduction": {k: base["bytes"] / max(v["bytes"], 1e-9)
+                            for k, v in results.items()},
+        "loss_ratio": {k: v["loss"] / base["loss"] for k, v in results.items()},
+        "bytes_per_step": {k: v["bytes"] for k, v in results.items()},
+        "step_time_s": {k: v["step_s"] for k, v in results.items()},
+        "eval_loss": {k: v["loss"] for k, v in results.items()},
+        "targets": {k: {"min_bytes_reduction": b, "max_loss_ratio": l}
+                    for k, (b, l) in TARGETS.items() if k in results},
+        "machine": os.cpu_count(),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

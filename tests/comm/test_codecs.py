@@ -267,8 +267,20 @@ def _train_with_every_codec(run_dir: str, steps: int) -> dict[str, dict]:
     return out
 
 
-def test_each_codec_reduces_known_gradients_on_two_ranks():
-    per_rank = run_distributed(_reduce_with_every_codec, 2, timeout=120)
+def _on_two_ranks(run_dir: str, steps: int) -> dict[str, object]:
+    """One spawn for both multi-process tests (each spawn costs seconds of imports)."""
+    return {"reduce": _reduce_with_every_codec(),
+            "train": _train_with_every_codec(run_dir, steps)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict[str, object]]:
+    run_dir = tmp_path_factory.mktemp("codec_runs")
+    return run_distributed(_on_two_ranks, 2, args=(str(run_dir), 40), timeout=300)
+
+
+def test_each_codec_reduces_known_gradients_on_two_ranks(two_ranks):
+    per_rank = [r["reduce"] for r in two_ranks]
     got = per_rank[0]
     for name in CODEC_CASES:  # every rank ends with the same reduced tensor
         assert torch.equal(got[name], per_rank[1][name]), name
@@ -305,14 +317,13 @@ def test_each_codec_reduces_known_gradients_on_two_ranks():
         assert stats == {"grad_sync_bytes": sent, "compression_ratio": 4 * n / sent}, name
 
 
-def test_training_with_each_codec_tracks_no_compression(tmp_path):
+def test_training_with_each_codec_tracks_no_compression(two_ranks):
     """40 steps of the tiny GPT on two ranks per codec (moderate settings, see
     TRAIN_CASES): the loss falls below 80% of ln(64) (the untrained model's) and ends
     close to codec=none (mean loss of the last 10 steps). Measured gaps at this point of
     the curve, where codec=none is still falling fast: fp16/bf16 < 0.01%, qsgd 0.3%,
     topk 0.8%, randomk 6%, onebit 9%, powersgd (rank 8) 14%; tolerances leave margin."""
-    runs = run_distributed(_train_with_every_codec, 2, args=(str(tmp_path), 40),
-                           timeout=240)[0]
+    runs = two_ranks[0]["train"]
     base = runs["none"]["final_train_loss"]
     tolerance = {"none": 0.0, "fp16": 0.001, "bf16": 0.001, "qsgd": 0.03, "topk": 0.03,
                  "randomk": 0.10, "onebit": 0.12, "powersgd": 0.18}

@@ -259,11 +259,15 @@ def _check_pipeline(config: Config, layout: Layout, batch: BatchPlan) -> None:
         validate_schedule(p.pp_schedule, layout.pp, batch.grad_accum, v,
                           config.model.n_layer)
     except ValueError as exc:
-        field = ("train.grad_accum" if "micro-batches" in str(exc)
-                 else "parallel.pp_schedule")
-        raise ConfigError(field, batch.grad_accum if field.startswith("train")
-                          else p.pp_schedule, f"{exc} (micro-batches per step = "
-                          "train.grad_accum)") from None
+        field, value = "parallel.pp_schedule", p.pp_schedule
+        if "micro-batches" in str(exc):
+            field, value = "train.grad_accum", batch.grad_accum
+        elif "v >=" in str(exc):
+            field, value = "parallel.pp_virtual", p.pp_virtual
+        problem, _, fix = str(exc).partition("; ")
+        raise ConfigError(field, value, problem, f"{fix or 'see the schedule'}; the "
+                          "micro-batches per step are train.grad_accum, v is "
+                          "parallel.pp_virtual") from None
     pipeline_starts(p.pp_split, layout.pp * v, config.model.n_layer)
 
 

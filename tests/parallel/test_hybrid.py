@@ -1,0 +1,136 @@
+"""Hybrid dp x pp x tp layouts through the Trainer: each follows the single-process run.
+
+Every layout of the issue, with each pipeline schedule that applies, trains the tiny GPT
+(4 blocks) for 10 steps and must end with the final weights of the one-process run on
+the same global batch (fp32, atol 1e-4); the layouts with dp = 2 also run under ZeRO-1.
+The runs of one world size share one spawn (a new DeviceMesh per run). A checkpoint
+saved at (2, 2, 1) resumes at (1, 1, 4) and at (1, 1, 1) on the same trajectory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import TINY_MODEL, SyntheticTokens, _tiny_train
+
+from disttrain.config import load_config, resolve
+from disttrain.errors import ConfigError
+from disttrain.testing import run_distributed
+
+STEPS = 10
+MODEL = {**TINY_MODEL, "n_layer": 4, "n_head": 4}
+# (dp, pp, tp) -> schedules to run (None: no pipeline)
+LAYOUTS = {
+    2: [((2, 1, 1), [None]), ((1, 2, 1), ["gpipe", "1f1b", "interleaved"]),
+        ((1, 1, 2), [None])],
+    4: [((2, 2, 1), ["gpipe", "1f1b"]), ((2, 1, 2), [None]),
+        ((1, 2, 2), ["1f1b", "interleaved"]), ((1, 4, 1), ["gpipe", "1f1b"]),
+        ((1, 1, 4), [None])],
+    8: [((2, 2, 2), ["1f1b"])],
+}
+
+
+def _config(layout: tuple[int, int, int] = (1, 1, 1), schedule: str | None = None,
+            zero: int = 0, steps: int = STEPS, checkpoint: dict | None = None):
+    dp, pp, tp = layout
+    train = {**_tiny_train(), "steps": steps, "grad_accum": 4, "schedule": "constant",
+             "warmup_steps": 2, "log_every": 5}
+    parallel = {"dp": dp, "pp": pp, "tp": tp, "zero": zero}
+    if schedule:
+        parallel["pp_schedule"] = schedule
+    return load_config(values={"model": MODEL, "train": train, "parallel": parallel,
+                               "checkpoint": checkpoint or {"every": 0},
+                               "monitor": {"peak_tflops": 1.0}})
+
+
+def _fit(run_dir: str, **kw) -> None:
+    from disttrain import Trainer
+    from disttrain.data import collate_token_batch
+    from disttrain.models import GPT, token_loss
+
+    cfg = _config(**kw)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    Trainer(model, SyntheticTokens(mask=True), token_loss, cfg, run_dir=run_dir,
+            collate_fn=collate_token_batch, progress=False).fit()
+
+
+def _weights(run_dir: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+
+def _run_layouts(root: str, cases: list[tuple]) -> None:
+    """Every case in this one set of processes; rank 0's final weights land on disk."""
+    for name, layout, schedule, zero in cases:
+        _fit(f"{root}/{name}", layout=layout, schedule=schedule, zero=zero)
+
+
+def _cases(world: int) -> list[tuple]:
+    out = []
+    for layout, schedules in LAYOUTS[world]:
+        for schedule in schedules:
+            for zero in (0, 1) if layout[0] > 1 else (0,):
+                name = "x".join(map(str, layout)) + f"-{schedule}-z{zero}"
+                out.append((name, layout, schedule, zero))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("ref")
+    run_distributed(_fit, 1, args=(str(root),), timeout=120)
+    return _weights(root)
+
+
+def _assert_close(a: dict, b: dict, atol: float, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0,
+                                   msg=lambda m, k=k: f"{what}: {k}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_layout_follows_the_single_process_run(world, reference, tmp_path):
+    cases = _cases(world)
+    run_distributed(_run_layouts, world, args=(str(tmp_path), cases), timeout=300)
+    for name, *_ in cases:
+        _assert_close(_weights(tmp_path / name), reference, 1e-4, name)
+
+
+def _resume_at(run_dir: str, layout: tuple[int, int, int]) -> None:
+    _fit(run_dir, layout=layout, schedule="1f1b", checkpoint={"every": 5, "async": False})
+
+
+def test_checkpoint_from_dp2_pp2_resumes_at_tp4_and_one_rank(reference, tmp_path):
+    saved = tmp_path / "saved"
+    run_distributed(_fit, 4, args=(str(saved),), timeout=180,
+                    kwargs={"layout": (2, 2, 1), "schedule": "1f1b", "steps": 5,
+                            "checkpoint": {"every": 5, "async": False}})
+    for world, layout in ((4, (1, 1, 4)), (1, (1, 1, 1))):
+        run_dir = tmp_path / f"resumed-{world}"
+        shutil.copytree(saved, run_dir)
+        run_distributed(_resume_at, world, args=(str(run_dir), layout), timeout=180)
+        _assert_close(_weights(run_dir), reference, 1e-4, f"resumed at {layout}")
+
+
+@pytest.mark.parametrize("parallel, train, field", [
+    ({"pp": 2, "pp_schedule": "interleaved"}, {"grad_accum": 3, "global_batch": 12},
+     "train.grad_accum"),
+    ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 1}, {}, "parallel.pp_virtual"),
+    ({"pp": 4, "pp_schedule": "interleaved"}, {"grad_accum": 4}, "parallel.pp_schedule"),
+    ({"pp": 2, "pp_split": "0,9"}, {}, "parallel.pp_split"),
+    ({"pp": 2, "zero": 2}, {}, "parallel.zero"),
+    ({"tp": 8}, {}, "model.n_head"),
+    ({"pp": 2, "balance": "dynamic"}, {}, "parallel.balance"),
+])
+def test_invalid_pipeline_and_tensor_layouts_are_refused_with_the_fix(parallel, train, field):
+    values = {"model": MODEL, "train": {"grad_accum": 4, **train},
+              "parallel": parallel, "checkpoint": {"every": 0}}
+    with pytest.raises(ConfigError) as info:
+        resolve(load_config(values=values), 8)
+    assert info.value.field == field and info.value.fix
+    assert "\n" not in str(info.value)

@@ -30,8 +30,9 @@ from torch import nn
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, token_loss
-from disttrain.parallel.pipeline import (analytic_bubble, build_chunks, build_schedule,
-                                         plan_stages, run_pipeline, sync_tied_grads)
+from disttrain.parallel.pipeline import (analytic_bubble, bubble_fractions, build_chunks,
+                                         build_schedule, plan_stages, run_pipeline,
+                                         simulate, sync_tied_grads)
 from disttrain.testing import run_distributed
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
@@ -72,6 +73,33 @@ def _model(cfg: ModelConfig, work: str, sleep_ms: float) -> GPT:
     return model
 
 
+def _message_latency(comm: Communicator, shape: tuple[int, ...], n: int = 20) -> float:
+    """Median one-way time of one activation message between pp ranks 0 and 1."""
+    x, times = torch.zeros(shape), []
+    for i in range(n if comm.rank < 2 else 0):
+        t0 = time.perf_counter()
+        if comm.rank == 0:
+            comm.isend(x, 1, i).wait()
+            comm.irecv(x, 1, i).wait()
+        else:
+            comm.irecv(x, 0, i).wait()
+            comm.isend(x, 0, i).wait()
+        times.append((time.perf_counter() - t0) / 2)
+    return comm.all_gather_object(statistics.median(times) if times else None)[0]
+
+
+def _simulated_bubble(comm: Communicator, schedule, timings: list, latency: float) -> float:
+    """The schedule's mean stage bubble in the simulator, fed this step's median
+    forward and backward action times (over all stages) and the message latency."""
+    durations = [(t.action.kind, t.end - t.start) for t in timings]
+    everyone = [d for part in comm.all_gather_object(durations) for d in part]
+    f = statistics.median(d for kind, d in everyone if kind == "F")
+    b = statistics.median(d for kind, d in everyone if kind == "B")
+    bubbles = bubble_fractions(simulate(schedule, forward_time=f, backward_time=b,
+                                        message_time=latency))
+    return statistics.fmean(bubbles)
+
+
 def _step_spans(comm: Communicator, timings: list) -> list[tuple[float, float, float]]:
     """Every stage's (busy, first start, last end) for one step."""
     mine = (sum(t.end - t.start for t in timings), timings[0].start, timings[-1].end)
@@ -79,7 +107,7 @@ def _step_spans(comm: Communicator, timings: list) -> list[tuple[float, float, f
 
 
 def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v: int,
-          args: argparse.Namespace) -> dict:
+          latency: float, args: argparse.Namespace) -> dict:
     pp = comm.size
     v = v if name == "interleaved" else 1
     per_chunk = cfg.n_layer // (pp * v)
@@ -90,7 +118,7 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
     tokens = torch.randint(0, cfg.vocab_size, (m, args.micro_batch, cfg.seq_len + 1),
                            generator=g)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    bubbles, steps, peak = [], [], 0
+    bubbles, simulated, steps, peak = [], [], [], 0
     for rep in range(1 + args.reps):  # one warmup step
         for ch in chunks:
             ch.zero_grad(set_to_none=True)
@@ -105,11 +133,13 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
             span = max(s[2] for s in spans) - min(s[1] for s in spans)
             bubbles.append([1 - busy / span for busy, _, _ in spans])
             steps.append(span)
+            simulated.append(_simulated_bubble(comm, schedule, result.timings, latency))
     per_stage = [statistics.median(b[s] for b in bubbles) for s in range(pp)]
     return {"schedule": name, "p": pp, "v": v, "m": m,
             "bubble_measured": round(statistics.median(statistics.fmean(b) for b in bubbles), 4),
             "bubble_per_stage": [round(b, 4) for b in per_stage],
             "bubble_analytic": round(analytic_bubble(name, pp, m, v), 4),
+            "bubble_simulated": round(statistics.median(simulated), 4),
             "step_s": round(statistics.median(steps), 4),
             "peak_activation_bytes": comm.all_gather_object(peak)}
 
@@ -120,11 +150,12 @@ def _bench(work: str, args: argparse.Namespace) -> list[dict]:
                       n_head=4, d_model=args.d_model)
     model = _model(cfg, work, args.sleep_ms)
     comm = Communicator(None, CollectiveLedger(), name="pp")
+    latency = _message_latency(comm, (args.micro_batch, cfg.seq_len, cfg.d_model))
     out = []
     for k in args.m_per_pp:
         for name in SCHEDULE_NAMES:
-            case = _case(model, cfg, comm, name, k * pp, args.v, args)
-            case["work"] = work
+            case = _case(model, cfg, comm, name, k * pp, args.v, latency, args)
+            case.update(work=work, message_latency_s=round(latency, 5))
             if dist.get_rank() == 0:
                 print(f"[pipeline] {json.dumps(case)}", file=sys.stderr, flush=True)
             out.append(case)
@@ -142,8 +173,11 @@ def _summary(cases: list[dict]) -> dict:
               and c["m"] > c["p"]]
     gpt = [c["bubble_rel_error"] for c in cases if c["work"] == "gpt"]
     sleep = [c["bubble_rel_error"] for c in cases if c["work"] == "sleep"]
+    vs_sim = [abs(c["bubble_measured"] - c["bubble_simulated"]) / c["bubble_simulated"]
+              for c in cases if c["work"] == "sleep"]
     return {"max_bubble_rel_error": max(gpt) if gpt else None,
             "max_bubble_rel_error_sleep": max(sleep) if sleep else None,
+            "max_rel_error_vs_simulated_sleep": round(max(vs_sim), 4) if vs_sim else None,
             "onef1b_vs_gpipe_activation_memory": round(max(ratios), 4) if ratios else None}
 
 
@@ -158,7 +192,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=256, help="GPT width (default 256)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
-    p.add_argument("--sleep-ms", type=float, default=20.0,
+    p.add_argument("--sleep-ms", type=float, default=50.0,
                    help="forward ms of a sleep block (backward twice); 0 skips them")
     p.add_argument("--work", choices=("both", "gpt", "sleep"), default="both")
     return p.parse_args()

@@ -168,6 +168,22 @@ def test_chunks_compose_to_the_full_model_with_original_names():
     assert chunks[-1].tied_copies == ("head.weight",) and chunks[0].tie_peer == 1
 
 
+def test_activation_meter_counts_saved_tensors_until_backward():
+    from disttrain.parallel.pipeline import SavedActivationMeter
+
+    layer = torch.nn.Linear(8, 8)
+    meter = SavedActivationMeter(layer.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.counting():
+        y = torch.nn.functional.gelu(layer(x))  # saves x (linear) and layer(x) (gelu)
+        z = torch.nn.functional.gelu(layer(x))  # x again: one storage, counted once
+    assert meter.live_bytes == meter.peak_bytes == 3 * 4 * 8 * 4
+    y.sum().backward()
+    assert meter.live_bytes == 2 * 4 * 8 * 4  # x and z's linear output, held by z
+    z.sum().backward()
+    assert meter.live_bytes == 0 and meter.peak_bytes == 3 * 4 * 8 * 4
+
+
 # Multi-process parity: (schedule, v, n_layer, micro-batches, explicit cuts or None)
 CASES = {
     2: [("gpipe", 1, 4, 4, None), ("1f1b", 1, 4, 4, [1]), ("1f1b", 1, 2, 3, None),

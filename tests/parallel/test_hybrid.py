@@ -35,11 +35,13 @@ LAYOUTS = {
 
 
 def _config(layout: tuple[int, int, int] = (1, 1, 1), schedule: str | None = None,
-            zero: int = 0, steps: int = STEPS, checkpoint: dict | None = None):
+            zero: int = 0, steps: int = STEPS, checkpoint: dict | None = None,
+            extra: dict | None = None):
     dp, pp, tp = layout
+    extra = extra or {}
     train = {**_tiny_train(), "steps": steps, "grad_accum": 4, "schedule": "constant",
-             "warmup_steps": 2, "log_every": 5}
-    parallel = {"dp": dp, "pp": pp, "tp": tp, "zero": zero}
+             "warmup_steps": 2, "log_every": 5, **extra.get("train", {})}
+    parallel = {"dp": dp, "pp": pp, "tp": tp, "zero": zero, **extra.get("parallel", {})}
     if schedule:
         parallel["pp_schedule"] = schedule
     return load_config(values={"model": MODEL, "train": train, "parallel": parallel,
@@ -65,8 +67,8 @@ def _weights(run_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def _run_layouts(root: str, cases: list[tuple]) -> None:
     """Every case in this one set of processes; rank 0's final weights land on disk."""
-    for name, layout, schedule, zero in cases:
-        _fit(f"{root}/{name}", layout=layout, schedule=schedule, zero=zero)
+    for name, layout, schedule, zero, extra in cases:
+        _fit(f"{root}/{name}", layout=layout, schedule=schedule, zero=zero, extra=extra)
 
 
 def _cases(world: int) -> list[tuple]:
@@ -75,7 +77,11 @@ def _cases(world: int) -> list[tuple]:
         for schedule in schedules:
             for zero in (0, 1) if layout[0] > 1 else (0,):
                 name = "x".join(map(str, layout)) + f"-{schedule}-z{zero}"
-                out.append((name, layout, schedule, zero))
+                out.append((name, layout, schedule, zero, None))
+    if world == 4:  # sequence parallelism and activation checkpointing inside a pipeline
+        out.append(("1x2x2-sp-ac", (1, 2, 2), "1f1b", 0,
+                    {"parallel": {"sequence_parallel": True},
+                     "train": {"activation_checkpointing": "full"}}))
     return out
 
 

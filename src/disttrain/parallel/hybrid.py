@@ -63,6 +63,12 @@ class ModelParallel:
         (every tp rank of the last stage computes the same loss)."""
         return self.is_last_stage and self.tp_comm.rank == 0
 
+    def activation_length(self, seq_len: int) -> int:
+        """Positions per rank in the activations stages exchange: sequence parallelism
+        keeps them split over tp between blocks."""
+        sp = self.tp is not None and self.tp.sequence_parallel
+        return seq_len // self.tp.tp_size if sp else seq_len
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(full-model name, parameter) for every parameter this rank holds."""
         seen: set[int] = set()

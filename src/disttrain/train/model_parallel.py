@@ -69,6 +69,7 @@ class PipelineStepRunner(StepRunner):
         loaded = [self.load(indices) for indices in micro_batches]
         stats.data_s = time.perf_counter() - td
         b, t = loaded[0][0].shape[:2]
+        t = self.mp.activation_length(t)
         with autocast(self.precision, self.device):
             result = run_pipeline(self.mp.chunks, loaded, self.loss_fn, self.mp.pp_comm,
                                   self.mp.schedule, activation_shape=(b, t, self.d_model),
@@ -102,7 +103,7 @@ def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor, d_model: int
     output [B, T, V(/tp)], the other stages None."""
     comm, stages = mp.pp_comm, mp.stages
     mine = {c.index: c for c in mp.chunks}
-    b, t = inputs.shape[:2]
+    b, t = inputs.shape[0], mp.activation_length(inputs.shape[1])
     x: torch.Tensor | None = None
     for c in range(stages.n_chunks):
         owner = stages.rank_of(c)

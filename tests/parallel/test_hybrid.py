@@ -2,7 +2,8 @@
 
 Every layout of the issue, with each pipeline schedule that applies, trains the tiny GPT
 (4 blocks) for 10 steps and must end with the final weights of the one-process run on
-the same global batch (fp32, atol 1e-4); the layouts with dp = 2 also run under ZeRO-1.
+the same global batch (fp32, atol 1e-4); the layouts with dp = 2 also run under ZeRO-1
+(and (2, 1, 2) under ZeRO-2 and 3).
 The runs of one world size share one spawn (a new DeviceMesh per run). A checkpoint
 saved at (2, 2, 1) resumes at (1, 1, 4) and at (1, 1, 1) on the same trajectory.
 """
@@ -78,7 +79,9 @@ def _cases(world: int) -> list[tuple]:
             for zero in (0, 1) if layout[0] > 1 else (0,):
                 name = "x".join(map(str, layout)) + f"-{schedule}-z{zero}"
                 out.append((name, layout, schedule, zero, None))
-    if world == 4:  # sequence parallelism and activation checkpointing inside a pipeline
+    if world == 4:  # ZeRO-2/3 under tensor parallelism (refused with a pipeline)
+        out += [(f"2x1x2-None-z{z}", (2, 1, 2), None, z, None) for z in (2, 3)]
+        # sequence parallelism and activation checkpointing inside a pipeline
         out.append(("1x2x2-sp-ac", (1, 2, 2), "1f1b", 0,
                     {"parallel": {"sequence_parallel": True},
                      "train": {"activation_checkpointing": "full"}}))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 
-LANES = {"main": 0, "comm": 1, "checkpoint": 2}
+LANES = {"main": 0, "comm": 1, "checkpoint": 2, "pipeline": 3}
 
 
 def now_us() -> float:

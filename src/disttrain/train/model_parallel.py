@@ -20,7 +20,7 @@ from torch import nn
 from ..comm import Communicator
 from ..monitor.stats import StepStats
 from ..parallel.hybrid import ModelParallel, model_parallel_grad_norm
-from ..parallel.pipeline import run_pipeline
+from ..parallel.pipeline import FORWARD, run_pipeline
 from .precision import autocast
 from .step import StepRunner, loss_sum_and_terms
 
@@ -73,7 +73,9 @@ class PipelineStepRunner(StepRunner):
         with autocast(self.precision, self.device):
             result = run_pipeline(self.mp.chunks, loaded, self.loss_fn, self.mp.pp_comm,
                                   self.mp.schedule, activation_shape=(b, t, self.d_model),
-                                  loss_scale=self.scaler.scale if self.scaler.enabled else 1.0)
+                                  loss_scale=self.scaler.scale if self.scaler.enabled else 1.0,
+                                  clock=time.time)
+        self._trace(result.timings)
         if self.activation_bytes is None:
             self.activation_bytes = result.peak_activation_bytes
         counts = self.mp.counts_loss
@@ -81,20 +83,21 @@ class PipelineStepRunner(StepRunner):
                                float(result.count) if counts else 0.0], dtype=torch.float64)
         self.world.all_reduce(totals)
         loss, count = totals.tolist()
-        self.dp.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
-        stats.compute_s = time.perf_counter() - t0 - stats.data_s
-        to = time.perf_counter()
-        with self.tracer.span("optimizer"):
-            self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
-            if self.scaler.update(self.grad_norm):
-                self.optimizer.step()
-                self.dp.after_optimizer_step()
-        stats.optim_s = time.perf_counter() - to
-        stats.total_s = time.perf_counter() - t0
-        stats.comm_s = self.comm.ledger.wait_seconds - waited0
-        stats.compute_s -= stats.comm_s
-        stats.loss, stats.terms = loss / max(count, 1.0), int(count)
-        return stats
+        return self._reduce_and_step(stats, t0, waited0, loss, count)
+
+
+    def _trace(self, timings: list) -> None:
+        """Each forward / backward of the schedule, and the wait for its input message,
+        as timeline spans (wall-clock seconds -> microseconds)."""
+        if not self.tracer.enabled:
+            return
+        for t in timings:
+            kind = "forward" if t.action.kind == FORWARD else "backward"
+            where = {"chunk": t.action.chunk, "micro": t.action.micro}
+            if t.wait > 0:
+                self.tracer.complete(f"recv for {kind}", (t.start - t.wait) * 1e6,
+                                     t.start * 1e6, "pipeline", **where)
+            self.tracer.complete(kind, t.start * 1e6, t.end * 1e6, "pipeline", **where)
 
 
 def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor, d_model: int

@@ -103,6 +103,13 @@ class StepRunner:
         if handle is not None:
             handle.wait()
         loss, count = totals.tolist()
+        return self._reduce_and_step(stats, t0, waited0, loss, count)
+
+    def _reduce_and_step(self, stats: StepStats, t0: float, waited0: float, loss: float,
+                         count: float) -> StepStats:
+        """Finish the gradient reduction scaled by 1 / the global loss-term count, clip,
+        take the optimizer step; fill in the step's timings (from ``t0``; ``waited0``:
+        the ledger's wait total then) and loss."""
         self.dp.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
         stats.compute_s = time.perf_counter() - t0 - stats.data_s
         to = time.perf_counter()

@@ -102,6 +102,7 @@ class ZeroDataParallel:
         self._order = sorted(self.flats, key=lambda f: (f.unit == root, -f.unit))
         self._next_launch = 0
         self._in_flight: list[tuple[FlatParam, TrackedWork, torch.Tensor, torch.Tensor]] = []
+        self._backward_prefetch: tuple[int, int] | None = None  # (freed unit, next unit)
         if stage == 3:
             self._install_stage3_hooks()
 
@@ -187,11 +188,12 @@ class ZeroDataParallel:
                     p.grad = None
             if self.stage == 3 and self.unit_modules[flat.unit] is not None:
                 _free(flat.full)
+                self._prefetch_after(flat.unit)
         out = torch.empty_like(flat.shard.data)
         work = self.comm.reduce_scatter(out, source, async_op=True)
         self._in_flight.append((flat, work, out, source))
-        if self.stage > 1:  # bound the full-size gradients alive at once
-            self._drain(keep=2)
+        if self.stage > 1:  # at most two full-size gradients alive: this one, the previous
+            self._drain(keep=1)
 
     def _drain(self, keep: int = 0) -> None:
         """Wait for all but ``keep`` in-flight reductions, adding their shards up."""
@@ -224,6 +226,7 @@ class ZeroDataParallel:
             f.ready.clear()
         self._next_launch = 0
         if self.stage == 3:
+            self._backward_prefetch = None
             self._free_root()
 
     def finish_gradient_sync(self, scale: float = 1.0) -> None:
@@ -283,7 +286,7 @@ class ZeroDataParallel:
                     lambda m, a, i=i: self._gather_unit(i, prefetch=i + 1)),
                 block.register_forward_hook(lambda m, a, o, i=i: self._free_unit(i)),
                 block.register_full_backward_pre_hook(
-                    lambda m, g, i=i: self._gather_unit(i, prefetch=i - 1))]
+                    lambda m, g, i=i: self._gather_for_backward(i))]
 
     def _start_gather(self, unit: int) -> None:
         if unit in self._gathers or unit not in self._by_unit:
@@ -302,6 +305,23 @@ class ZeroDataParallel:
             self._start_gather(prefetch)
         for w in self._gathers.pop(unit, []):
             w.wait()
+
+    def _gather_for_backward(self, unit: int) -> None:
+        """Gather ``unit`` for its backward; the previous block is prefetched once this
+        one's parameters are freed (see :meth:`_prefetch_after`), not now: at the start
+        of backward the activations are at their largest, and two gathered blocks on
+        top of them would set the peak."""
+        self._gather_unit(unit, prefetch=-1)
+        self._backward_prefetch = (unit, unit - 1)
+
+    def _prefetch_after(self, unit: int) -> None:
+        """``unit``'s full parameters were just freed in backward: start gathering the
+        block whose backward comes next, overlapping this unit's reduce-scatter."""
+        pending = self._backward_prefetch
+        if pending is not None and pending[0] == unit:
+            self._backward_prefetch = None
+            if pending[1] >= 0:
+                self._start_gather(pending[1])
 
     def _gather_root(self) -> None:
         self._gather_unit(len(self.unit_modules) - 1, prefetch=0)

@@ -13,8 +13,16 @@ drifting load hits all alike:
   64 MiB writes from memory, then fsync'd;
 - sync: ``CheckpointManager(async_save=False).save(...)``: shard file (written from the
   tensors in place), fsync, marker, index, rename and ``latest`` pointer (the commit);
-- async: the time ``CheckpointManager(async_save=True).save(...)`` blocks its caller (the
-  training stall); the background write is then waited for, outside the timing.
+- async: the training stall of ``CheckpointManager(async_save=True)``, as the trainer
+  uses it: ``save(...)`` returns at once (a background thread copies the tensors into
+  host buffers, then writes), the next step's forward and backward run (one
+  micro-batch of ``--micro-batch`` x 128 tokens through the same GPT), then
+  ``before_update()`` waits for the snapshot before the optimizer may change the
+  tensors. The stall is the time blocked in save() and before_update(). Also measured:
+  the same without the forward and backward in between (``async_stall_no_overlap_s``,
+  the copy's full cost: what a step too short to hide it would pay), and the forward and
+  backward's own time with and without a save in the background (the copy competes for
+  the cores: ``async_slowdown_s``). The background write is then waited for, untimed.
 
 Each manager saves once before timing (warmup: first-touch allocations, the disk's first
 write). Prints one JSON line with the medians and the two ratios.
@@ -51,15 +59,29 @@ def _log(msg: str) -> None:
     print(f"[checkpoint bench] {msg}", file=sys.stderr, flush=True)
 
 
-def build_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The trainer's checkpoint tensors for a GPT after one AdamW step (random grads)."""
+def build_state(cfg: ModelConfig) -> tuple[GPT, dict[str, torch.Tensor]]:
+    """A GPT and the trainer's checkpoint tensors for it after one AdamW step (random
+    grads)."""
     torch.manual_seed(0)
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
-    return {**model_tensors(model), **optimizer_tensors(model, optimizer), **rng_tensors(0)}
+    return model, {**model_tensors(model), **optimizer_tensors(model, optimizer),
+                   **rng_tensors(0)}
+
+
+def forward_backward(model: GPT, micro_batch: int) -> Callable[[], float]:
+    """One training micro-batch's forward and backward; returns its seconds."""
+    tokens = torch.randint(0, model.cfg.vocab_size, (micro_batch, model.cfg.seq_len))
+
+    def run() -> float:
+        start = time.perf_counter()
+        model(tokens).float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+    return run
 
 
 def filesystem_of(path: Path) -> str:
@@ -107,6 +129,12 @@ class SaveTimer:
         self.manager.save(self.step, self.state, self.owners, meta)
         return time.perf_counter() - start
 
+    def before_update(self) -> float:
+        """Seconds blocked until the async save's snapshot is taken."""
+        start = time.perf_counter()
+        self.manager.before_update()
+        return time.perf_counter() - start
+
     def finish(self) -> float:
         """Wait for the save to commit; seconds waited. Then delete the checkpoint."""
         start = time.perf_counter()
@@ -136,13 +164,16 @@ def _warm_up(sync: SaveTimer, async_: SaveTimer) -> tuple[int, float]:
     return nbytes, first_stall
 
 
-def _bench(work: Path, state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
+def _bench(work: Path, state: dict[str, torch.Tensor], reps: int,
+           step: Callable[[], float]) -> dict[str, Any]:
     sync = SaveTimer(work / "sync", state, async_save=False)
     async_ = SaveTimer(work / "async", state, async_save=True)
     nbytes, first_stall = _warm_up(sync, async_)
     data, raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8), work / "raw.bin"
     time_raw_write(raw, data)
-    times: dict[str, list[float]] = {"disk": [], "sync": [], "stall": [], "async_total": []}
+    times: dict[str, list[float]] = {"disk": [], "sync": [], "stall": [], "async_total": [],
+                                     "stall_no_overlap": [], "work": [], "work_alone": []}
+    step()  # warm up the forward and backward
 
     def run_disk() -> None:
         times["disk"].append(time_raw_write(raw, data))
@@ -152,8 +183,13 @@ def _bench(work: Path, state: dict[str, torch.Tensor], reps: int) -> dict[str, A
         sync.finish()
 
     def run_async() -> None:
-        times["stall"].append(async_.save())
-        times["async_total"].append(times["stall"][-1] + async_.finish())
+        blocked = async_.save()
+        times["work"].append(step())
+        times["stall"].append(blocked + async_.before_update())
+        times["async_total"].append(times["stall"][-1] + times["work"][-1] + async_.finish())
+        times["work_alone"].append(step())
+        times["stall_no_overlap"].append(async_.save() + async_.before_update())
+        async_.finish()
 
     runners: list[Callable[[], None]] = [run_disk, run_sync, run_async]
     for rep in range(reps):
@@ -169,6 +205,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="rotating repetitions (default 7)")
     p.add_argument("--d-model", type=int, default=1024, help="GPT width (default 1024)")
     p.add_argument("--n-layer", type=int, default=4, help="GPT blocks (default 4)")
+    p.add_argument("--micro-batch", type=int, default=2,
+                   help="samples of 128 tokens in the forward and backward (default 2)")
     p.add_argument("--dir", default=None,
                    help="where the temporary directory goes (default: the system's temp "
                         "dir); it decides which disk is measured")
@@ -178,13 +216,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     cfg = ModelConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=8)
-    state = build_state(cfg)
+    model, state = build_state(cfg)
     state_bytes = sum(t.numel() * t.element_size() for t in state.values())
     work = Path(tempfile.mkdtemp(prefix="disttrain-ckpt-bench-", dir=args.dir))
     fs = filesystem_of(work)
     _log(f"{len(state)} tensors, {state_bytes / 1e6:.0f} MB, in {work} ({fs})")
     try:
-        r = _bench(work, state, args.reps)
+        r = _bench(work, state, args.reps, forward_backward(model, args.micro_batch))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     disk, save = statistics.median(r["disk"]), statistics.median(r["sync"])
@@ -196,9 +234,14 @@ def main() -> None:
         "disk_gbps": round(r["bytes"] / disk / 1e9, 3), "sync_save_s": round(save, 4),
         "save_gbps": round(r["bytes"] / save / 1e9, 3),
         "async_stall_s": round(stall, 5),
+        "async_stall_no_overlap_s": round(statistics.median(r["stall_no_overlap"]), 4),
+        "forward_backward_s": round(statistics.median(r["work_alone"]), 4),
+        "async_slowdown_s": round(statistics.median(r["work"])
+                                  - statistics.median(r["work_alone"]), 4),
         "async_total_s": round(statistics.median(r["async_total"]), 4),
         "first_async_stall_s": round(r["first_stall_s"], 4),
         "save_vs_disk": round(disk / save, 4), "async_stall_vs_sync": round(stall / save, 4),
+        "async_no_overlap_vs_sync": round(statistics.median(r["stall_no_overlap"]) / save, 4),
         "target_save_vs_disk": TARGET_SAVE_VS_DISK,
         "target_async_stall_vs_sync": TARGET_STALL_VS_SYNC,
         "reps": args.reps, "filesystem": fs, "machine": f"{os.cpu_count()} cpu cores"}))

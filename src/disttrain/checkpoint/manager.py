@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +90,8 @@ class CheckpointManager:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_stall_s = 0.0
         self._host: dict[str, torch.Tensor] = {}
+        self._copied: threading.Event | None = None  # set once the async snapshot is taken
 
     def prepare(self) -> None:
         """Rank 0, before training: clear leftovers of interrupted saves."""
@@ -99,25 +100,42 @@ class CheckpointManager:
             storage.prune(self.root, self.keep)
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], owners: dict[str, int],
-             meta: dict[str, Any], parts: dict[str, Part] | None = None) -> None:
+             meta: dict[str, Any], parts: dict[str, Part] | None = None, *,
+             eager: frozenset[str] = frozenset()) -> None:
         """Save the tensors this rank owns (``owners[key] == rank``). A key in ``parts``
         is a piece of a larger global tensor (a ZeRO shard): ``(global name, global
-        shape, flat range)``; any other key is a whole tensor under its own name."""
+        shape, flat range)``; any other key is a whole tensor under its own name.
+
+        Asynchronous saves return at once: the background thread first copies the
+        tensors into host buffers, then writes. Until that copy is done the tensors
+        must not change: call :meth:`before_update` before anything modifies them (the
+        trainer does, before each optimizer step, so the copy overlaps the next forward
+        and backward). Keys in ``eager`` (tensors that change sooner, e.g. buffers a
+        forward pass updates) are copied now."""
         self.wait()
         mine = {n: t.detach() for n, t in tensors.items() if owners[n] == self.rank}
-        if self.async_save:
-            host = self._copy_to_host(mine)
-        else:  # training waits for the write, so CPU tensors are written from in place
-            host = {n: t.cpu().contiguous() for n, t in mine.items()}
         staging = storage.staging_dir(self.root, step, self.attempt)
         staging.mkdir(parents=True, exist_ok=True)
-        job = (staging, step, host, meta, parts or {})
-        if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=job,
-                                            name=f"checkpoint-{step}", daemon=True)
-            self._thread.start()
-        else:
-            self._write(*job)
+        if not self.async_save:  # training waits for the write: CPU tensors in place
+            host = {n: t.cpu().contiguous() for n, t in mine.items()}
+            self._write(staging, step, host, meta, parts or {})
+            return
+        mine.update({n: mine[n].clone() for n in eager if n in mine})
+        self._copied = threading.Event()
+        self._thread = threading.Thread(target=self._run,
+                                        args=(staging, step, mine, meta, parts or {}),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def before_update(self) -> float:
+        """Block until the running asynchronous save has its snapshot (the saved tensors
+        may change from now on); returns the seconds waited."""
+        copied = self._copied
+        if copied is None or copied.is_set():
+            return 0.0
+        start = time.perf_counter()
+        copied.wait()
+        return time.perf_counter() - start
 
     def _copy_to_host(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Snapshot ``mine`` into host buffers kept from the previous save (the previous
@@ -135,9 +153,14 @@ class CheckpointManager:
         self._host = host
         return host
 
-    def _run(self, *job: Any) -> None:
+    def _run(self, staging: Path, step: int, mine: dict[str, torch.Tensor],
+             meta: dict[str, Any], parts: dict[str, Part]) -> None:
         try:
-            self._write(*job)
+            try:
+                host = self._copy_to_host(mine)
+            finally:  # never leave before_update() waiting, even on an error
+                self._copied.set()
+            self._write(staging, step, host, meta, parts)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._error = exc
 

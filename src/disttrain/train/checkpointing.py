@@ -99,8 +99,14 @@ class RunCheckpoints:
         own_rng = rng_tensors(self.world.rank)
         owners.update({n: self.world.rank for n in own_rng})
         self.manager.save(step, {**shared, **mine, **own_rng}, owners,
-                          self._meta(step, position), parts)
+                          self._meta(step, position), parts,
+                          eager=frozenset(buffer_tensors(self.model)))
         self.stall_s = time.perf_counter() - start
+
+    def before_update(self) -> None:
+        """Before the optimizer changes parameters and state: wait until an async save
+        has its snapshot (normally taken during the forward and backward)."""
+        self.stall_s += self.manager.before_update()
 
     def _meta(self, step: int, position: int) -> dict[str, Any]:
         lay = self.plan.layout

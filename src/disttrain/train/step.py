@@ -82,6 +82,7 @@ class StepRunner:
     terms_are_samples: bool = False
     grad_norm: float = 0.0
     local: bool = False  # train.sync other than every_step: no collective in a step
+    before_update: Callable[[], Any] = lambda: None  # e.g. an async checkpoint's snapshot
 
     def run(self, micro_batches: list[list[int]]) -> StepStats:
         stats = StepStats(samples=sum(len(m) for m in micro_batches))
@@ -115,6 +116,7 @@ class StepRunner:
         to = time.perf_counter()
         with self.tracer.span("optimizer"):
             self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
+            self.before_update()
             if self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
                 self.optimizer.step()
                 self.dp.after_optimizer_step()

@@ -218,7 +218,8 @@ class Trainer:
             precision=self.config.train.precision,
             scaler=LossScaler(self.config.train.precision == "fp16"),
             count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token,
-            local=self.config.train.sync != "every_step", **extra)
+            local=self.config.train.sync != "every_step",
+            before_update=self.checkpoints.before_update, **extra)
         self.sync: SyncStrategy = build_sync(self.config.train, self.model, self.dp_comm,
                                              len(self.dataset))
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs

@@ -168,8 +168,8 @@ class CheckpointConfig:
 
     every: int = _f(50, "save every N steps and at the end; 0 = never", ge=0)
     keep: int = _f(3, "committed checkpoints kept", ge=1)
-    async_: bool = _f(True, "write in a background thread; training waits only for the "
-                      "copy to host memory", key="async")
+    async_: bool = _f(True, "copy and write in a background thread; training waits for "
+                      "the copy only before its next optimizer step", key="async")
 
 
 @dataclass(kw_only=True)

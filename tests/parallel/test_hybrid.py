@@ -135,6 +135,7 @@ def test_checkpoint_from_dp2_pp2_resumes_at_tp4_and_one_rank(reference, tmp_path
     ({"pp": 2, "zero": 2}, {}, "parallel.zero"),
     ({"tp": 8}, {}, "model.n_head"),
     ({"pp": 2, "balance": "dynamic"}, {}, "parallel.balance"),
+    ({"tp": 2, "sequence_parallel": True, "zero": 2}, {}, "parallel.zero"),
 ])
 def test_invalid_pipeline_and_tensor_layouts_are_refused_with_the_fix(parallel, train, field):
     values = {"model": MODEL, "train": {"grad_accum": 4, **train},

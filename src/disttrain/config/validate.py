@@ -233,6 +233,11 @@ def _check_model_parallel(config: Config, layout: Layout, batch: BatchPlan) -> N
                                   f"{what} = {value} is not divisible by parallel.tp="
                                   f"{layout.tp}", "choose a tp that divides n_head, "
                                   "vocab_size and 4 x d_model")
+    if layout.tp > 1 and p.sequence_parallel and layout.zero > 1:
+        raise ConfigError("parallel.zero", layout.zero, "stages 2 and 3 reduce gradients "
+                          "during backward, before sequence parallelism's partial norm "
+                          "gradients are summed over tp", "use parallel.zero=1 (or 0) with "
+                          "parallel.sequence_parallel")
     if layout.pp > 1 or layout.tp > 1:
         if p.balance == "dynamic":
             raise ConfigError("parallel.balance", "dynamic", "is not supported with pp or "

@@ -88,6 +88,11 @@ class DataParallel:
                     continue
                 p.grad = view
 
+    def defer_reductions(self) -> None:
+        """From now on hooks only record: :meth:`finish_gradient_sync` reduces every
+        bucket (when gradients must be complete locally before the reduction)."""
+        self._sync = False
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next backward outside reduces the sum."""

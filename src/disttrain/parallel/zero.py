@@ -205,6 +205,15 @@ class ZeroDataParallel:
             else:
                 flat.grad_sum.add_(out)
 
+    def defer_reductions(self) -> None:
+        """Stage 1: from now on hooks only record and :meth:`finish_gradient_sync`
+        reduce-scatters everything. Stages 2-3 cannot wait (they keep no full
+        gradient)."""
+        if self.stage > 1:
+            raise ValueError(f"ZeRO stage {self.stage} reduces during backward and cannot "
+                             "defer its reductions; use stage 1")
+        self._sync = False
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Stage 1 accumulates full gradients locally; stages 2-3 reduce every

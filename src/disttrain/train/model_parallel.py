@@ -38,7 +38,7 @@ class ModelParallelGrads:
         self.dp, self.mp, self.world = dp, mp, world
         self.deferred = bool(mp.chunks) or bool(mp.tp and mp.tp.sequence_parallel)
         if self.deferred:
-            dp._sync = False  # hooks only record; finish_gradient_sync reduces all
+            dp.defer_reductions()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.dp, name)

@@ -13,8 +13,9 @@ checkpoints off and a small held-out evaluation:
   train_time_s, rank 0, whose step time includes waiting for the slow rank), with
   ``parallel.balance = static`` and ``dynamic``; runs alternate static, dynamic, ... so
   drifting machine load hits both alike.
-- monitoring: no slow rank; everything on (the hang watchdog, a metrics record with its
-  all-gather at every step, the straggler detector, TensorBoard when installed) against
+- monitoring: no slow rank; the default monitoring (the hang watchdog, a metrics record
+  with its all-gather every ``train.log_every`` = 10 steps, the straggler detector,
+  TensorBoard when installed; ``--log-every`` changes it) against
   everything that can be switched off (``monitor.hang_timeout=0``, one metrics record at
   the end, no TensorBoard). The figure is the loop's wall time (``wall_time_s``: the
   steps, the logging and the two evaluations). The per-rank collective ledger cannot be
@@ -88,6 +89,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions (default 2)")
     p.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
     p.add_argument("--slow", type=float, default=2.0, help="slow-down of rank 1 (default 2)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="metrics record interval of the monitored runs (default 10)")
+    p.add_argument("--parts", default="balance,monitoring",
+                   help="which measurements to run (default both)")
     return p.parse_args()
 
 
@@ -97,34 +102,50 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="disttrain-balance-") as tmp:
         root = Path(tmp)
         _train(root / "warmup", 5, [], {})  # corpus preparation, page cache
-        bal = _alternate({"static": (["parallel.balance=static", "train.log_every=5"], slow),
-                          "dynamic": (["parallel.balance=dynamic", "train.log_every=5"], slow)},
-                         args.reps, args.steps, root)
-        on = ["train.log_every=1", "monitor.hang_timeout=120"]
+        parts = args.parts.split(",")
+        bal = (_alternate({"static": (["parallel.balance=static", "train.log_every=5"], slow),
+                           "dynamic": (["parallel.balance=dynamic", "train.log_every=5"],
+                                       slow)}, args.reps, args.steps, root)
+               if "balance" in parts else {})
+        on = [f"train.log_every={args.log_every}", "monitor.hang_timeout=120"]
         off = [f"train.log_every={args.steps}", "monitor.hang_timeout=0",
                "monitor.tensorboard=false"]
-        mon = _alternate({"monitored": (on, {}), "unmonitored": (off, {})},
-                         args.reps, args.steps, root)
+        mon = (_alternate({"monitored": (on, {}), "unmonitored": (off, {})},
+                          args.reps, args.steps, root) if "monitoring" in parts else {})
+    print(json.dumps({"bench": "balance", "world_size": 2, "backend": "gloo",
+                      **_balance_fields(bal, args), **_monitoring_fields(mon, args),
+                      "steps": args.steps, "reps": args.reps,
+                      "machine": f"{os.cpu_count()} cpu cores"}))
+
+
+def _balance_fields(bal: dict, args: argparse.Namespace) -> dict:
+    if not bal:
+        return {}
     rate = {k: statistics.median(s["samples_seen"] / s["train_time_s"] for s in v)
             for k, v in bal.items()}
+    return {"slow_factor": args.slow,
+            "static_samples_per_s": round(rate["static"], 2),
+            "dynamic_samples_per_s": round(rate["dynamic"], 2),
+            "dynamic_vs_static": round(rate["dynamic"] / rate["static"], 4),
+            "target_dynamic_vs_static": TARGET_DYNAMIC}
+
+
+def _monitoring_fields(mon: dict, args: argparse.Namespace) -> dict:
+    if not mon:
+        return {}
     wall = {k: statistics.median(s["wall_time_s"] for s in v) for k, v in mon.items()}
     step_s = statistics.median(s["train_time_s"] / args.steps for s in mon["unmonitored"])
     record_s = _ledger_record_s()
     # every collective of the run, start-up and evaluations included: an upper bound
     per_step = statistics.median(s["collectives"] for s in mon["monitored"]) / args.steps
-    print(json.dumps({
-        "bench": "balance", "world_size": 2, "backend": "gloo", "slow_factor": args.slow,
-        "static_samples_per_s": round(rate["static"], 2),
-        "dynamic_samples_per_s": round(rate["dynamic"], 2),
-        "dynamic_vs_static": round(rate["dynamic"] / rate["static"], 4),
-        "monitored_wall_s": round(wall["monitored"], 3),
-        "unmonitored_wall_s": round(wall["unmonitored"], 3),
-        "monitoring_overhead": round(wall["monitored"] / wall["unmonitored"] - 1.0, 4),
-        "ledger_record_us": round(record_s * 1e6, 3),
-        "collectives_per_step": per_step,
-        "ledger_overhead_estimate": round(record_s * per_step / step_s, 6),
-        "target_dynamic_vs_static": TARGET_DYNAMIC, "target_monitoring_overhead": TARGET_OVERHEAD,
-        "steps": args.steps, "reps": args.reps, "machine": f"{os.cpu_count()} cpu cores"}))
+    return {"log_every": args.log_every,
+            "monitored_wall_s": round(wall["monitored"], 3),
+            "unmonitored_wall_s": round(wall["unmonitored"], 3),
+            "monitoring_overhead": round(wall["monitored"] / wall["unmonitored"] - 1.0, 4),
+            "ledger_record_us": round(record_s * 1e6, 3),
+            "collectives_per_step": per_step,
+            "ledger_overhead_estimate": round(record_s * per_step / step_s, 6),
+            "target_monitoring_overhead": TARGET_OVERHEAD}
 
 
 if __name__ == "__main__":

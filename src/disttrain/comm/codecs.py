@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -62,7 +63,7 @@ class PendingReduction:
         self.finish = lambda: None  # waiting twice is harmless
 
 
-class GradientCodec:
+class GradientCodec(ABC):
     """Base class: per-key state, seeding, fp32 staging and error feedback."""
 
     name = "abstract"
@@ -99,9 +100,11 @@ class GradientCodec:
         self.start(flat, comm, key=key, segments=segments).wait()
         return flat
 
+    @abstractmethod
     def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
                shapes: list[tuple[int, ...]]) -> PendingReduction:
-        raise NotImplementedError
+        """Launch the reduction of ``x`` (error feedback already added); each codec's
+        own wire format."""
 
     def _keep_residual(self, key: Hashable, residual: torch.Tensor) -> None:
         if self.error_feedback:

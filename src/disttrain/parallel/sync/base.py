@@ -48,6 +48,35 @@ class SyncStrategy:
         return {}
 
 
+class PeriodicSync(SyncStrategy):
+    """A mode whose replicas train apart and are reconciled every ``every`` steps and
+    after the last one (:meth:`_round`); checkpoints are taken only right after a round,
+    when the replicas agree."""
+
+    local_gradients = True
+
+    def __init__(self, model: nn.Module, comm: Communicator, every: int) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm, self.every = comm, every
+        self.rounds = 0
+        self.last_sync = 0
+
+    def after_step(self, done: int, last: bool) -> None:
+        if done % self.every == 0 or last:
+            self._round()
+            self.rounds += 1
+            self.last_sync = done
+
+    def _round(self) -> None:
+        raise TypeError(f"{type(self).__name__} must define _round")
+
+    def at_boundary(self, done: int) -> bool:
+        return done == self.last_sync
+
+    def metrics(self) -> dict[str, Any]:
+        return {"sync": self.name, "sync_rounds": self.rounds}
+
+
 class LocalGradients:
     """The DataParallel interface with no communication inside a step: each rank keeps
     its own gradient, normalised by its own loss-term count.

@@ -17,13 +17,11 @@ pseudo-gradient travels uncompressed (fp32): no gradient codec is applied to it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from .base import SyncStrategy, flatten, unflatten_into
+from .base import PeriodicSync, flatten, unflatten_into
 
 
 class OuterNesterov:
@@ -52,28 +50,14 @@ def outer_round(comm: Communicator, params: list[torch.Tensor],
     unflatten_into(outer.step(delta), params)
 
 
-class DiLoCo(SyncStrategy):
+class DiLoCo(PeriodicSync):
     """Inner steps on local gradients; an outer Nesterov step every ``every`` steps."""
 
     name = "diloco"
-    local_gradients = True
-
     def __init__(self, model: nn.Module, comm: Communicator, every: int, outer_lr: float,
                  outer_momentum: float) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.comm, self.every = comm, every
+        super().__init__(model, comm, every)
         self.outer = OuterNesterov(flatten(self.params), outer_lr, outer_momentum)
-        self.rounds = 0
-        self.last_sync = 0
 
-    def after_step(self, done: int, last: bool) -> None:
-        if done % self.every == 0 or last:
-            outer_round(self.comm, self.params, self.outer)
-            self.rounds += 1
-            self.last_sync = done
-
-    def at_boundary(self, done: int) -> bool:
-        return done == self.last_sync
-
-    def metrics(self) -> dict[str, Any]:
-        return {"sync": self.name, "sync_rounds": self.rounds}
+    def _round(self) -> None:
+        outer_round(self.comm, self.params, self.outer)

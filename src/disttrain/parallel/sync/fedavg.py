@@ -29,7 +29,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
-from .base import SyncStrategy, weighted_average
+from .base import PeriodicSync, weighted_average
 
 
 def client_partition(num_samples: int, client: int, clients: int) -> range:
@@ -48,16 +48,14 @@ def choose_clients(seed: int, round_index: int, clients: int, fraction: float) -
     return sorted(torch.randperm(clients, generator=gen)[:count].tolist())
 
 
-class FedAvg(SyncStrategy):
+class FedAvg(PeriodicSync):
     """One client per dp rank; a sample-weighted average every ``every`` steps."""
 
     name = "fedavg"
-    local_gradients = True
-
     def __init__(self, model: nn.Module, comm: Communicator, *, num_samples: int,
                  every: int, fraction: float, seed: int) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.comm, self.every, self.fraction, self.seed = comm, every, fraction, seed
+        super().__init__(model, comm, every)
+        self.fraction, self.seed = fraction, seed
         self.client, self.clients = comm.rank, comm.size
         self.partition = client_partition(num_samples, self.client, self.clients)
         if len(self.partition) == 0:
@@ -67,8 +65,6 @@ class FedAvg(SyncStrategy):
         self.local_position = 0   # next position in this client's own order
         self.round_samples = 0    # samples this client trained on in the current round
         self.samples_used = 0
-        self.rounds = 0
-        self.last_sync = 0
 
     def chosen(self, step: int) -> list[int]:
         return choose_clients(self.seed, step // self.every, self.clients, self.fraction)
@@ -83,18 +79,12 @@ class FedAvg(SyncStrategy):
         self.round_samples += len(local)
         return [self.partition[i] for i in local]
 
-    def after_step(self, done: int, last: bool) -> None:
-        if done % self.every == 0 or last:
-            weighted_average(self.comm, self.params, float(self.round_samples))
-            self.samples_used += self.round_samples
-            self.round_samples = 0
-            self.rounds += 1
-            self.last_sync = done
-
-    def at_boundary(self, done: int) -> bool:
-        return done == self.last_sync
+    def _round(self) -> None:
+        weighted_average(self.comm, self.params, float(self.round_samples))
+        self.samples_used += self.round_samples
+        self.round_samples = 0
 
     def metrics(self) -> dict[str, Any]:
-        return {"sync": self.name, "sync_rounds": self.rounds,
+        return {**super().metrics(),
                 "fed_clients_per_round": len(self.chosen(0)),
                 "fed_client0_samples": self.samples_used}

@@ -109,8 +109,7 @@ def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor, d_model: int
     b, t = inputs.shape[0], mp.activation_length(inputs.shape[1])
     x: torch.Tensor | None = None
     for c in range(stages.n_chunks):
-        owner = stages.rank_of(c)
-        if owner != comm.rank:
+        if stages.rank_of(c) != comm.rank:
             continue
         if c == 0:
             x = mine[c](inputs)
@@ -125,9 +124,10 @@ def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor, d_model: int
 
 def pipeline_eval_totals(mp: ModelParallel, loss_fn: Any, inputs: torch.Tensor,
                          targets: torch.Tensor, d_model: int) -> tuple[float, float]:
-    """(summed loss, terms) of one evaluation micro-batch, counted on one rank only."""
-    out = pipeline_logits(mp, inputs, d_model) if mp.chunks else None
-    if mp.chunks and not mp.is_last_stage:
+    """(summed loss, terms) of one evaluation micro-batch through the pipeline, counted
+    on one rank only (every tp rank of the last stage joins the vocab-parallel loss)."""
+    out = pipeline_logits(mp, inputs, d_model)
+    if out is None:
         return 0.0, 0.0
     loss_sum, count, _ = loss_sum_and_terms(loss_fn, out, targets)
     return (float(loss_sum), float(count)) if mp.counts_loss else (0.0, 0.0)

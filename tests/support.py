@@ -45,13 +45,14 @@ def tiny_config(checkpoint: dict | None = None, **keys: Any):
     several do)."""
     from dataclasses import fields
 
-    from disttrain.config.schema import MonitorConfig, ParallelConfig
+    from disttrain.config.schema import CommConfig, MonitorConfig, ParallelConfig
 
     values: dict[str, dict] = {"model": dict(TINY_MODEL), "train": _tiny_train(),
                                "checkpoint": checkpoint or {"every": 0},
-                               "parallel": {}, "monitor": {}}
+                               "parallel": {}, "monitor": {}, "comm": {}}
     owners = {f.name: "parallel" for f in fields(ParallelConfig)}
     owners |= {f.name: "monitor" for f in fields(MonitorConfig)}
+    owners |= {f.name: "comm" for f in fields(CommConfig)}
     for key, value in keys.items():
         values[owners.get(key, "train")][key] = value
     return load_config(values=values)

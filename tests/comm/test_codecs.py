@@ -125,6 +125,25 @@ def test_powersgd_is_exact_on_low_rank_matrices(solo):
     assert torch.equal(y[128:], full[128:])  # bias and small matrix sent as they are
 
 
+def test_powersgd_batched_factorises_the_bucket_as_one_square_matrix(solo):
+    """n = 150 -> a 13 x 12 matrix (6 zeros of padding): exact where that matrix has
+    rank <= r whatever the segments, 4 r (13 + 12) bytes, and the residual keeps n."""
+    gen = torch.Generator().manual_seed(7)
+    square = torch.randn(13, 2, generator=gen) @ torch.randn(2, 12, generator=gen)
+    square.view(-1)[150:] = 0.0  # the padding is zero: still rank <= 3
+    x = square.reshape(-1)[:150].clone()
+    codec = PowerSGDCodec(rank=3, batched=True, error_feedback=True)
+    before = solo.ledger.payload_bytes
+    y = codec.all_reduce(x.clone(), solo, segments=[(10, 10), (50,)])
+    assert solo.ledger.payload_bytes - before == 4 * 3 * (13 + 12)
+    torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
+    assert codec.residuals[0].shape == (150,)
+    assert codec.residuals[0].abs().max() < 1e-4
+    full = torch.randn(150, generator=gen)  # full rank: approximated, the rest kept
+    y = codec.all_reduce(full.clone(), solo)
+    torch.testing.assert_close(y + codec.residuals[0], full, atol=1e-5, rtol=1e-5)
+
+
 def test_onebit_is_sign_times_mean_magnitude_per_segment(solo):
     x = torch.randn(N, generator=torch.Generator().manual_seed(6))
     x[3] = 0.0  # the sign of 0 is +
@@ -336,7 +355,7 @@ def test_training_with_each_codec_tracks_no_compression(two_ranks):
 # ---------------------------------------------------------------- configuration
 @pytest.mark.parametrize("overrides,field", [
     (["comm.codec=topk", "parallel.zero=1"], "comm.codec"),
-    (["comm.codec=fp16", "parallel.zero=2"], "comm.codec"),
+    (["comm.codec=qsgd", "parallel.zero=2"], "comm.codec"),
     (["comm.codec=powersgd", "parallel.grad_reduce_dtype=bf16"],
      "parallel.grad_reduce_dtype"),
     (["train.optimizer=lamb", "parallel.zero=1"], "train.optimizer"),

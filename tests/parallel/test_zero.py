@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from support import fit_tiny
 from test_data_parallel import assert_states_close, reference_train
 
@@ -69,3 +70,54 @@ def test_model_state_bytes_follow_the_zero_formulas(stage):
     for part in ("params", "grads", "optimizer"):
         want = getattr(expected, part)
         assert abs(measured[part] - want) <= 0.1 * want, (part, measured[part], want)
+
+
+def _bf16_wire(run_dir: str) -> dict:
+    """The same two ZeRO-2 steps with fp32 and bf16 gradient wires (bytes sent and the
+    reduced gradient shards), then the Trainer with comm.codec=bf16 under ZeRO-1."""
+    import torch
+    from support import SyntheticTokens, tiny_config
+
+    from disttrain import Trainer
+    from disttrain.comm import CollectiveLedger, Communicator
+    from disttrain.data import collate_token_batch
+    from disttrain.models import GPT, token_loss
+    from disttrain.parallel.zero import apply_zero
+
+    cfg = tiny_config()
+    out: dict = {}
+    for wire in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        comm = Communicator(None, CollectiveLedger())
+        zero = apply_zero(model, comm, 2, names, wire)
+        start = comm.ledger.payload_bytes
+        batch = collate_token_batch([SyntheticTokens()[i + 4 * comm.rank] for i in range(4)])
+        loss, count = token_loss(model(batch["input_ids"]), batch["targets"])
+        loss.backward()
+        zero.finish_gradient_sync(1 / count)
+        out[str(wire)] = {"bytes": comm.ledger.payload_bytes - start,
+                          "grads": [f.shard.grad.clone() for f in zero.flats]}
+    summaries = {}
+    for codec in ("none", "bf16"):
+        run = tiny_config(zero=1, steps=3, log_every=1, codec=codec)
+        torch.manual_seed(run.train.seed)
+        summaries[codec] = Trainer(GPT(run.model), SyntheticTokens(), token_loss, run,
+                                   run_dir=f"{run_dir}/{codec}",
+                                   collate_fn=collate_token_batch, progress=False).fit()
+    out["summaries"] = summaries
+    return out
+
+
+def test_bf16_wire_halves_the_reduce_scatter_bytes(tmp_path):
+    got = run_distributed(_bf16_wire, 2, args=(str(tmp_path),), timeout=120)[0]
+    fp32, bf16 = got["None"], got["torch.bfloat16"]
+    assert bf16["bytes"] * 2 == fp32["bytes"] > 0
+    for a, b in zip(bf16["grads"], fp32["grads"]):
+        assert a.dtype == torch.float32  # summed into fp32 shards
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+    none, half = got["summaries"]["none"], got["summaries"]["bf16"]
+    # the gradient reduce-scatter halves; the parameters' all-gather stays fp32
+    assert half["comm_bytes_per_step"] < 0.7 * none["comm_bytes_per_step"]
+    assert abs(half["final_train_loss"] - none["final_train_loss"]) < 0.01

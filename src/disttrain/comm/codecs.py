@@ -311,13 +311,20 @@ class PowerSGDCodec(GradientCodec):
     (exact when that sum has rank <= r). Q starts random from the seed (the same on all
     ranks) and, with warm start, is reused from the previous call; without, it is
     redrawn each call. Matrices too small to gain (r (rows + cols) >= rows cols) travel
-    uncompressed."""
+    uncompressed.
+
+    ``batched``: the whole of ``flat`` (every segment, vectors too) is laid, zero-padded,
+    into one near-square matrix [ceil(sqrt n), ceil(n / rows)] and factorised at rank r:
+    about sqrt(n) / (2 r) times fewer bytes, far more than per matrix when the matrices
+    are narrow, at the price of mixing unrelated rows (a coarser approximation, the
+    difference carried by error feedback)."""
 
     name, biased = "powersgd", True
 
-    def __init__(self, *, rank: int = 4, warm_start: bool = True, **kw) -> None:
+    def __init__(self, *, rank: int = 4, warm_start: bool = True, batched: bool = False,
+                 **kw) -> None:
         super().__init__(**kw)
-        self.rank, self.warm_start = rank, warm_start
+        self.rank, self.warm_start, self.batched = rank, warm_start, batched
         self.q: dict[tuple[Hashable, int], torch.Tensor] = {}
 
     def _layout(self, shapes: list[tuple[int, ...]]) -> tuple[list, list]:
@@ -343,6 +350,19 @@ class PowerSGDCodec(GradientCodec):
         return torch.randn(cols, r, generator=self._generator(device, *salt), device=device)
 
     def _start(self, x, comm, key, step, shapes):
+        if self.batched:
+            n = x.numel()
+            rows = math.isqrt(n - 1) + 1 if n > 1 else 1
+            cols = -(-n // rows)
+            square = F.pad(x, (0, rows * cols - n))
+            pending = self._start_matrices(square, comm, key, step, [(rows, cols)], n)
+            return PendingReduction(pending.work, lambda: (pending.finish(),
+                                                           x.copy_(square[:n])))
+        return self._start_matrices(x, comm, key, step, shapes, x.numel())
+
+    def _start_matrices(self, x, comm, key, step, shapes, n) -> PendingReduction:
+        """The protocol on ``x`` laid out as ``shapes``; the error-feedback residual kept
+        is its first ``n`` elements (the rest is batched mode's zero padding)."""
         mats, rest = self._layout(shapes)
         ms = [x[o:o + a * b].view(a, b) for o, a, b, _ in mats]
         qs = [self._q(key, j, step, b, r, x.device) for j, (_, _, b, r) in enumerate(mats)]
@@ -351,9 +371,9 @@ class PowerSGDCodec(GradientCodec):
                           + [x.new_empty(0)])
         work = comm.all_reduce(first, async_op=True)
         return PendingReduction(work, lambda: self._finish(x, comm, key, mats, rest, ms,
-                                                           first))
+                                                           first, n))
 
-    def _finish(self, x, comm, key, mats, rest, ms, first) -> None:
+    def _finish(self, x, comm, key, mats, rest, ms, first, n) -> None:
         p_sizes = [a * r for _, a, _, r in mats]
         pieces = first.split(p_sizes + [first.numel() - sum(p_sizes)])
         ps = [torch.linalg.qr(p.view(a, r)).Q for p, (_, a, _, r) in zip(pieces, mats)]
@@ -362,7 +382,7 @@ class PowerSGDCodec(GradientCodec):
             residual = torch.zeros_like(x)
             for (o, a, b, _), m, p, q in zip(mats, ms, ps, local_qs):
                 residual[o:o + a * b] = (m - p @ q.T).reshape(-1)
-            self._keep_residual(key, residual)
+            self._keep_residual(key, residual[:n])
         second = torch.cat([q.reshape(-1) for q in local_qs] + [x.new_empty(0)])
         comm.all_reduce(second)
         q_sizes = [b * r for _, _, b, r in mats]
@@ -372,9 +392,9 @@ class PowerSGDCodec(GradientCodec):
             if self.warm_start:
                 self.q[(key, j)] = q.clone()
         start = 0
-        for o, n in rest:
-            x[o:o + n] = pieces[-1][start:start + n]
-            start += n
+        for o, size in rest:
+            x[o:o + size] = pieces[-1][start:start + size]
+            start += size
 
 
 def build_codec(config: CommConfig, seed: int = 0) -> GradientCodec | None:
@@ -391,7 +411,7 @@ def build_codec(config: CommConfig, seed: int = 0) -> GradientCodec | None:
         return RandomKCodec(ratio=config.randomk_ratio, seed=seed)
     if name == "powersgd":
         return PowerSGDCodec(rank=config.powersgd_rank, warm_start=config.powersgd_warm_start,
-                             seed=seed, error_feedback=ef)
+                             batched=config.powersgd_batched, seed=seed, error_feedback=ef)
     if name == "onebit":
         return OneBitCodec(seed=seed, error_feedback=ef)
     if name == "qsgd":

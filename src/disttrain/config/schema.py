@@ -156,6 +156,9 @@ class CommConfig:
     powersgd_rank: int = _f(4, "powersgd: rank of each gradient matrix's approximation",
                             ge=1)
     powersgd_warm_start: bool = _f(True, "powersgd: reuse the previous step's Q")
+    powersgd_batched: bool = _f(False, "powersgd: factorise each whole bucket as one "
+                                "near-square matrix (~sqrt(n) / 2r times fewer bytes; "
+                                "coarser) instead of each weight matrix")
     qsgd_levels: int = _f(16, "qsgd: quantisation levels of |x| / ||x|| (int8 on the "
                           "wire)", ge=1, le=127)
     error_feedback: bool = _f(True, "topk, onebit, powersgd: add what was not sent to the "

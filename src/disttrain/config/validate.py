@@ -176,11 +176,12 @@ def _check_codec(config: Config) -> None:
     """Gradient codecs and layer-wise optimizers work on whole per-parameter gradients,
     which ZeRO's flat shards are not."""
     codec, p, opt = config.comm.codec, config.parallel, config.train.optimizer
-    if codec != "none" and p.zero:
+    if codec not in ("none", "fp16", "bf16") and p.zero:
         raise ConfigError("comm.codec", codec, f"is not supported with parallel.zero="
-                          f"{p.zero} (ZeRO reduce-scatters flat shards uncompressed)",
-                          "set comm.codec=none with ZeRO, or parallel.zero=0 to compress "
-                          "the gradient all-reduce")
+                          f"{p.zero} (ZeRO reduce-scatters flat shards; only the fp16/bf16 "
+                          "casts apply to a reduce-scatter)",
+                          "use comm.codec=fp16 or bf16 with ZeRO, or parallel.zero=0 for "
+                          f"{codec}")
     if codec != "none" and p.grad_reduce_dtype != "fp32":
         raise ConfigError("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
                           f"conflicts with comm.codec={codec} (both set the gradient wire "

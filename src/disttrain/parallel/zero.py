@@ -82,8 +82,9 @@ class ZeroDataParallel:
     :class:`~disttrain.parallel.data.DataParallel`, plus the optimizer's shards)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, stage: int,
-                 names: dict[int, str]) -> None:
+                 names: dict[int, str], reduce_dtype: torch.dtype | None = None) -> None:
         self.model, self.comm, self.stage = model, comm, stage
+        self.reduce_dtype = reduce_dtype  # the gradient wire dtype; None = the params'
         self.flats: list[FlatParam] = []
         self.unit_modules: list[nn.Module | None] = []
         for index, (module, named) in enumerate(_units(model)):
@@ -189,7 +190,9 @@ class ZeroDataParallel:
             if self.stage == 3 and self.unit_modules[flat.unit] is not None:
                 _free(flat.full)
                 self._prefetch_after(flat.unit)
-        out = torch.empty_like(flat.shard.data)
+        if self.reduce_dtype is not None and self.reduce_dtype != source.dtype:
+            source = source.to(self.reduce_dtype)  # the shard is cast back on arrival
+        out = torch.empty(flat.shard.numel(), dtype=source.dtype, device=source.device)
         work = self.comm.reduce_scatter(out, source, async_op=True)
         self._in_flight.append((flat, work, out, source))
         if self.stage > 1:  # at most two full-size gradients alive: this one, the previous
@@ -200,6 +203,7 @@ class ZeroDataParallel:
         while len(self._in_flight) > keep:
             flat, work, out, _source = self._in_flight.pop(0)
             work.wait()
+            out = out.to(flat.shard.dtype)
             if flat.grad_sum is None:
                 flat.grad_sum = out
             else:
@@ -437,9 +441,11 @@ def _materialize(t: torch.Tensor) -> None:
 
 
 def apply_zero(model: nn.Module, comm: Communicator, stage: int,
-               names: dict[int, str]) -> ZeroDataParallel:
+               names: dict[int, str], reduce_dtype: torch.dtype | None = None
+               ) -> ZeroDataParallel:
     """Shard ``model``'s training state over ``comm``'s group; ``names`` maps id(param)
-    to its canonical name (for checkpoints)."""
-    zero = ZeroDataParallel(model, comm, stage, names)
+    to its canonical name (for checkpoints); gradients are reduce-scattered in
+    ``reduce_dtype`` (None: the parameters' dtype) and summed into fp32 shards."""
+    zero = ZeroDataParallel(model, comm, stage, names, reduce_dtype)
     zero.broadcast_parameters()
     return zero

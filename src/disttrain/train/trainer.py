@@ -139,7 +139,9 @@ class Trainer:
         if self.plan.layout.zero:
             names = (self.mp.names if self.mp is not None else
                      {id(p): canonical_name(n) for n, p in local.named_parameters()})
-            self.dp = apply_zero(local, self.dp_comm, self.plan.layout.zero, names)
+            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+                self.config.comm.codec, DTYPES[par.grad_reduce_dtype])
+            self.dp = apply_zero(local, self.dp_comm, self.plan.layout.zero, names, wire)
             groups = self.dp.param_groups(train.weight_decay)
         elif train.sync != "every_step":  # replicas reconciled by self.sync, not per step
             self.dp, groups = LocalGradients(self.model, self.dp_comm), None

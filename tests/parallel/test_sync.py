@@ -246,7 +246,7 @@ def _three_rank_cases(run_dir: str) -> dict:
            "async": _fit_markov(f"{run_dir}/async", sync="async", staleness_bound=4)}
     os.environ[SLOW_ENV] = "2:6"  # worker rank 2 sleeps 5x its compute time
     try:
-        out["slowed"] = _fit_markov(f"{run_dir}/slow", sync="async", staleness_bound=2,
+        out["slowed"] = _fit_markov(f"{run_dir}/slow", sync="async", staleness_bound=1,
                                     steps=30)
     finally:
         del os.environ[SLOW_ENV]
@@ -275,8 +275,10 @@ def test_async_slow_worker_does_not_hold_back_the_fast_one(three_ranks):
     s = three_ranks[0]["slowed"]
     fast, slow = s["worker_steps"]
     assert fast >= 2 * slow, s["worker_steps"]
-    # the slow worker's gradients are 5+ versions old: the bound of 2 drops them
-    assert s["staleness_max"] <= 2
+    # the fast worker alone fills the accumulator (K = 2 pushes per update): the slow
+    # worker's gradients are ~2.5 versions old, and the bound of 1 drops them
+    assert s["ps_accumulate"] == 2
+    assert s["staleness_max"] <= 1
     assert s["dropped"] > 0
     assert s["final_eval_loss"] < s["initial_eval_loss"]
     # every rank ends with the same final summary (clean stop, one all-gather)

@@ -107,6 +107,9 @@ class TrainConfig:
                                le=0.999)
     ps_servers: int = _f(1, "async: ranks 0..ps_servers-1 serve parameter shards, the "
                          "rest are workers", ge=1)
+    ps_accumulate: int = _f(0, "async: a server steps once per this many accepted "
+                            "pushes (their mean); 0 = one per worker, i.e. the "
+                            "synchronous global batch per update; 1 = every push", ge=0)
     staleness_bound: int = _f(4, "async: a gradient computed on parameters more than this "
                               "many versions old is dropped", ge=0)
     fed_fraction: float = _f(1.0, "fedavg: fraction of clients chosen (seeded) each round",

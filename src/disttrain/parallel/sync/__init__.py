@@ -37,7 +37,8 @@ def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
                       fraction=train.fed_fraction, seed=train.seed)
     if mode == "async":
         return AsyncParameterServer(model, comm, servers=train.ps_servers,
-                                    staleness_bound=train.staleness_bound)
+                                    staleness_bound=train.staleness_bound,
+                                    accumulate=train.ps_accumulate)
     return SyncStrategy()
 
 

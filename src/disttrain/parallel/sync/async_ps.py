@@ -17,12 +17,18 @@ A worker repeats, with no barrier with the other workers:
 
 A server takes pushes in arrival order from any worker. The push's staleness is the
 number of updates the shard received since the worker's version. If it is at most
-``staleness_bound`` the server applies it (one optimizer step, version + 1); otherwise
-the gradient is **dropped** - never applied - and the reply carries the fresh
-parameters, so the worker's next gradient is current. Applied pushes thus have
+``staleness_bound`` the server accepts it: it is added to an accumulator, and once
+``K = accumulate`` pushes (from any workers, ``W`` by default) are in, the server takes
+one optimizer step with their mean (version + 1). So an update averages ``K b``
+samples - with ``K = W``, the ``global_batch`` of the synchronous run, the step count
+and LR schedule of which it then follows - without any worker waiting for another (a
+fast worker's pushes fill the accumulator alone). ``K = 1`` steps on every push.
+Otherwise the gradient is **dropped** - never applied - and the reply carries the fresh
+parameters, so the worker's next gradient is current. Accepted pushes thus have
 staleness <= bound by construction; the count of dropped ones shows how often the bound
 bit. The LR at a server follows the schedule at ``pushes received // W`` (the
-equivalent synchronous step).
+equivalent synchronous step). Pushes still in the accumulator when the budget ends are
+applied as one last (smaller) step.
 
 Data: worker ``w``'s ``k``-th batch is positions ``[(k W + w) b, (k W + w + 1) b)`` of
 the global sample order (``b = global_batch / W``), so workers take distinct samples and
@@ -109,12 +115,13 @@ class AsyncParameterServer(SyncStrategy):
     local_gradients = True
 
     def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
-                 staleness_bound: int) -> None:
+                 staleness_bound: int, accumulate: int = 0) -> None:
         if comm.size <= servers:
             raise ValueError(f"async training needs more than {servers} rank(s)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.comm, self.servers, self.bound = comm, servers, staleness_bound
         self.workers = comm.size - servers
+        self.accumulate = accumulate or self.workers
         self.shards = [[self.params[i] for i in shard] for shard in
                        assign_shards([p.numel() for p in self.params], servers)]
         self.sizes = [sum(p.numel() for p in shard) for shard in self.shards]
@@ -140,6 +147,7 @@ class AsyncParameterServer(SyncStrategy):
         reports = self.comm.all_gather_object(asdict(report))
         self.summary = summarise([AsyncReport(**r) for r in reports], self.workers,
                                  self.bound)
+        self.summary["ps_accumulate"] = self.accumulate
         return self.summary
 
     def metrics(self) -> dict[str, Any]:
@@ -166,6 +174,7 @@ class AsyncParameterServer(SyncStrategy):
         report, window = AsyncReport(role="server", rank=s), _ServerWindow()
         finished: set[int] = set()
         version = 0
+        acc, waiting = torch.zeros(self.sizes[s]), 0  # accepted pushes not yet applied
         while len(finished) < self.workers:
             src = self.comm.recv_any(inbox)
             if inbox[0].item() == BYE:
@@ -180,8 +189,12 @@ class AsyncParameterServer(SyncStrategy):
             lr = lr_at(report.pushes // self.workers)
             report.pushes += 1
             if staleness <= self.bound:
-                _apply(opt, shard, inbox[HEADER:], lr)
-                version += 1
+                acc.add_(inbox[HEADER:])
+                waiting += 1
+                if waiting == self.accumulate:
+                    _apply(opt, shard, acc.div_(waiting), lr)
+                    acc.zero_()
+                    version, waiting = version + 1, 0
                 report.applied += 1
                 report.staleness_sum += staleness
                 report.staleness_max = max(report.staleness_max, staleness)
@@ -194,6 +207,9 @@ class AsyncParameterServer(SyncStrategy):
             if s == 0 and report.pushes % (log_every * self.workers) == 0:
                 log(_record(report, window, lr, self.workers, per_worker))
                 window = _ServerWindow()
+        if waiting:  # the budget ended with a partial accumulation
+            _apply(opt, shard, acc.div_(waiting), lr_at(max(report.pushes - 1, 0)
+                                                         // self.workers))
         for work in sending.values():
             work.wait()
         return report

@@ -124,6 +124,29 @@ def _outer_step_by_hand() -> list[torch.Tensor]:
     return seen
 
 
+def _diloco_topk_by_hand() -> dict:
+    """Two DiLoCo rounds (outer lr 1, no momentum) whose pseudo-gradient goes through
+    top-k (2 of 4) with error feedback; the inner steps move rank 0 by [1, .5, .25, 0]
+    and rank 1 by [0, 0, 2, 0] in round 1 and not at all in round 2."""
+    from disttrain.comm.codecs import TopKCodec
+
+    comm = Communicator(None, CollectiveLedger())
+    theta = torch.tensor([4.0, 4.0, 4.0, 4.0])
+    p = torch.nn.Parameter(theta.clone())
+    outer = OuterNesterov(theta.clone(), lr=1.0, momentum=0.0)
+    codec = TopKCodec(ratio=0.5, error_feedback=True)
+    moved = {0: [1.0, 0.5, 0.25, 0.0], 1: [0.0, 0.0, 2.0, 0.0]}[comm.rank]
+    seen, sent = [], []
+    for step in (torch.tensor(moved), torch.zeros(4)):
+        with torch.no_grad():
+            p.sub_(step)
+        before = comm.ledger.payload_bytes
+        outer_round(comm, [p], outer, codec)
+        sent.append(comm.ledger.payload_bytes - before)
+        seen.append(p.detach().clone())
+    return {"params": seen, "bytes": sent}
+
+
 def _weighted_average_by_hand() -> list[torch.Tensor]:
     comm = Communicator(None, CollectiveLedger())
     a = torch.tensor([[1.0, 2.0], [3.0, 4.0]]) * (comm.rank + 1)  # rank 1 holds 2x
@@ -150,6 +173,7 @@ def _two_rank_cases(run_dir: str) -> dict:
     out = {"h1": _local_sgd_h1_equals_every_step(run_dir),
            "rounds": {m: _rounds_agree(m) for m in ("local_sgd", "diloco")},
            "outer": _outer_step_by_hand(), "weighted": _weighted_average_by_hand(),
+           "outer_topk": _diloco_topk_by_hand(),
            "fed_indices": _fedavg_client_indices()}
     runs = {"every_step": {}, "local_sgd": {"sync": "local_sgd", "sync_every": 4},
             "diloco": {"sync": "diloco", "sync_every": 10, "outer_momentum": 0.5},
@@ -192,6 +216,18 @@ def test_diloco_outer_step_by_hand(two_ranks):
     for rank in two_ranks:
         torch.testing.assert_close(rank["outer"][0], theta1)
         torch.testing.assert_close(rank["outer"][1], theta2)
+
+
+def test_diloco_pseudo_gradient_through_topk_keeps_the_rest_for_next_round(two_ranks):
+    # round 1: rank 0 sends [1, .5] (keeps .25), rank 1 sends 2: mean [.5, .25, 1, 0]
+    theta1 = torch.tensor([3.5, 3.75, 3.0, 4.0])
+    # round 2: no inner progress, rank 0's residual .25 goes out now: mean .125
+    theta2 = theta1 - torch.tensor([0.0, 0.0, 0.125, 0.0])
+    for rank in two_ranks:
+        got = rank["outer_topk"]
+        torch.testing.assert_close(got["params"][0], theta1)
+        torch.testing.assert_close(got["params"][1], theta2)
+        assert got["bytes"] == [16, 16]  # 2 fp32 values + 2 int32 indices per round
 
 
 def test_fedavg_weighted_average_by_hand(two_ranks):
@@ -296,6 +332,7 @@ def test_shards_balance_whole_parameters():
     ({"sync": "local_sgd", "zero": 1}, "parallel.zero"),
     ({"sync": "diloco", "balance": "dynamic"}, "parallel.balance"),
     ({"sync": "async", "ps_servers": 2}, "train.ps_servers"),
+    ({"sync": "local_sgd", "codec": "topk"}, "comm.codec"),
 ])
 def test_config_refuses_unsupported_combinations(keys, field):
     with pytest.raises(ConfigError) as err:

@@ -149,11 +149,12 @@ def _check_sync(config: Config, layout: Layout) -> None:
                           f"is not supported with train.sync={mode}",
                           "use parallel.balance=static")
     codec = getattr(getattr(config, "comm", None), "codec", "none")
-    if codec != "none":
+    if codec != "none" and mode != "diloco":
         raise ConfigError("comm.codec", codec,
-                          f"compresses the every_step gradient all-reduce; train.sync="
-                          f"{mode} sends parameters, uncompressed",
-                          "set comm.codec=none, or train.sync=every_step")
+                          f"compresses the every_step gradient all-reduce and DiLoCo's "
+                          f"pseudo-gradient; train.sync={mode} sends parameters, "
+                          "uncompressed", "set comm.codec=none, or train.sync=every_step "
+                          "or diloco")
     if mode == "async":
         _check_async(config, layout)
 

@@ -222,8 +222,10 @@ class Trainer:
             count_flops=self.flops_per_token is None, flops_per_term=self.flops_per_token,
             local=self.config.train.sync != "every_step",
             before_update=self.checkpoints.before_update, **extra)
-        self.sync: SyncStrategy = build_sync(self.config.train, self.model, self.dp_comm,
-                                             len(self.dataset))
+        train = self.config.train
+        self.sync: SyncStrategy = build_sync(
+            train, self.model, self.dp_comm, len(self.dataset),
+            build_codec(self.config.comm, train.seed) if train.sync == "diloco" else None)
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
 
     # ----------------------------------------------------------------- the loop

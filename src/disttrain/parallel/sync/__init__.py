@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator
 from ...config.schema import TrainConfig
 from .async_ps import AsyncParameterServer, AsyncReport, assign_shards
@@ -24,14 +25,16 @@ from .local_sgd import LocalSGD
 
 
 def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
-               num_samples: int) -> SyncStrategy:
+               num_samples: int, codec: GradientCodec | None = None) -> SyncStrategy:
     """The strategy for ``train.sync`` over ``comm`` (the dp group; the world for
-    async); ``num_samples`` is the training set's size (fedavg partitions it)."""
+    async); ``num_samples`` is the training set's size (fedavg partitions it); ``codec``
+    compresses DiLoCo's pseudo-gradient."""
     mode = train.sync
     if mode == "local_sgd":
         return LocalSGD(model, comm, train.sync_every)
     if mode == "diloco":
-        return DiLoCo(model, comm, train.sync_every, train.outer_lr, train.outer_momentum)
+        return DiLoCo(model, comm, train.sync_every, train.outer_lr, train.outer_momentum,
+                      codec)
     if mode == "fedavg":
         return FedAvg(model, comm, num_samples=num_samples, every=train.sync_every,
                       fraction=train.fed_fraction, seed=train.seed)

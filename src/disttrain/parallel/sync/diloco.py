@@ -11,8 +11,12 @@ flat). At the round's end:
 
 and every rank copies ``theta`` into its model, so replicas agree after each round. The
 outer step is ``torch.optim.SGD(nesterov=True)`` on ``theta`` (plain momentum SGD when
-outer_momentum is 0). Inner optimizer states stay per rank across rounds. The
-pseudo-gradient travels uncompressed (fp32): no gradient codec is applied to it.
+outer_momentum is 0). Inner optimizer states stay per rank across rounds.
+
+With a ``codec`` (``comm.codec``) the pseudo-gradient's all-reduce goes through it
+(:func:`~disttrain.comm.codecs.reduce_flat`, one segment per parameter, key
+``"diloco"``), so bytes per round shrink by the codec's ratio; a biased codec's error
+feedback carries what a round did not send into the next round's pseudo-gradient.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator
 from .base import PeriodicSync, flatten, unflatten_into
 
@@ -41,11 +46,15 @@ class OuterNesterov:
 
 
 def outer_round(comm: Communicator, params: list[torch.Tensor],
-                outer: OuterNesterov) -> None:
-    """End one round: average the pseudo-gradients over ``comm``, take the outer step,
-    and load the new global parameters into ``params`` on every rank."""
+                outer: OuterNesterov, codec: GradientCodec | None = None) -> None:
+    """End one round: average the pseudo-gradients over ``comm`` (through ``codec``
+    when given), take the outer step, and load the new global parameters into
+    ``params`` on every rank."""
     delta = outer.theta.detach() - flatten(params)
-    comm.all_reduce(delta)
+    if codec is None:
+        comm.all_reduce(delta)
+    else:
+        codec.all_reduce(delta, comm, key="diloco", segments=[p.shape for p in params])
     delta /= comm.size
     unflatten_into(outer.step(delta), params)
 
@@ -55,9 +64,10 @@ class DiLoCo(PeriodicSync):
 
     name = "diloco"
     def __init__(self, model: nn.Module, comm: Communicator, every: int, outer_lr: float,
-                 outer_momentum: float) -> None:
+                 outer_momentum: float, codec: GradientCodec | None = None) -> None:
         super().__init__(model, comm, every)
         self.outer = OuterNesterov(flatten(self.params), outer_lr, outer_momentum)
+        self.codec = codec
 
     def _round(self) -> None:
-        outer_round(self.comm, self.params, self.outer)
+        outer_round(self.comm, self.params, self.outer, self.codec)

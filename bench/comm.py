@@ -1,14 +1,17 @@
 """Communication efficiency: gradient codecs and synchronisation modes against the
 every_step / uncompressed baseline.
 
-    python bench/comm.py [--steps 100] [--nproc 4] [--global-batch 24] [--sync-every 50]
-                         [--codecs none,fp16,...] [--modes local_sgd,diloco,...]
+    python bench/comm.py [--steps 250] [--nproc 4] [--global-batch 24] [--sync-every 50]
+                         [--codecs fp16,...] [--modes local_sgd,diloco,...]
+                         [--variants powersgd_batched,diloco_bf16]
 
 Each measurement is one run of the default job (``disttrain train --nproc N``: the
 byte-level GPT on the standard-library corpus, Gloo) in a fresh run directory, with
 checkpoints off, the same seed, ``--steps`` optimizer steps of ``--global-batch``
 samples (so every run sees the same number of samples) and the same held-out samples.
-Codec runs use ``train.sync=every_step``; mode runs use ``comm.codec=none``. From each
+Codec runs use ``train.sync=every_step``; mode runs use ``comm.codec=none``; the
+variants are ``powersgd_batched`` (powersgd with ``comm.powersgd_batched=true``) and
+``diloco_bf16`` (DiLoCo with its pseudo-gradient through ``comm.codec=bf16``). From each
 run's ``summary.json`` (rank 0):
 
 - bytes per step: ``comm_bytes_per_step``, the collective-ledger payload of the steps
@@ -36,16 +39,21 @@ from pathlib import Path
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "qsgd")
 MODES = ("local_sgd", "diloco", "async", "fedavg")
+VARIANTS = {"powersgd_batched": ["train.sync=every_step", "comm.codec=powersgd",
+                                 "comm.powersgd_batched=true"],
+            "diloco_bf16": ["train.sync=diloco", "comm.codec=bf16"]}
 # name -> (minimum bytes_reduction, maximum loss_ratio)
 # (the issue's margins: codecs 3%, local_sgd and diloco 5%, async and fedavg 10%)
 TARGETS = {**{c: (None, 1.03) for c in CODECS[1:]},
            "powersgd": (50.0, 1.03), "topk": (50.0, 1.03), "diloco": (50.0, 1.05),
-           "local_sgd": (None, 1.05), "async": (None, 1.10), "fedavg": (None, 1.10)}
+           "local_sgd": (None, 1.05), "async": (None, 1.10), "fedavg": (None, 1.10),
+           "powersgd_batched": (50.0, 1.03), "diloco_bf16": (50.0, 1.05)}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=250,
+                   help="optimizer steps per run (250: the default job's)")
     p.add_argument("--nproc", type=int, default=4, help="ranks (world size)")
     p.add_argument("--global-batch", type=int, default=24,
                    help="samples per step (divisible by nproc and by nproc - 1 for async)")
@@ -53,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=256)
     p.add_argument("--codecs", default=",".join(CODECS[1:]))
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra settings for every run")
     return p.parse_args()
@@ -100,6 +109,10 @@ def main() -> None:
     for mode in filter(None, args.modes.split(",")):
         runs[mode] = [f"train.sync={mode}", "comm.codec=none",
                       f"train.sync_every={args.sync_every}"]
+    for name in filter(None, args.variants.split(",")):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
+        runs[name] = [*VARIANTS[name], f"train.sync_every={args.sync_every}"]
     results = {name: measure(run_job(args, name, s)) for name, s in runs.items()}
     base = results.pop("baseline")
     out = {

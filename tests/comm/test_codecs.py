@@ -157,6 +157,14 @@ def test_onebit_is_sign_times_mean_magnitude_per_segment(solo):
         packed = pack_signs(v)
         assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
         assert torch.equal(unpack_signs(packed, n), torch.where(v >= 0, 1.0, -1.0))
+    # blocks of <= 48 elements: 128 -> 48, 48, 32; 8 -> 8; 16 -> 16 (one scale each)
+    before = solo.ledger.payload_bytes
+    y = OneBitCodec(block=48, error_feedback=False).all_reduce(x.clone(), solo,
+                                                              segments=SEGMENTS)
+    assert solo.ledger.payload_bytes - before == 4 * 5 + 20  # 19 sign bytes, padded
+    expected = torch.cat([s.abs().mean() * torch.where(s >= 0, 1.0, -1.0)
+                          for s in x.split([48, 48, 32, 8, 16])])
+    torch.testing.assert_close(y, expected)
 
 
 def test_codec_rejects_segments_that_do_not_cover_the_tensor(solo):

@@ -19,7 +19,8 @@ Per-rank payload for n fp32 elements in S segments (k = ceil(ratio * n)):
     fp16 / bf16   2n bytes, all-reduce               unbiased up to rounding
     randomk       4k, all-reduce (indices from the shared seed, never sent)   unbiased
     topk          8k (fp32 values + int32 indices), all-gather               biased
-    onebit        4S + ceil(n/8) rounded up to 4 (packed sign bits), all-gather  biased
+    onebit        4B + ceil(n/8) rounded up to 4 (packed sign bits; B = S, or blocks of
+                  <= onebit_block), all-gather                               biased
     qsgd          4B + n rounded up to 4 (int8 levels; B blocks of <= 512), all-gather
                                                                       unbiased
     powersgd      4 * (sum of r(rows + cols) per matrix + other elements), 2 all-reduces
@@ -133,6 +134,18 @@ def _sizes(shapes: list[tuple[int, ...]]) -> list[int]:
     return [math.prod(s) for s in shapes]
 
 
+def _blocks(sizes: list[int], block: int) -> list[int]:
+    """Each segment size split into blocks of at most ``block`` elements."""
+    return [min(block, size - i) for size in sizes for i in range(0, size, block)]
+
+
+def _block_sums(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """[n] -> [B]: the sum of each consecutive block of ``sizes`` (one pass)."""
+    counts = torch.tensor(sizes, device=values.device)
+    ids = torch.repeat_interleave(torch.arange(len(sizes), device=values.device), counts)
+    return values.new_zeros(len(sizes)).index_add_(0, ids, values)
+
+
 def _count(n: int, ratio: float) -> int:
     """Elements a sparsifying codec keeps: ceil(ratio * n), at least 1, at most n."""
     return max(1, min(n, math.ceil(ratio * n)))
@@ -235,15 +248,23 @@ def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class OneBitCodec(GradientCodec):
-    """Sign compression: each segment becomes scale * sign(x) with scale = mean |x|
-    (sign of 0 is +). Payload, uint8: [S fp32 scales | packed sign bits], padded to a
-    multiple of 4 bytes; all-gathered and summed. Biased: use error feedback."""
+    """Sign compression: each block becomes scale * sign(x) with scale = mean |x|
+    (sign of 0 is +); a block is a whole segment, or with ``block`` > 0 at most that
+    many consecutive elements of one. Payload, uint8: [B fp32 scales | packed sign
+    bits], padded to a multiple of 4 bytes; all-gathered and summed. Biased: use error
+    feedback."""
 
     name, biased = "onebit", True
 
+    def __init__(self, *, block: int = 0, **kw) -> None:
+        super().__init__(**kw)
+        self.block = block
+
     def _start(self, x, comm, key, step, shapes):
         n, sizes = x.numel(), _sizes(shapes)
-        scales = torch.stack([s.abs().mean() for s in x.split(sizes)])
+        if self.block:
+            sizes = _blocks(sizes, self.block)
+        scales = _block_sums(x.abs(), sizes) / torch.tensor(sizes, device=x.device)
         payload = _pad_to_words(torch.cat([scales.view(torch.uint8), pack_signs(x)]))
         if self.error_feedback:
             self._keep_residual(key, x - self._decode(payload.unsqueeze(0), n, sizes)[0])
@@ -281,9 +302,8 @@ class QSGDCodec(GradientCodec):
 
     def _start(self, x, comm, key, step, shapes):
         n, s = x.numel(), self.levels
-        sizes = [min(self.block, size - i) for size in _sizes(shapes)
-                 for i in range(0, size, self.block)]
-        norms = torch.stack([seg.norm() for seg in x.split(sizes)])
+        sizes = _blocks(_sizes(shapes), self.block)
+        norms = _block_sums(x * x, sizes).sqrt_()
         denom = _per_element(norms, sizes)
         scaled = torch.where(denom > 0, x.abs() / denom.clamp(min=1e-30) * s, 0.0)
         noise = torch.rand(n, generator=self._generator(x.device, key, step, comm.rank),
@@ -413,7 +433,7 @@ def build_codec(config: CommConfig, seed: int = 0) -> GradientCodec | None:
         return PowerSGDCodec(rank=config.powersgd_rank, warm_start=config.powersgd_warm_start,
                              batched=config.powersgd_batched, seed=seed, error_feedback=ef)
     if name == "onebit":
-        return OneBitCodec(seed=seed, error_feedback=ef)
+        return OneBitCodec(block=config.onebit_block, seed=seed, error_feedback=ef)
     if name == "qsgd":
         return QSGDCodec(levels=config.qsgd_levels, seed=seed)
     raise ValueError(f"unknown codec {name!r}; one of {', '.join(CODECS)}")

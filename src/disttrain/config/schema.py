@@ -163,8 +163,8 @@ class CommConfig:
     powersgd_batched: bool = _f(False, "powersgd: factorise each whole bucket as one "
                                 "near-square matrix (~sqrt(n) / 2r times fewer bytes; "
                                 "coarser) instead of each weight matrix")
-    onebit_block: int = _f(0, "onebit: elements per scale (blocks of a tensor); 0 = one "
-                           "scale per tensor", ge=0)
+    onebit_block: int = _f(128, "onebit: elements per scale (blocks of a tensor; 1.25 "
+                           "bits per element at 128); 0 = one scale per tensor", ge=0)
     qsgd_levels: int = _f(16, "qsgd: quantisation levels of |x| / ||x|| (int8 on the "
                           "wire)", ge=1, le=127)
     error_feedback: bool = _f(True, "topk, onebit, powersgd: add what was not sent to the "

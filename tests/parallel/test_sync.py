@@ -144,7 +144,17 @@ def _diloco_topk_by_hand() -> dict:
         outer_round(comm, [p], outer, codec)
         sent.append(comm.ledger.payload_bytes - before)
         seen.append(p.detach().clone())
-    return {"params": seen, "bytes": sent}
+    # local SGD with the same codec: the same rounds (its update is the plain mean)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(theta.clone())
+    local = LocalSGD(model, comm, every=1, codec=TopKCodec(ratio=0.5, error_feedback=True))
+    averaged = []
+    for step in (torch.tensor(moved), torch.zeros(4)):
+        with torch.no_grad():
+            model.w.sub_(step)
+        local.after_step(len(averaged) + 1, False)
+        averaged.append(model.w.detach().clone())
+    return {"params": seen, "bytes": sent, "local_sgd": averaged}
 
 
 def _weighted_average_by_hand() -> list[torch.Tensor]:
@@ -218,7 +228,7 @@ def test_diloco_outer_step_by_hand(two_ranks):
         torch.testing.assert_close(rank["outer"][1], theta2)
 
 
-def test_diloco_pseudo_gradient_through_topk_keeps_the_rest_for_next_round(two_ranks):
+def test_updates_through_topk_keep_the_rest_for_next_round(two_ranks):
     # round 1: rank 0 sends [1, .5] (keeps .25), rank 1 sends 2: mean [.5, .25, 1, 0]
     theta1 = torch.tensor([3.5, 3.75, 3.0, 4.0])
     # round 2: no inner progress, rank 0's residual .25 goes out now: mean .125
@@ -228,6 +238,8 @@ def test_diloco_pseudo_gradient_through_topk_keeps_the_rest_for_next_round(two_r
         torch.testing.assert_close(got["params"][0], theta1)
         torch.testing.assert_close(got["params"][1], theta2)
         assert got["bytes"] == [16, 16]  # 2 fp32 values + 2 int32 indices per round
+        torch.testing.assert_close(got["local_sgd"][0], theta1)
+        torch.testing.assert_close(got["local_sgd"][1], theta2)
 
 
 def test_fedavg_weighted_average_by_hand(two_ranks):
@@ -333,7 +345,7 @@ def test_shards_balance_whole_parameters():
     ({"sync": "local_sgd", "zero": 1}, "parallel.zero"),
     ({"sync": "diloco", "balance": "dynamic"}, "parallel.balance"),
     ({"sync": "async", "ps_servers": 2}, "train.ps_servers"),
-    ({"sync": "local_sgd", "codec": "topk"}, "comm.codec"),
+    ({"sync": "fedavg", "codec": "topk"}, "comm.codec"),
 ])
 def test_config_refuses_unsupported_combinations(keys, field):
     with pytest.raises(ConfigError) as err:

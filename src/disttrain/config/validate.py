@@ -149,12 +149,12 @@ def _check_sync(config: Config, layout: Layout) -> None:
                           f"is not supported with train.sync={mode}",
                           "use parallel.balance=static")
     codec = getattr(getattr(config, "comm", None), "codec", "none")
-    if codec != "none" and mode != "diloco":
+    if codec != "none" and mode not in ("local_sgd", "diloco"):
         raise ConfigError("comm.codec", codec,
-                          f"compresses the every_step gradient all-reduce and DiLoCo's "
-                          f"pseudo-gradient; train.sync={mode} sends parameters, "
-                          "uncompressed", "set comm.codec=none, or train.sync=every_step "
-                          "or diloco")
+                          f"compresses the every_step gradients and the local_sgd / "
+                          f"diloco updates; train.sync={mode} sends parameters, "
+                          "uncompressed", "set comm.codec=none, or train.sync=every_step, "
+                          "local_sgd or diloco")
     if mode == "async":
         _check_async(config, layout)
 

@@ -225,7 +225,8 @@ class Trainer:
         train = self.config.train
         self.sync: SyncStrategy = build_sync(
             train, self.model, self.dp_comm, len(self.dataset),
-            build_codec(self.config.comm, train.seed) if train.sync == "diloco" else None)
+            build_codec(self.config.comm, train.seed)
+            if train.sync in ("local_sgd", "diloco") else None)
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
 
     # ----------------------------------------------------------------- the loop

@@ -28,10 +28,10 @@ def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
                num_samples: int, codec: GradientCodec | None = None) -> SyncStrategy:
     """The strategy for ``train.sync`` over ``comm`` (the dp group; the world for
     async); ``num_samples`` is the training set's size (fedavg partitions it); ``codec``
-    compresses DiLoCo's pseudo-gradient."""
+    compresses local SGD's per-round updates and DiLoCo's pseudo-gradient."""
     mode = train.sync
     if mode == "local_sgd":
-        return LocalSGD(model, comm, train.sync_every)
+        return LocalSGD(model, comm, train.sync_every, codec)
     if mode == "diloco":
         return DiLoCo(model, comm, train.sync_every, train.outer_lr, train.outer_momentum,
                       codec)

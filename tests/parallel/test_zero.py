@@ -13,20 +13,20 @@ VARIANTS = [{"grad_accum": 1, "grad_clip": 1.0}, {"grad_accum": 2, "grad_clip": 
 
 
 STAGES = (1, 2, 3)
+CASES = [(stage, i) for stage in STAGES for i in range(len(VARIANTS))]
 
 
 def _zero_runs(run_dir: str) -> list[dict]:
     """Every stage and variant in one set of processes (a spawn costs seconds)."""
-    return [fit_tiny(20, f"{run_dir}/{stage}-{i}", mask=True, zero=stage, **v)
-            for stage in STAGES for i, v in enumerate(VARIANTS)]
+    return [fit_tiny(20, f"{run_dir}/{stage}-{i}", mask=True, zero=stage, **VARIANTS[i])
+            for stage, i in CASES]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_follows_single_process(world_size, tmp_path):
     results = run_distributed(_zero_runs, world_size, args=(str(tmp_path),), timeout=360)
     references = [reference_train(20, mask=True, **v) for v in VARIANTS]
-    for run, state in enumerate(results[0]):
-        stage, variant = STAGES[run // len(VARIANTS)], run % len(VARIANTS)
+    for (stage, variant), state in zip(CASES, results[0]):
         try:
             assert_states_close(state, references[variant])
         except AssertionError as e:

@@ -29,7 +29,7 @@ from torch import nn
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
-from disttrain.models import GPT, token_loss
+from disttrain.models import GPT, gpt_spec, token_loss
 from disttrain.parallel.pipeline import (analytic_bubble, bubble_fractions, build_chunks,
                                          build_schedule, plan_stages, run_pipeline,
                                          simulate, sync_tied_grads)
@@ -111,8 +111,9 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
     pp = comm.size
     v = v if name == "interleaved" else 1
     per_chunk = cfg.n_layer // (pp * v)
-    plan = plan_stages(cfg, pp=pp, v=v, cuts=range(per_chunk, cfg.n_layer, per_chunk))
-    chunks = build_chunks(model, plan, comm.rank)
+    spec = gpt_spec(cfg)
+    plan = plan_stages(spec, pp=pp, v=v, cuts=range(per_chunk, cfg.n_layer, per_chunk))
+    chunks = build_chunks(model, spec, plan, comm.rank)
     schedule = build_schedule(name, pp=pp, m=m, v=v)
     g = torch.Generator().manual_seed(m)
     tokens = torch.randint(0, cfg.vocab_size, (m, args.micro_batch, cfg.seq_len + 1),

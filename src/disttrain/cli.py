@@ -111,7 +111,7 @@ def _launch_options(ns: argparse.Namespace):
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from .config import resolve
+    from .validation import resolve
     from .config.load import load_run_config
     from .launch import inside_worker, launch
 

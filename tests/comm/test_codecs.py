@@ -15,7 +15,8 @@ from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.comm.codecs import (CastCodec, OneBitCodec, PowerSGDCodec, QSGDCodec,
                                    RandomKCodec, TopKCodec, build_codec, pack_signs,
                                    unpack_signs)
-from disttrain.config import load_config, resolve
+from disttrain.config import load_config
+from disttrain.validation import resolve
 from disttrain.config.schema import CommConfig
 from disttrain.errors import ConfigError
 from disttrain.testing import run_distributed

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 from support import TINY_MODEL, SyntheticTokens, _tiny_train
 
-from disttrain.config import load_config, resolve
+from disttrain.config import load_config
+from disttrain.validation import resolve
 from disttrain.errors import ConfigError
 from disttrain.testing import run_distributed
 
@@ -132,10 +133,8 @@ def test_checkpoint_from_dp2_pp2_resumes_at_tp4_and_one_rank(reference, tmp_path
     ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 1}, {}, "parallel.pp_virtual"),
     ({"pp": 4, "pp_schedule": "interleaved"}, {"grad_accum": 4}, "parallel.pp_schedule"),
     ({"pp": 2, "pp_split": "0,9"}, {}, "parallel.pp_split"),
-    ({"pp": 2, "zero": 2}, {}, "parallel.zero"),
     ({"tp": 8}, {}, "model.n_head"),
     ({"pp": 2, "balance": "dynamic"}, {}, "parallel.balance"),
-    ({"tp": 2, "sequence_parallel": True, "zero": 2}, {}, "parallel.zero"),
 ])
 def test_invalid_pipeline_and_tensor_layouts_are_refused_with_the_fix(parallel, train, field):
     values = {"model": MODEL, "train": {"grad_accum": 4, **train},

@@ -10,7 +10,7 @@ import torch
 from support import TINY_MODEL, SyntheticTokens
 
 from disttrain.config.schema import ModelConfig
-from disttrain.models import GPT, token_loss
+from disttrain.models import GPT, gpt_spec, token_loss
 from disttrain.parallel.pipeline import (Action, Schedule, ScheduleDeadlock, StageCosts,
                                          analytic_bubble, balanced_cuts, build_chunks,
                                          build_schedule, bubble_fractions, check_schedule,
@@ -99,17 +99,21 @@ def _cfg(n_layer: int) -> ModelConfig:
     return ModelConfig(**{**TINY_MODEL, "n_layer": n_layer})
 
 
+def _spec(n_layer: int):
+    return gpt_spec(_cfg(n_layer))
+
+
 def test_explicit_cuts_and_their_errors():
-    assert plan_stages(_cfg(6), pp=2, v=1, cuts=[2]).bounds == (0, 2, 6)
-    assert plan_stages(_cfg(6), pp=2, v=2, cuts=[1, 3, 4]).chunks_of(1) == [1, 3]
+    assert plan_stages(_spec(6), pp=2, v=1, cuts=[2]).bounds == (0, 2, 6)
+    assert plan_stages(_spec(6), pp=2, v=2, cuts=[1, 3, 4]).chunks_of(1) == [1, 3]
     with pytest.raises(ValueError, match="only n_layer=2"):
-        plan_stages(_cfg(2), pp=2, v=2)
+        plan_stages(_spec(2), pp=2, v=2)
     with pytest.raises(ValueError, match="increase strictly"):
-        plan_stages(_cfg(6), pp=3, cuts=[4, 2])
+        plan_stages(_spec(6), pp=3, cuts=[4, 2])
     with pytest.raises(ValueError, match="increase strictly"):
-        plan_stages(_cfg(6), pp=2, cuts=[6])
+        plan_stages(_spec(6), pp=2, cuts=[6])
     with pytest.raises(ValueError, match="need 2 cut points"):
-        plan_stages(_cfg(6), pp=3, cuts=[2])
+        plan_stages(_spec(6), pp=3, cuts=[2])
 
 
 def _brute_force_max_cost(costs: StageCosts, n: int) -> float:
@@ -146,8 +150,9 @@ def test_chunks_compose_to_the_full_model_with_original_names():
     cfg = _cfg(4)
     torch.manual_seed(0)
     model = GPT(cfg)
-    plan = plan_stages(cfg, pp=2, v=2)
-    chunks = sorted((ch for r in range(2) for ch in build_chunks(model, plan, r)),
+    spec = gpt_spec(cfg)
+    plan = plan_stages(spec, pp=2, v=2)
+    chunks = sorted((ch for r in range(2) for ch in build_chunks(model, spec, plan, r)),
                     key=lambda ch: ch.index)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     x = ids
@@ -253,7 +258,8 @@ def _check_case(comm, name: str, v: int, n_layer: int, m: int, cuts) -> int:
     torch.manual_seed(0)
     ref, model = GPT(cfg), GPT(cfg)
     model.load_state_dict(ref.state_dict())
-    chunks = build_chunks(model, plan_stages(cfg, pp=pp, v=v, cuts=cuts), comm.rank)
+    spec = gpt_spec(cfg)
+    chunks = build_chunks(model, spec, plan_stages(spec, pp=pp, v=v, cuts=cuts), comm.rank)
     names = {n: full for ch in chunks for n, full in chunk_param_names(ch).items()}
     params = {n: p for ch in chunks for n, p in ch.named_parameters()}
     schedule = build_schedule(name, pp=pp, m=m, v=v)

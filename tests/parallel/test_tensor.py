@@ -22,7 +22,7 @@ from torch import nn
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
-from disttrain.models import GPT, IGNORE_INDEX, token_loss
+from disttrain.models import GPT, GPT_TP_PLAN, IGNORE_INDEX, gpt_spec, token_loss
 from disttrain.parallel import tensor as tpl
 from disttrain.testing import run_distributed
 
@@ -345,14 +345,14 @@ def test_indivisible_model_is_refused_naming_the_field(change, tp, sp, field):
 
 
 def test_seq_len_only_matters_with_sequence_parallelism():
-    tpl.check_divisible(ModelConfig(**{**MODEL, "seq_len": 18}), 4)
+    tpl.check_divisible(gpt_spec(ModelConfig(**{**MODEL, "seq_len": 18})), 4)
 
 
 @pytest.mark.parametrize("plan, message", [
-    ({**tpl.GPT_PLAN, "blocks.*.mlp.up": "columnwise"}, "unknown style"),
-    ({**tpl.GPT_PLAN, "blocks.*.mlp.upp": "colwise"}, "match no module"),
-    ({k: v for k, v in tpl.GPT_PLAN.items() if k != "head"}, "'head' is not in the plan"),
-    ({**tpl.GPT_PLAN, "ln_f": "colwise"}, "needs a Linear"),
+    ({**GPT_TP_PLAN, "blocks.*.mlp.up": "columnwise"}, "unknown style"),
+    ({**GPT_TP_PLAN, "blocks.*.mlp.upp": "colwise"}, "match no module"),
+    ({k: v for k, v in GPT_TP_PLAN.items() if k != "head"}, "'head' is not in the plan"),
+    ({**GPT_TP_PLAN, "ln_f": "colwise"}, "needs a Linear"),
 ])
 def test_bad_plans_are_refused(plan, message):
     with pytest.raises(ValueError, match=message):
@@ -360,7 +360,7 @@ def test_bad_plans_are_refused(plan, message):
 
 
 def test_sequence_parallel_needs_an_entry_point():
-    plan = {k: v for k, v in tpl.GPT_PLAN.items() if v != "split_sequence"}
+    plan = {k: v for k, v in GPT_TP_PLAN.items() if v != "split_sequence"}
     with pytest.raises(ValueError, match="split_sequence"):
         tpl.apply_tensor_parallel(GPT(ModelConfig(**MODEL)), _fake_comm(2), plan=plan,
                                   sequence_parallel=True)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from disttrain.config import load_config, resolve
+from disttrain.config import load_config
+from disttrain.validation import resolve
 from disttrain.models import GPT
 from disttrain.train.optim import LAMB, LARS, build_optimizer, lr_at, trust_ratio
 

@@ -138,6 +138,10 @@ class ShardReader:
     def names(self, prefix: str = "") -> list[str]:
         return sorted(k for k in self.index.tensors if k.startswith(prefix))
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The global shape of tensor ``name``, from the index (nothing is read)."""
+        return tuple(self.index.tensors[name].shape)
+
     def tensor(self, name: str) -> torch.Tensor:
         """The whole global tensor ``name``, assembled from its shards."""
         entry = self.index.tensors[name]

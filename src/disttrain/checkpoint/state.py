@@ -89,7 +89,7 @@ def restore_named(reader: ShardReader, tensors: dict[str, torch.Tensor],
     cuts this rank's part out of the global tensor (tensor parallelism)."""
     with torch.no_grad():
         for name, t in tensors.items():
-            if name not in reader.index.tensors:
+            if name not in reader.names(name):
                 raise KeyError(f"checkpoint has no tensor {name} (a different model?)")
             loaded = reader.tensor(name)
             if to_local is not None:

@@ -3,7 +3,9 @@
 from .load import load_config
 from .schema import (SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig,
                      TrainConfig)
-from .validate import BatchPlan, RunPlan, resolve, resolve_batch
+from .layout import Layout, resolve_layout
+from .validate import BatchPlan, RunPlan, resolve_batch
 
 __all__ = ["SECTIONS", "BatchPlan", "Config", "DataConfig", "ModelConfig", "ParallelConfig",
-           "RunPlan", "TrainConfig", "load_config", "resolve", "resolve_batch"]
+           "Layout", "RunPlan", "TrainConfig", "load_config", "resolve_batch",
+           "resolve_layout"]

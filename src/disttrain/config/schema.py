@@ -125,6 +125,10 @@ class ParallelConfig:
     pp: int = _f(1, "pipeline-parallel degree", ge=1)
     tp: int = _f(1, "tensor-parallel degree", ge=1)
     zero: int = _f(0, "ZeRO sharding stage over dp (0 = none)", ge=0, le=3)
+    strategy: str = _f("auto", "how dp replicas share gradients and training state: auto "
+                       "(zero when parallel.zero > 0, local when train.sync is not "
+                       "every_step, else ddp), ddp, zero, local, or a name registered "
+                       "with disttrain.parallel.register_strategy")
     bucket_mb: float = _f(25.0, "gradient bucket size in MiB for the all-reduce", gt=0.0)
     grad_reduce_dtype: str = _f("fp32", "dtype gradients travel in (bf16 halves the bytes)",
                                 choices=("fp32", "bf16"))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.schema import ModelConfig
+from .spec import Divisor, ModelSpec, register_spec
 
 IGNORE_INDEX = -1
 
@@ -101,12 +102,64 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        t = input_ids.shape[1]
-        pos = torch.arange(t, device=input_ids.device)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+        x = gpt_embed(self, input_ids)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return gpt_finish(self, x)
+
+
+def gpt_embed(m: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token + position embeddings (then dropout) of input_ids [B, T] -> [B, T, d]; ``m``
+    is the GPT or any module holding its ``tok_emb``, ``pos_emb`` and ``drop``."""
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return m.drop(m.tok_emb(input_ids) + m.pos_emb(pos))
+
+
+def gpt_finish(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and output projection [B, T, d] -> logits [B, T, V]; ``m`` holds
+    ``ln_f`` and ``head``."""
+    return m.head(m.ln_f(x))
+
+
+# The tensor-parallel plan (module-name pattern -> style, see
+# disttrain.parallel.tensor.apply_tensor_parallel): Megatron's split of attention and MLP,
+# the vocabulary sharded in the embedding and the (tied) head.
+GPT_TP_PLAN: dict[str, str] = {
+    "tok_emb": "vocab",
+    "drop": "split_sequence",
+    "blocks.*.ln1": "sequence",
+    "blocks.*.attn.qkv": "colwise_qkv",
+    "blocks.*.attn.out": "rowwise",
+    "blocks.*.ln2": "sequence",
+    "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.down": "rowwise",
+    "ln_f": "sequence",
+    "head": "vocab_head",
+}
+
+
+def gpt_spec(cfg: ModelConfig) -> ModelSpec:
+    """The GPT's structure for the strategies (needs only the config, so validation can
+    check a layout before any model exists).
+
+    Costs are forward FLOPs per token: a block 2 x 12 d^2 for its matmuls plus 4 T d for
+    attention scores and the weighted sum; the head 2 d V (plus the loss, a few V); the
+    embedding lookups and the position add, about d (memory-bound, costed as d)."""
+    d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
+    return ModelSpec(
+        blocks="blocks", before=("tok_emb", "pos_emb", "drop"), after=("ln_f", "head"),
+        embed=gpt_embed, finish=gpt_finish, hidden_size=d,
+        tied=(("tok_emb.weight", "head.weight"),), tp_plan=GPT_TP_PLAN,
+        tp_divisors=(Divisor("model.n_head", cfg.n_head, cfg.n_head, "attention heads"),
+                     Divisor("model.d_model", d, 4 * d, "MLP width 4 x d_model"),
+                     Divisor("model.vocab_size", vocab, vocab, "vocabulary rows")),
+        sequence_divisor=Divisor("model.seq_len", t, t, "sequence positions"),
+        embedding_cost=float(d), block_costs=(float(24 * d * d + 4 * t * d),) * cfg.n_layer,
+        head_cost=float(2 * d * vocab + 5 * vocab), flops_per_token=flops_per_token(cfg))
+
+
+def _recognise(model: nn.Module) -> ModelSpec | None:
+    return gpt_spec(model.cfg) if isinstance(model, GPT) else None
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -140,3 +193,6 @@ def flops_per_token(cfg: ModelConfig) -> int:
     matmul_params = num_params(cfg, embeddings=False) + cfg.vocab_size * d
     attention = cfg.n_layer * 2 * 2 * t * d
     return 6 * matmul_params + 3 * attention
+
+
+register_spec(_recognise)

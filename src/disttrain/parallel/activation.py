@@ -57,12 +57,14 @@ def _block_list(model: nn.Module) -> nn.ModuleList | None:
     return next((m for m in model.modules() if isinstance(m, nn.ModuleList)), None)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 1) -> int:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 1, *,
+                                   blocks: nn.ModuleList | None = None) -> int:
     """Wrap blocks in place; returns how many were wrapped. ``mode``: none | full |
-    every_k (blocks 0, k, 2k, ... are checkpointed)."""
+    every_k (blocks 0, k, 2k, ... are checkpointed); ``blocks``: the model's block list
+    (default: its first ``nn.ModuleList``)."""
     if mode == "none":
         return 0
-    blocks = _block_list(model)
+    blocks = blocks if blocks is not None else _block_list(model)
     if blocks is None:
         raise ValueError("activation checkpointing needs the model's blocks in an "
                          "nn.ModuleList")

@@ -8,6 +8,27 @@ the update: gradients are weighted by the tokens each rank processed.
 
 from __future__ import annotations
 
+from ..config.schema import Config
+from ..errors import ConfigError
+from ..topology import Layout
+
+
+def check_balance(config: Config, layout: Layout) -> None:
+    """Dynamic shares need every rank of a pipeline (and of a tp group) to run the same
+    micro-batches, and replicas that meet at every step."""
+    if config.parallel.balance != "dynamic":
+        return
+    if layout.pp > 1 or layout.tp > 1:
+        raise ConfigError("parallel.balance", "dynamic", "is not supported with pp or "
+                          "tp > 1 (every stage and tp shard of a pipeline works on the "
+                          "same micro-batches, so their shares cannot differ)",
+                          "use parallel.balance=static")
+    if config.train.sync != "every_step":
+        raise ConfigError("parallel.balance", "dynamic",
+                          f"is not supported with train.sync={config.train.sync} "
+                          "(replicas train apart between rounds)",
+                          "use parallel.balance=static")
+
 
 def split_evenly(total: int, parts: int) -> list[int]:
     base, extra = divmod(total, parts)
@@ -29,12 +50,29 @@ def split_by_rate(total: int, rates: list[float], minimum: int = 1) -> list[int]
     return [s + minimum for s in shares]
 
 
+def micro_batch_sizes(share: int, micro_batch: int, count: int) -> list[int]:
+    """``share`` samples cut into ``count`` micro-batches of at most ``micro_batch``
+    (as even as possible; empty ones when the share is smaller than the count)."""
+    base, extra = divmod(share, count)
+    sizes = [base + (1 if i < extra else 0) for i in range(count)]
+    if max(sizes) > micro_batch:
+        raise ValueError(f"{share} samples do not fit {count} micro-batches of "
+                         f"{micro_batch}")
+    return sizes
+
+
 class BatchSplitter:
     """Current shares of the global batch; ``update`` re-balances (dynamic only)."""
 
     def __init__(self, global_batch: int, dp: int, dynamic: bool) -> None:
         self.global_batch, self.dp, self.dynamic = global_batch, dp, dynamic
         self.shares = split_evenly(global_batch, dp)
+
+    def micro_batches(self, micro_batch: int) -> int:
+        """Micro-batches every rank runs this step: enough for the largest share, the
+        same on every rank, because sharded strategies issue collectives per
+        micro-batch."""
+        return max(-(-s // micro_batch) for s in self.shares)
 
     def offsets(self) -> list[int]:
         out, acc = [], 0
@@ -43,8 +81,19 @@ class BatchSplitter:
             acc += s
         return out
 
-    def update(self, samples: list[float], busy_s: list[float]) -> None:
+    def update(self, samples: list[float], busy_s: list[float],
+               micro_batch: int | None = None) -> None:
+        """New shares in proportion to each rank's samples per busy second. With
+        ``micro_batch``, every share is at least the number of micro-batches the
+        largest share needs, so no rank has an empty micro-batch."""
         if not self.dynamic or any(t <= 0 for t in busy_s):
             return
-        self.shares = split_by_rate(self.global_batch,
-                                    [n / t for n, t in zip(samples, busy_s)])
+        rates = [n / t for n, t in zip(samples, busy_s)]
+        minimum = 1
+        while True:
+            shares = split_by_rate(self.global_batch, rates, minimum)
+            count = max(-(-s // micro_batch) for s in shares) if micro_batch else 1
+            if min(shares) >= count:
+                break
+            minimum = count
+        self.shares = shares

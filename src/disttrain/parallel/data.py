@@ -30,7 +30,8 @@ from ..monitor.trace import Tracer
 
 
 class DataParallel:
-    """Gradient synchronisation for one model replica over the dp group."""
+    """Gradient synchronisation for one model replica over the dp group; implements
+    :class:`~disttrain.parallel.interfaces.GradSync`."""
 
     def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int,
                  tracer: Tracer | None = None,
@@ -38,6 +39,7 @@ class DataParallel:
                  codec: GradientCodec | None = None) -> None:
         self.model = model
         self.comm = comm
+        self.grad_replicas = comm.size  # every dp rank holds the same reduced gradients
         params = [p for p in model.parameters() if p.requires_grad]
         # Backward visits layers roughly in reverse registration order.
         self.buckets = assign_buckets(list(reversed(params)), bucket_bytes)
@@ -88,11 +90,6 @@ class DataParallel:
                     continue
                 p.grad = view
 
-    def defer_reductions(self) -> None:
-        """From now on hooks only record: :meth:`finish_gradient_sync` reduces every
-        bucket (when gradients must be complete locally before the reduction)."""
-        self._sync = False
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next backward outside reduces the sum."""
@@ -101,6 +98,17 @@ class DataParallel:
             yield
         finally:
             self._sync = previous
+
+    def backward(self, scope: int, last: bool) -> contextlib.AbstractContextManager[None]:
+        """A pipeline chunk's backward: only its last one of the step reduces (the
+        buckets launch in their fixed order as they fill, whatever the schedule)."""
+        return contextlib.nullcontext() if last else self.no_sync()
+
+    def reduce_loss_totals(self, totals: torch.Tensor):
+        return self.comm.all_reduce(totals, async_op=True)
+
+    def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(p, p.grad) for b in self.buckets for p in b.params]
 
     def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         """Wait for all bucket reductions, then multiply the summed gradients by

@@ -1,34 +1,41 @@
-"""Tensor x pipeline parallelism on one model replica: what the trainer needs from them.
+"""Tensor x pipeline parallelism on one model replica, and its gradient side.
 
-:func:`apply_model_parallel` shards the GPT over the ``tp`` axis (by the GPT plan), then
-cuts it into pipeline chunks over the ``pp`` axis, and returns a :class:`ModelParallel`:
-the module this rank trains (its chunks), the loss, the names of its parameters in the
-full model, and the pieces of each parameter's global tensor it holds. Data parallelism
-(or ZeRO) is applied over ``dp`` to ``ModelParallel.module`` afterwards, unchanged.
+:func:`apply_model_parallel` shards a model over the ``tp`` axis (by its spec's plan),
+then cuts it into pipeline chunks over the ``pp`` axis (by its spec's block list), and
+returns a :class:`ModelParallel`: the module this rank trains (its chunks), the loss, and
+the :class:`~.placement.Placement` of its parameters in the full model. Data parallelism
+(or ZeRO) is applied over ``dp`` to ``ModelParallel.module`` afterwards, unchanged, and
+wrapped in :class:`ModelParallelGrads`.
 
-Gradient norm over the whole model: every parameter's squared norm is counted exactly
-once in a sum over all ranks - a tp-replicated parameter weighs 1/tp on each tp rank,
-the last stage's copy of the tied embedding weighs 0, and dp replicas are divided out.
+Gradients: the dp strategy reduces as usual (overlapped with backward); afterwards, on
+whatever gradient data each rank holds (whole gradients, or ZeRO shard pieces, which
+have the same layout on every tp rank and on both holders of a tied weight), the
+partial gradients of sequence parallelism are summed over tp and the tied weight's two
+copies are summed over pp. Both are linear, so this equals doing them before the dp
+reduction. The global norm counts every parameter's squared norm exactly once over all
+ranks: a tp-replicated parameter weighs 1/tp on each tp rank, a tied copy 0, and dp
+replicas are divided out.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..comm import Communicator
 from ..config.schema import ParallelConfig
-from ..models.gpt import GPT
-from ..topology import Topology
+from ..models.spec import ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
+from .interfaces import GradSync, Work
 from .pipeline import (PipelineChunk, Schedule, build_chunks, build_schedule,
-                       chunk_param_names, plan_stages, sync_tied_grads)
+                       chunk_param_names, exchange_tied_grads, plan_stages)
 from .pipeline.stages import StagePlan
+from .placement import Placement
 from .tensor import TensorParallel, apply_tensor_parallel
-from .tensor.layers import Box, whole_box
 
 
 @dataclass
@@ -36,22 +43,18 @@ class ModelParallel:
     """This rank's part of the model under (pp, tp), and how to account for it.
 
     ``module``: what this rank trains (the model itself when pp = 1, else a ModuleList
-    of its chunks). ``names``: id(parameter) -> full-model parameter name.
-    ``tied_copies``: ids of parameters that duplicate one held elsewhere (the last
-    stage's copy of the tied embedding): not saved, not counted in norms.
+    of its chunks); ``placement``: names and boxes of its parameters in the full model.
     """
 
     module: nn.Module
     chunks: list[PipelineChunk]
     tp: TensorParallel | None
-    names: dict[int, str]
-    tied_copies: set[int]
+    placement: Placement
     stages: StagePlan | None
     schedule: Schedule | None
     pp_comm: Communicator
     tp_comm: Communicator
-    dp_size: int
-    _replicated: set[int] = field(default_factory=set)
+    spec: ModelSpec
 
     @property
     def is_last_stage(self) -> bool:
@@ -75,39 +78,21 @@ class ModelParallel:
         for p in self.module.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                yield self.names[id(p)], p
+                yield self.placement.name(p), p
 
-    def boxes(self, name: str, param: torch.Tensor) -> list[Box]:
-        """Where ``param`` (this rank's tensor for ``name``) lies in the global tensor."""
-        return self.tp.boxes(name) if self.tp is not None else whole_box(tuple(param.shape))
-
-    def local_from_global(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return self.tp.local_from_global(name, full) if self.tp is not None else full
-
-    def writes(self, param: nn.Parameter, dp_rank: int) -> bool:
-        """Whether this rank saves ``param``: dp rank 0, tp rank 0 for a tp-replicated
-        parameter, never a tied copy."""
-        if dp_rank != 0 or id(param) in self.tied_copies:
-            return False
-        return id(param) not in self._replicated or self.tp_comm.rank == 0
-
-    def norm_weight(self, param: nn.Parameter) -> float:
-        """The share of ``param``'s squared gradient norm this rank contributes."""
-        if id(param) in self.tied_copies:
-            return 0.0
-        tp = self.tp_comm.size if id(param) in self._replicated else 1
-        return 1.0 / (tp * self.dp_size)
-
-    def finish_backward(self) -> None:
-        """After a step's backward passes, before the dp reduction: partial gradients of
-        sequence-parallel norms summed over tp; the tied weight's two copies summed."""
+    def fix_gradients(self, pieces: dict[int, torch.Tensor]) -> None:
+        """After the dp reduction: ``pieces`` (id(parameter) -> the gradient data this
+        rank holds for it) get sequence parallelism's partial sums over tp and the tied
+        weight's exchange over pp."""
         if self.tp is not None:
-            self.tp.sync_replicated_grads()
-        if self.chunks:
-            sync_tied_grads(self.chunks, self.pp_comm)
+            self.tp.sync_replicated_grads([pieces[id(p)] for p in self.tp.partial_params
+                                           if id(p) in pieces])
+        exchange_tied_grads([(pieces[id(w)], peer) for c in self.chunks
+                             for w, peer in c.tied_weights() if id(w) in pieces],
+                            self.pp_comm)
 
     def describe(self) -> str:
-        """One line: this rank's coordinates, blocks and shards."""
+        """One line: this rank's blocks and shards."""
         parts = []
         if self.stages is not None:
             spans = [f"{self.stages.bounds[c.index]}-{self.stages.bounds[c.index + 1] - 1}"
@@ -121,80 +106,102 @@ class ModelParallel:
         return "; ".join(parts)
 
 
-def apply_model_parallel(model: nn.Module, topology: Topology, parallel: ParallelConfig,
+def apply_model_parallel(model: nn.Module, spec: ModelSpec, parallel: ParallelConfig,
                          pp_comm: Communicator, tp_comm: Communicator, *,
-                         micro_batches: int, starts: list[int] | None = None,
+                         micro_batches: int, cuts: list[int] | None = None,
                          checkpointing: tuple[str, int] = ("none", 1)) -> ModelParallel:
-    """Shard ``model`` (a GPT, identically initialised on every rank) over tp, wrap its
-    blocks for activation checkpointing (``(mode, k)``), cut it over pp for
-    ``parallel.pp_schedule`` with ``micro_batches`` per step."""
-    lay = topology.layout
-    if not isinstance(model, GPT):
-        raise TypeError("parallel.pp and parallel.tp apply to disttrain's GPT (its plan "
-                        f"is known); got {type(model).__name__}")
-    cfg = model.cfg
-    tp = (apply_tensor_parallel(model, tp_comm, sequence_parallel=parallel.sequence_parallel)
-          if lay.tp > 1 else None)
-    apply_activation_checkpointing(model, *checkpointing)  # after tp: the plan sees plain names
+    """Shard ``model`` (identically initialised on every rank) over tp, wrap its blocks
+    for activation checkpointing (``(mode, k)``), cut it over pp for
+    ``parallel.pp_schedule`` with ``micro_batches`` per step (``cuts``: the first block
+    of each chunk after the first; None balances the spec's costs)."""
+    tp = (apply_tensor_parallel(model, tp_comm, spec=spec,
+                                sequence_parallel=parallel.sequence_parallel)
+          if tp_comm.size > 1 else None)
+    # after tp: the plan sees plain names
+    apply_activation_checkpointing(model, *checkpointing, blocks=block_list(model, spec))
     chunks, stages, schedule = [], None, None
     names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
     replicated = set() if tp is None else {id(p) for p in model.parameters()
                                            if not tp.is_sharded(p)}
-    tied: set[int] = set()
+    copies: set[int] = set()
     module: nn.Module = model
-    if lay.pp > 1:
+    if pp_comm.size > 1:
         v = parallel.pp_virtual if parallel.pp_schedule == "interleaved" else 1
-        stages = plan_stages(cfg, pp=lay.pp, v=v, cuts=starts[1:] if starts else None)
-        chunks = build_chunks(model, stages, pp_comm.rank)
-        schedule = build_schedule(parallel.pp_schedule, pp=lay.pp, m=micro_batches, v=v)
+        stages = plan_stages(spec, pp=pp_comm.size, v=v, cuts=cuts)
+        chunks = build_chunks(model, spec, stages, pp_comm.rank)
+        schedule = build_schedule(parallel.pp_schedule, pp=pp_comm.size, m=micro_batches,
+                                  v=v)
         names = {}
         for chunk in chunks:
             full = chunk_param_names(chunk)
             for n, p in chunk.named_parameters():
                 names[id(p)] = canonical_name(full[n])
                 if n in chunk.tied_copies:
-                    tied.add(id(p))
+                    copies.add(id(p))
         module = nn.ModuleList(chunks)
-    return ModelParallel(module=module, chunks=chunks, tp=tp, names=names,
-                         tied_copies=tied, stages=stages, schedule=schedule,
-                         pp_comm=pp_comm, tp_comm=tp_comm, dp_size=lay.dp,
-                         _replicated=replicated)
+    placement = Placement(names=names, copies=copies, tp_replicated=replicated,
+                          tp_rank=tp_comm.rank, tp_size=tp_comm.size,
+                          boxes_fn=(lambda n, p: tp.boxes(n)) if tp else None,
+                          to_local_fn=tp.local_from_global if tp else None)
+    return ModelParallel(module=module, chunks=chunks, tp=tp, placement=placement,
+                         stages=stages, schedule=schedule, pp_comm=pp_comm,
+                         tp_comm=tp_comm, spec=spec)
 
 
-def model_parallel_grad_norm(mp: ModelParallel, dp: object, world: Communicator,
-                             max_norm: float) -> float:
-    """Global gradient norm over every stage, tp shard and dp shard; clip the local
-    gradients (ZeRO: the gradient shards) if ``max_norm > 0``."""
-    sq = torch.zeros(1, dtype=torch.float64)
-    grads = []
-    flats = getattr(dp, "flats", None)
-    if flats is not None:  # ZeRO: distinct slices over dp, so no dp division
-        for f in flats:
-            if f.shard.grad is None:
-                continue
-            grads.append(f.shard.grad)
-            sq += _shard_sq(mp, f, dp.comm.rank) * mp.dp_size
-    else:
-        for _, p in mp.named_parameters():
-            if p.grad is not None:
-                grads.append(p.grad)
-                sq += mp.norm_weight(p) * p.grad.detach().double().pow(2).sum().cpu()
-    world.all_reduce(sq)
-    norm = float(sq.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
+class ModelParallelGrads:
+    """The dp strategy's :class:`~.interfaces.GradSync`, seen through (pp, tp): the same
+    reductions, then the model-parallel fix-ups on the reduced gradients, a global norm
+    over every stage and shard, and the loss totals summed over the world (only the
+    ranks that count the loss contribute)."""
 
+    def __init__(self, inner: GradSync, mp: ModelParallel, world: Communicator) -> None:
+        self.inner, self.mp, self.world = inner, mp, world
+        self.grad_replicas = inner.grad_replicas
 
-def _shard_sq(mp: ModelParallel, flat: object, dp_rank: int) -> torch.Tensor:
-    """Weighted squared norm of one ZeRO flat parameter's gradient shard: each element
-    weighs what its parameter does (tp-replicated, tied copy)."""
-    size = flat.shard.numel()
-    start, grad = dp_rank * size, flat.shard.grad.detach().double()
-    total = torch.zeros(1, dtype=torch.float64)
-    for p, offset in zip(flat.params, flat.offsets):
-        lo, hi = max(offset, start), min(offset + p.numel(), start + size)
-        if lo < hi:
-            total += mp.norm_weight(p) * grad[lo - start:hi - start].pow(2).sum().cpu()
-    return total
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.no_sync()
+
+    def backward(self, scope: int, last: bool) -> contextlib.AbstractContextManager[None]:
+        return self.inner.backward(scope, last)
+
+    def reduce_loss_totals(self, totals: torch.Tensor) -> Work:
+        if not self.mp.counts_loss:
+            totals.zero_()
+        return self.world.all_reduce(totals, async_op=True)
+
+    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+        self.inner.finish_gradient_sync(scale)
+        self.mp.fix_gradients({id(p): g for p, g in self.inner.gradient_pieces()})
+
+    def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return self.inner.gradient_pieces()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm over every stage, tp shard and dp rank; clip the pieces
+        this rank holds if ``max_norm > 0``."""
+        pieces = self.inner.gradient_pieces()
+        sq = torch.zeros(1, dtype=torch.float64)
+        weight = self.mp.placement.norm_weight
+        for p, g in pieces:
+            sq += weight(p) / self.grad_replicas * g.detach().double().pow(2).sum().cpu()
+        self.world.all_reduce(sq)
+        norm = float(sq.sqrt())
+        if max_norm > 0 and norm > max_norm:
+            for _, g in pieces:
+                g.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def after_optimizer_step(self) -> None:
+        self.inner.after_optimizer_step()
+
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return self.inner.model_state_bytes(optimizer)
+
+    def comm_stats(self) -> dict[str, float]:
+        return self.inner.comm_stats()
+
+    def finalize(self) -> None:
+        self.inner.finalize()

@@ -1,4 +1,10 @@
-"""The trainer's side of checkpoints: what to save, when, and resuming from one."""
+"""The trainer's side of checkpoints: what to save, when, and resuming from one.
+
+What this rank saves is whatever its composed training state says it owns
+(:meth:`~disttrain.parallel.interfaces.ShardedState.state_pieces`: boxes of global
+tensors under global names) plus its own RNG streams; loading hands the checkpoint's
+reader to the same state, which cuts out its part whatever layout wrote it.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +14,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..checkpoint.manager import CheckpointManager, find_checkpoint, open_checkpoint
-from ..checkpoint.state import (MODEL, OPTIM, assign_owners, buffer_tensors, model_tensors,
-                                optimizer_tensors, restore_buffers, restore_model,
-                                restore_named, restore_optimizer, restore_rng,
-                                rng_tensors)
-from ..parallel.hybrid import ModelParallel
-from ..parallel.zero import ZeroDataParallel
+from ..checkpoint.state import restore_rng, rng_tensors
 from ..comm import Communicator
 from ..config import Config, RunPlan
 from ..errors import UserError
+from ..parallel.interfaces import ShardedState, StatePiece
 
 
 class RunCheckpoints:
     """Saves every ``checkpoint.every`` steps and at the end; resumes a run directory."""
 
     def __init__(self, run_dir: Path, config: Config, plan: RunPlan, world: Communicator,
-                 model: nn.Module, optimizer: torch.optim.Optimizer,
-                 zero: ZeroDataParallel | None = None, mp: ModelParallel | None = None,
-                 dp_rank: int = 0) -> None:
+                 state: ShardedState, optimizer: torch.optim.Optimizer) -> None:
         self.run_dir, self.config, self.plan = run_dir, config, plan
-        self.world, self.model, self.optimizer = world, model, optimizer
-        self.zero, self.mp, self.dp_rank = zero, mp, dp_rank
+        self.world, self.state, self.optimizer = world, state, optimizer
         ck = config.checkpoint
         self.every = ck.every
         self.manager = CheckpointManager(run_dir, world.rank, world.size, keep=ck.keep,
@@ -55,17 +53,7 @@ class RunCheckpoints:
         if kind == "none":
             return None
         ckpt = open_checkpoint(Path(value))
-        if self.mp is not None:  # any saved layout, cut to this rank's boxes
-            restore_named(ckpt.reader, {MODEL + n: p for n, p in self.mp.named_parameters()},
-                          self.mp.local_from_global)
-            restore_optimizer(ckpt.reader, self.mp.module, self.optimizer, self.mp.names,
-                              self.mp.local_from_global)
-        elif self.zero is not None:
-            self.zero.load_checkpoint(ckpt.reader, self.optimizer)
-            restore_buffers(ckpt.reader, self.model)
-        else:
-            restore_model(ckpt.reader, self.model)
-            restore_optimizer(ckpt.reader, self.model, self.optimizer)
+        self.state.load_state(ckpt.reader, self.optimizer)
         restore_rng(ckpt.reader, self.world.rank)
         saved_world = ckpt.meta.get("world_size")
         say(f"resuming from {Path(value).name}: step {ckpt.step}, sample "
@@ -79,28 +67,13 @@ class RunCheckpoints:
 
     def save(self, step: int, position: int) -> None:
         start = time.perf_counter()
-        parts: dict = {}
-        if self.mp is not None:  # each rank writes the boxes it alone holds
-            mine, parts = model_parallel_pieces(self.mp, self.optimizer, self.dp_rank,
-                                                self.world.rank)
-            shared, owners = {}, {k: self.world.rank for k in mine}
-        elif self.zero is not None:  # every rank writes its shard of each tensor
-            pieces = self.zero.checkpoint_pieces(self.optimizer)
-            mine = {k: v[0] for k, v in pieces.items()}
-            parts = {k: v[1:] for k, v in pieces.items() if v[3] is not None}
-            shared = buffer_tensors(self.model)
-            owners = {n: 0 for n in shared} | {k: self.world.rank for k in mine}
-        else:  # replicated: each tensor written once, by an owner balancing bytes
-            shared = {**model_tensors(self.model),
-                      **optimizer_tensors(self.model, self.optimizer)}
-            mine = {}
-            owners = assign_owners({n: t.numel() * t.element_size()
-                                    for n, t in shared.items()}, self.world.size)
+        tensors, parts, eager = _layout(self.state.state_pieces(self.optimizer),
+                                        self.world.rank)
         own_rng = rng_tensors(self.world.rank)
-        owners.update({n: self.world.rank for n in own_rng})
-        self.manager.save(step, {**shared, **mine, **own_rng}, owners,
-                          self._meta(step, position), parts,
-                          eager=frozenset(buffer_tensors(self.model)))
+        tensors.update(own_rng)
+        owners = dict.fromkeys(tensors, self.world.rank)
+        self.manager.save(step, tensors, owners, self._meta(step, position), parts,
+                          eager=frozenset(eager))
         self.stall_s = time.perf_counter() - start
 
     def before_update(self) -> None:
@@ -120,26 +93,20 @@ class RunCheckpoints:
         self.manager.wait()
 
 
-def model_parallel_pieces(mp: ModelParallel, optimizer: torch.optim.Optimizer,
-                          dp_rank: int, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """The parameter and optimizer-state boxes this rank writes (dp rank 0; tp rank 0
-    for replicated tensors; never the tied copy), keyed uniquely, with their parts."""
+def _layout(pieces: list[StatePiece], rank: int
+            ) -> tuple[dict[str, torch.Tensor], dict[str, tuple], list[str]]:
+    """The manager's view of this rank's pieces: tensors by unique key, the global
+    name / shape / box of each key that is not a whole tensor, and the eager keys."""
     tensors: dict[str, torch.Tensor] = {}
     parts: dict[str, tuple] = {}
-    for name, p in mp.named_parameters():
-        if not mp.writes(p, dp_rank):
-            continue
-        state = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                 for k, v in optimizer.state.get(p, {}).items()}
-        for prefix, t in [(MODEL + name, p), *((f"{OPTIM}{name}/{k}", v)
-                                                for k, v in state.items())]:
-            if t.dim() == 0:  # a scalar (Adam's step): whole, from tp rank 0
-                if mp.tp_comm.rank == 0:
-                    tensors[prefix] = t.detach()
-                continue
-            for i, box in enumerate(mp.boxes(name, p)):
-                key = f"{prefix}#r{rank}.{i}"
-                tensors[key] = t.detach()[box.local_slices()].contiguous()
-                parts[key] = (prefix, box.global_shape,
-                              {"offsets": list(box.global_offsets), "shape": list(box.shape)})
-    return tensors, parts
+    eager = []
+    for piece in pieces:
+        key = piece.name
+        if not piece.is_whole:
+            key = f"{piece.name}#r{rank}@{','.join(map(str, piece.offsets))}"
+            parts[key] = (piece.name, piece.global_shape,
+                          {"offsets": list(piece.offsets), "shape": list(piece.tensor.shape)})
+        tensors[key] = piece.tensor
+        if piece.eager:
+            eager.append(key)
+    return tensors, parts, eager

@@ -19,8 +19,9 @@ from ..config.schema import TrainConfig
 def build_optimizer(model: nn.Module, train: TrainConfig, lr: float,
                     groups: list[dict] | None = None) -> torch.optim.Optimizer:
     """AdamW, SGD, LARS or LAMB. Weight decay applies to matrices (dim >= 2) only, not
-    to biases and norm gains. ``groups`` replaces the model's parameters (ZeRO's shards;
-    validation keeps lars/lamb away from them)."""
+    to biases and norm gains. ``groups`` replaces the model's parameters (the composed
+    state's optimizer groups, e.g. ZeRO's shards; validation keeps lars/lamb away from
+    flat shards)."""
     if groups is None:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2],

@@ -18,12 +18,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..comm import Communicator
+from ..comm import CollectiveLedger, Communicator
 from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
-from ..parallel.data import DataParallel
-from ..parallel.zero import ZeroDataParallel
+from ..parallel.interfaces import GradSync
 from .precision import LossScaler, autocast
 
 LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
@@ -62,11 +61,16 @@ def loss_sum_and_terms(loss_fn: LossFn, outputs: Any, targets: Any
 
 @dataclass
 class StepRunner:
-    """Everything a step needs; ``run`` performs one."""
+    """Everything a plain step needs (no pipeline); ``run`` performs one.
+
+    ``grads``: the composed gradient synchronisation; ``eval_comm``: the group whose
+    ranks evaluate different samples (dp); ``ledger``: where collectives' wait time is
+    counted."""
 
     model: nn.Module
-    dp: DataParallel | ZeroDataParallel
-    comm: Communicator
+    grads: GradSync
+    ledger: CollectiveLedger
+    eval_comm: Communicator
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
     load: Callable[[list[int]], tuple[Any, Any]]
@@ -81,13 +85,19 @@ class StepRunner:
     activation_bytes: int | None = None  # saved for backward, measured on the first pass
     terms_are_samples: bool = False
     grad_norm: float = 0.0
-    local: bool = False  # train.sync other than every_step: no collective in a step
     before_update: Callable[[], Any] = lambda: None  # e.g. an async checkpoint's snapshot
+
+    @classmethod
+    def from_parallel(cls, parallel: Any, **common: Any) -> StepRunner:
+        """The runner for a composition (:class:`~disttrain.parallel.Parallelized`):
+        its module and gradient sync; held-out samples are split over dp."""
+        return cls(model=parallel.module, grads=parallel.grads,
+                   eval_comm=parallel.groups.dp, **common)
 
     def run(self, micro_batches: list[list[int]]) -> StepStats:
         stats = StepStats(samples=sum(len(m) for m in micro_batches))
-        t0, waited0 = time.perf_counter(), self.comm.ledger.wait_seconds
-        self.dp.zero_grad()
+        t0, waited0 = time.perf_counter(), self.ledger.wait_seconds
+        self.grads.zero_grad()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         handle = None
         for i, indices in enumerate(micro_batches):
@@ -96,10 +106,10 @@ class StepRunner:
             with self.tracer.span("data"):
                 inputs, targets = self.load(indices)
             stats.data_s += time.perf_counter() - td
-            with contextlib.nullcontext() if last else self.dp.no_sync():
+            with contextlib.nullcontext() if last else self.grads.no_sync():
                 handle = self._forward_backward(inputs, targets, totals, last)
-        if handle is None and not self.local:  # no samples: still join every collective
-            handle = self.comm.all_reduce(totals, async_op=True)
+        if not micro_batches:  # no samples: still join every collective
+            handle = self.grads.reduce_loss_totals(totals)
         maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
         if handle is not None:
             handle.wait()
@@ -111,18 +121,18 @@ class StepRunner:
         """Finish the gradient reduction scaled by 1 / the global loss-term count, clip,
         take the optimizer step; fill in the step's timings (from ``t0``; ``waited0``:
         the ledger's wait total then) and loss."""
-        self.dp.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
+        self.grads.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
         stats.compute_s = time.perf_counter() - t0 - stats.data_s
         to = time.perf_counter()
         with self.tracer.span("optimizer"):
-            self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
+            self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
             self.before_update()
             if self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
                 self.optimizer.step()
-                self.dp.after_optimizer_step()
+                self.grads.after_optimizer_step()
         stats.optim_s = time.perf_counter() - to
         stats.total_s = time.perf_counter() - t0
-        stats.comm_s = self.comm.ledger.wait_seconds - waited0
+        stats.comm_s = self.ledger.wait_seconds - waited0
         stats.compute_s -= stats.comm_s
         stats.loss, stats.terms = loss / max(count, 1.0), int(count)
         return stats
@@ -131,15 +141,24 @@ class StepRunner:
         """Forward and backward only (an async worker's half of a step; the servers
         own the optimizer): leaves this rank's gradient, normalised by its own loss-term
         count and clipped, in ``.grad``; returns (summed loss, loss terms)."""
-        self.dp.zero_grad()
+        self.grads.zero_grad()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for indices in micro_batches:
             inputs, targets = self.load(indices)
             self._forward_backward(inputs, targets, totals, last=False)
         loss, count = totals.tolist()
-        self.dp.finish_gradient_sync(1.0 / max(count, 1.0))
-        self.grad_norm = self.dp.clip_grad_norm(self.grad_clip)
+        self.grads.finish_gradient_sync(1.0 / max(count, 1.0))
+        self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
         return loss, int(count)
+
+    def eval_totals(self, inputs: Any, targets: Any) -> tuple[float, float]:
+        """(summed loss, loss terms) of one held-out micro-batch on this rank."""
+        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs), targets)
+        return float(loss_sum), float(count)
+
+    def reduce_eval(self, totals: torch.Tensor) -> None:
+        """Sum the held-out totals over the ranks that evaluated different samples."""
+        self.eval_comm.all_reduce(totals)
 
     def _forward_backward(self, inputs: Any, targets: Any, totals: torch.Tensor,
                           last: bool) -> Any:
@@ -156,8 +175,7 @@ class StepRunner:
             totals[0] += loss_sum.detach().double()
             totals[1] += count
             # launched before the last backward, so it overlaps it
-            handle = (self.comm.all_reduce(totals, async_op=True)
-                      if last and not self.local else None)
+            handle = self.grads.reduce_loss_totals(totals) if last else None
             with self.tracer.span("backward"):
                 (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
         if saved is not None:

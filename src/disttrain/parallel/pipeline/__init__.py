@@ -1,7 +1,7 @@
-"""Pipeline parallelism: cut the GPT into chunks, schedule them, run the schedule.
+"""Pipeline parallelism: cut a model (by its spec) into chunks, schedule them, run the schedule.
 
-    plan = plan_stages(cfg.model, pp=2, v=1)                # or cuts=[2] explicitly
-    chunks = build_chunks(model, plan, rank=pp_comm.rank)   # original submodules
+    plan = plan_stages(spec, pp=2, v=1)                     # or cuts=[2] explicitly
+    chunks = build_chunks(model, spec, plan, pp_comm.rank)  # original submodules
     schedule = build_schedule("1f1b", pp=2, m=8)            # pure data, per-rank actions
     result = run_pipeline(chunks, micro_batches, token_loss, pp_comm, schedule,
                           activation_shape=(b, T, d), loss_scale=1 / global_count)
@@ -18,11 +18,12 @@ from .schedules import (BACKWARD, FORWARD, SCHEDULES, Action, Schedule, analytic
                         build_schedule, validate_schedule)
 from .simulate import ScheduleDeadlock, bubble_fractions, check_schedule, simulate
 from .stages import (PipelineChunk, StageCosts, StagePlan, balanced_cuts, build_chunks,
-                     chunk_param_names, estimate_costs, plan_stages, sync_tied_grads)
+                     chunk_param_names, exchange_tied_grads, plan_stages, spec_costs,
+                     sync_tied_grads)
 
 __all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionTiming", "PipelineChunk",
            "PipelineStepResult", "SavedActivationMeter", "Schedule", "ScheduleDeadlock",
            "StageCosts", "StagePlan", "analytic_bubble", "balanced_cuts", "build_chunks",
            "build_schedule", "bubble_fractions", "check_schedule", "chunk_param_names",
-           "estimate_costs", "plan_stages", "run_pipeline", "simulate", "sync_tied_grads",
+           "exchange_tied_grads", "plan_stages", "spec_costs", "run_pipeline", "simulate", "sync_tied_grads",
            "validate_schedule"]

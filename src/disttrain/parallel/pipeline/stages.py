@@ -1,18 +1,20 @@
-"""Cutting the GPT into pipeline chunks.
+"""Cutting a model into pipeline chunks, by its spec.
 
-The model's blocks are split into ``n = pp * v`` contiguous chunks; chunk ``c`` lives on
-pp rank ``c % pp``. Chunk 0 also holds ``tok_emb``, ``pos_emb`` and ``drop``; chunk
-``n - 1`` also holds ``ln_f`` and ``head``. A :class:`PipelineChunk` is built from the
-original model's submodules (the same parameter objects, no copies) and keeps their
-names: its ``named_parameters()`` yields ``blocks.3.mlp.up.weight`` etc.
+The model's blocks (``spec.blocks``) are split into ``n = pp * v`` contiguous chunks;
+chunk ``c`` lives on pp rank ``c % pp``. Chunk 0 also holds the modules that run before
+the blocks (``spec.before``: the embeddings), chunk ``n - 1`` those that run after
+(``spec.after``: final norm, head). A :class:`PipelineChunk` is built from the original
+model's submodules (the same parameter objects, no copies) under the same paths, so its
+``named_parameters()`` keep the model's names (``blocks.3.mlp.up.weight``).
 
-Tied weights: GPT ties ``head.weight`` to ``tok_emb.weight``. With ``pp > 1`` the first
-and last chunks are on different ranks, so the last chunk's ``head`` is a copy of the
-original head holding its own copy of the tied weight (equal at build time). After
-backward, :func:`sync_tied_grads` sums the two copies' gradients between the first and
-the last stage, so both receive the same update and stay equal. The copy's full-model
-name is ``tok_emb.weight`` (see :func:`chunk_param_names`); a checkpoint writer saves it
-from its owner, chunk 0, and skips the names in ``PipelineChunk.tied_copies``.
+Tied weights (``spec.tied``: the GPT ties ``head.weight`` to ``tok_emb.weight``): with
+``pp > 1`` the first and last chunks are on different ranks, so the last chunk holds a
+copy of the module owning the tied copy, with its own copy of the weight (equal at
+build time). After backward the two copies' gradients are summed between the first and
+the last stage (:func:`exchange_tied_grads`), so both receive the same update and stay
+equal. The copy's full-model name is the owner's (see :func:`chunk_param_names`); a
+checkpoint writer saves it from chunk 0 and skips the names in
+``PipelineChunk.tied_copies``.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ...config.schema import ModelConfig
+from ...models.spec import ModelSpec, block_list
 
-TIED_OWNER, TIED_COPY = "tok_emb.weight", "head.weight"
 # Above any tag the runner uses, so the exchange never matches an activation message.
 _TIED_TAG = 1 << 24
 
@@ -61,36 +62,29 @@ class StagePlan:
         return list(range(rank, self.n_chunks, self.pp))
 
 
-def estimate_costs(cfg: ModelConfig) -> StageCosts:
-    """Forward FLOPs per token of each piece (backward is about twice as much for all).
-
-    A block: 2 x 12 d^2 for its matmuls plus 4 T d for attention scores and the
-    weighted sum; the head: 2 d V (plus the loss, a few V); the embedding: lookups and
-    the position add, about d (memory-bound, costed as d).
-    """
-    d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
-    block = 24 * d * d + 4 * t * d
-    return StageCosts(embedding=float(d), blocks=(float(block),) * cfg.n_layer,
-                      head=float(2 * d * vocab + 5 * vocab))
+def spec_costs(spec: ModelSpec) -> StageCosts:
+    """The relative cost of each piece, from the model's spec."""
+    return StageCosts(embedding=spec.embedding_cost, blocks=tuple(spec.block_costs),
+                      head=spec.head_cost)
 
 
-def plan_stages(cfg: ModelConfig, *, pp: int, v: int = 1, cuts: Sequence[int] | None = None,
+def plan_stages(spec: ModelSpec, *, pp: int, v: int = 1, cuts: Sequence[int] | None = None,
                 costs: StageCosts | None = None) -> StagePlan:
-    """Cut ``cfg.n_layer`` blocks into ``pp * v`` chunks.
+    """Cut the spec's ``n_blocks`` blocks into ``pp * v`` chunks.
 
     ``cuts``: the first block of chunks 1 .. n-1 (n - 1 increasing indices in
     1 .. n_layer - 1). Without it, the contiguous partition minimising the largest chunk
-    cost under ``costs`` (default :func:`estimate_costs`), the embedding counted on the
+    cost under ``costs`` (default :func:`spec_costs`), the embedding counted on the
     first chunk and the head on the last.
     """
-    n, layers = pp * v, cfg.n_layer
+    n, layers = pp * v, spec.n_blocks
     if pp < 1 or v < 1:
         raise ValueError(f"pp={pp} and v={v} must both be at least 1")
     if n > layers:
         raise ValueError(f"pp x v = {pp}x{v} = {n} chunks but the model has only "
                          f"n_layer={layers} blocks (each chunk needs one); lower pp or v")
     if cuts is None:
-        cuts = balanced_cuts(costs or estimate_costs(cfg), n)
+        cuts = balanced_cuts(costs or spec_costs(spec), n)
     cuts = list(cuts)
     if len(cuts) != n - 1:
         raise ValueError(f"{n} chunks need {n - 1} cut points, got {len(cuts)}: {cuts}; "
@@ -136,82 +130,118 @@ def balanced_cuts(costs: StageCosts, n_chunks: int) -> list[int]:
 
 
 class PipelineChunk(nn.Module):
-    """Chunk ``index`` of a GPT: blocks ``bounds[index] : bounds[index + 1]``.
+    """Chunk ``index`` of a model: blocks ``bounds[index] : bounds[index + 1]``, plus
+    ``spec.before`` on the first chunk and ``spec.after`` on the last.
 
-    Input: the first chunk takes input_ids [B, T] (long), the others activations
-    [B, T, d]. Output: the last chunk returns logits [B, T, V], the others [B, T, d].
+    Input: the first chunk takes the model's input (e.g. input_ids [B, T]), the others
+    activations [B, T, hidden]. Output: the last chunk returns the model's output (e.g.
+    logits [B, T, V]), the others [B, T, hidden].
     """
 
-    def __init__(self, model: nn.Module, plan: StagePlan, index: int) -> None:
+    def __init__(self, model: nn.Module, spec: ModelSpec, plan: StagePlan,
+                 index: int) -> None:
         super().__init__()
-        self.index = index
+        self.index, self.spec = index, spec
         self.is_first, self.is_last = index == 0, index == plan.n_chunks - 1
         self.tied_copies: tuple[str, ...] = ()
-        self.tie_peer: int | None = None  # pp rank holding the other copy of the tied weight
+        self.tied_pairs: list[tuple[str, int]] = []  # (local name, peer pp rank)
         start, stop = plan.bounds[index], plan.bounds[index + 1]
-        if self.is_first:
-            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        for path in spec.before if self.is_first else ():
+            _attach(self, path, model.get_submodule(path))
+        blocks = block_list(model, spec)
         # Named by the block's index in the full model, so parameter names are kept.
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
-        if self.is_last:
-            self.ln_f = model.ln_f
-            self.head = model.head
-        tied = model.head.weight is model.tok_emb.weight
-        if tied and plan.pp > 1 and (self.is_first or self.is_last):
-            self.tie_peer = plan.rank_of(plan.n_chunks - 1 if self.is_first else 0)
-        if tied and self.is_last and not self.is_first and plan.pp > 1:
-            self.head = copy.deepcopy(model.head)  # own Parameter, same values
-            self.head.weight.grad = None
-            self.tied_copies = (TIED_COPY,)
+        _attach(self, spec.blocks, nn.ModuleDict({str(i): blocks[i]
+                                                  for i in range(start, stop)}))
+        for path in spec.after if self.is_last else ():
+            _attach(self, path, model.get_submodule(path))
+        split = plan.pp > 1 and not (self.is_first and self.is_last)
+        for owner, copy_name in spec.tied if split else ():
+            if model.get_parameter(owner) is not model.get_parameter(copy_name):
+                continue
+            if self.is_first:
+                self.tied_pairs.append((owner, plan.rank_of(plan.n_chunks - 1)))
+            elif self.is_last:  # own module and Parameter, same values
+                holder = copy_name.rpartition(".")[0]
+                _attach(self, holder, copy.deepcopy(model.get_submodule(holder)))
+                self.get_parameter(copy_name).grad = None
+                self.tied_copies += (copy_name,)
+                self.tied_pairs.append((copy_name, plan.rank_of(0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
-        for block in self.blocks.values():
+            x = self.spec.embed(self, x)
+        for block in self.get_submodule(self.spec.blocks).values():
             x = block(x)
         if self.is_last:
-            x = self.head(self.ln_f(x))
+            x = self.spec.finish(self, x)
         return x
 
-    def tied_weight(self) -> nn.Parameter | None:
-        """This chunk's copy of the tied embedding/head weight, if another stage holds
-        the other copy."""
-        if self.tie_peer is None:
-            return None
-        return self.tok_emb.weight if self.is_first else self.head.weight
+    @property
+    def tie_peer(self) -> int | None:
+        """The pp rank holding the other copy of this chunk's tied weight, if any."""
+        return self.tied_pairs[0][1] if self.tied_pairs else None
+
+    def tied_weights(self) -> list[tuple[nn.Parameter, int]]:
+        """This chunk's copies of tied weights whose other copy lives on another pp
+        rank, with that rank."""
+        return [(self.get_parameter(name), peer) for name, peer in self.tied_pairs]
 
 
-def build_chunks(model: nn.Module, plan: StagePlan, rank: int) -> list[PipelineChunk]:
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Set ``module`` at dotted ``path`` under ``root``, creating plain holder modules
+    for the intermediate names (so parameter names match the full model's)."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        if name not in node._modules:
+            node.add_module(name, nn.Module())
+        node = node._modules[name]
+    node.add_module(leaf, module)
+
+
+def build_chunks(model: nn.Module, spec: ModelSpec, plan: StagePlan,
+                 rank: int) -> list[PipelineChunk]:
     """The chunks living on pp rank ``rank`` (global indices ``plan.chunks_of(rank)``)."""
-    if len(model.blocks) != plan.bounds[-1]:
+    if not spec.can_pipeline:
+        raise ValueError("this model's spec does not say how to cut it (blocks, before/"
+                         "after modules, embed/finish); pass a ModelSpec that does")
+    blocks = block_list(model, spec)
+    if len(blocks) != plan.bounds[-1]:
         raise ValueError(f"the plan cuts {plan.bounds[-1]} blocks but the model has "
-                         f"{len(model.blocks)}; plan with the model's own config")
-    return [PipelineChunk(model, plan, c) for c in plan.chunks_of(rank)]
+                         f"{len(blocks)}; plan with the model's own spec")
+    return [PipelineChunk(model, spec, plan, c) for c in plan.chunks_of(rank)]
 
 
 def chunk_param_names(chunk: PipelineChunk) -> dict[str, str]:
     """Parameter name in ``chunk`` -> the full model's parameter name (identical except
-    the tied copy ``head.weight`` -> ``tok_emb.weight``)."""
-    return {name: (TIED_OWNER if name in chunk.tied_copies else name)
+    a tied copy, which is named after its owner)."""
+    owners = {c: o for o, c in chunk.spec.tied}
+    return {name: (owners[name] if name in chunk.tied_copies else name)
             for name, _ in chunk.named_parameters()}
 
 
-def sync_tied_grads(chunks: Sequence[PipelineChunk], comm: Communicator) -> None:
-    """Sum the tied weight's gradient [V, d] between its two copies (first stage's
-    ``tok_emb.weight``, last stage's ``head.weight``) after backward, over the pp group
-    ``comm``: each side sends its gradient and adds the other's, so both end bitwise
-    equal. Other ranks, and pp = 1 (one shared parameter), do nothing. Call it on every
-    pp rank, after the pipeline's backward and before the optimizer step."""
-    for chunk in chunks:
-        weight = chunk.tied_weight()
-        if weight is None:
-            continue
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        mine, theirs = weight.grad.detach().clone(), torch.empty_like(weight.grad)
-        works = [comm.isend(mine, chunk.tie_peer, _TIED_TAG),
-                 comm.irecv(theirs, chunk.tie_peer, _TIED_TAG)]
+def exchange_tied_grads(pairs: Sequence[tuple[torch.Tensor, int]],
+                        comm: Communicator) -> None:
+    """Sum each tied weight's gradient (or this rank's piece of it) with the peer
+    holding the other copy, over the pp group ``comm``: each side sends its gradient
+    and adds the other's, so both end bitwise equal. ``pairs``: (gradient tensor, peer
+    pp rank); both sides must pass pieces of the same shape in the same order."""
+    for grad, peer in pairs:
+        mine, theirs = grad.detach().clone(), torch.empty_like(grad)
+        works = [comm.isend(mine, peer, _TIED_TAG), comm.irecv(theirs, peer, _TIED_TAG)]
         for work in works:
             work.wait()
-        weight.grad.add_(theirs)
+        grad.add_(theirs)
+
+
+def sync_tied_grads(chunks: Sequence[PipelineChunk], comm: Communicator) -> None:
+    """:func:`exchange_tied_grads` on the chunks' own ``.grad`` (a missing gradient
+    counts as zero). Call it on every pp rank, after the pipeline's backward and before
+    the optimizer step; pp = 1 (one shared parameter) does nothing."""
+    pairs = []
+    for chunk in chunks:
+        for weight, peer in chunk.tied_weights():
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            pairs.append((weight.grad, peer))
+    exchange_tied_grads(pairs, comm)

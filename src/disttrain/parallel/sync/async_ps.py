@@ -112,7 +112,7 @@ class AsyncParameterServer(SyncStrategy):
     the trainer's step loop."""
 
     name = "async"
-    local_gradients = True
+    runs_own_loop = True
 
     def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
                  staleness_bound: int, accumulate: int = 0) -> None:

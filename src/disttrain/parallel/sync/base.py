@@ -4,7 +4,7 @@ flat parameter vectors.
 A mode is a :class:`SyncStrategy`; the trainer calls it at fixed points of its loop:
 
 - :meth:`SyncStrategy.select` - which dataset indices this rank trains on in a step
-  (fedavg swaps in its client's partition, or none when the client sits out a round);
+  (fedavg swaps in its client's partition, or None when the client sits out a round);
 - :meth:`SyncStrategy.after_step` - after every optimizer step (rounds end here);
 - :meth:`SyncStrategy.at_boundary` - whether replicas agree now (checkpoints wait for it);
 - :meth:`SyncStrategy.metrics` - fields added to metrics records and the summary.
@@ -30,11 +30,11 @@ class SyncStrategy:
     """``every_step``: today's per-step gradient all-reduce; every hook is a no-op."""
 
     name = "every_step"
-    local_gradients = False  # steps use this rank's own gradient, unreduced
+    runs_own_loop = False  # the parameter server replaces the step loop with its own
 
-    def select(self, step: int, indices: list[int]) -> list[int]:
+    def select(self, step: int, indices: list[int]) -> list[int] | None:
         """This rank's dataset indices for 0-based ``step`` (default: its share of the
-        global batch from the global-order sampler)."""
+        global batch from the global-order sampler); None when it sits the step out."""
         return indices
 
     def after_step(self, done: int, last: bool) -> None:
@@ -52,8 +52,6 @@ class PeriodicSync(SyncStrategy):
     """A mode whose replicas train apart and are reconciled every ``every`` steps and
     after the last one (:meth:`_round`); checkpoints are taken only right after a round,
     when the replicas agree."""
-
-    local_gradients = True
 
     def __init__(self, model: nn.Module, comm: Communicator, every: int) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -84,6 +82,8 @@ class LocalGradients:
     Parameters and buffers are broadcast from dp rank 0 once, so replicas start equal.
     """
 
+    grad_replicas = 1  # each rank's own gradient: its norm is local
+
     def __init__(self, model: nn.Module, comm: Communicator, broadcast: bool = True) -> None:
         self.model, self.comm = model, comm
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -95,6 +95,19 @@ class LocalGradients:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield
+
+    def backward(self, scope: int, last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def reduce_loss_totals(self, totals: torch.Tensor) -> None:
+        """Nothing: each rank normalises by its own loss terms."""
+        return None
+
+    def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(p, p.grad) for p in self.params if p.grad is not None]
+
+    def comm_stats(self) -> dict[str, float]:
+        return {}
 
     def zero_grad(self) -> None:
         for p in self.params:

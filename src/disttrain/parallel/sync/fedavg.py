@@ -69,11 +69,11 @@ class FedAvg(PeriodicSync):
     def chosen(self, step: int) -> list[int]:
         return choose_clients(self.seed, step // self.every, self.clients, self.fraction)
 
-    def select(self, step: int, indices: list[int]) -> list[int]:
-        """``len(indices)`` samples of this client's partition, or none when it sits
+    def select(self, step: int, indices: list[int]) -> list[int] | None:
+        """``len(indices)`` samples of this client's partition, or None when it sits
         this round out."""
         if self.client not in self.chosen(step):
-            return []
+            return None
         local = self.order.indices(self.local_position, len(indices))
         self.local_position += len(indices)
         self.round_samples += len(local)

@@ -6,7 +6,6 @@ model's modules and the :class:`TensorParallel` handle the trainer and checkpoin
 """
 
 from .apply import (
-    GPT_PLAN,
     STYLES,
     TensorParallel,
     TensorParallelLayoutError,
@@ -32,7 +31,7 @@ from .layers import (
 )
 
 __all__ = [
-    "GPT_PLAN", "STYLES", "Box", "ColumnParallelLinear", "RowParallelLinear",
+    "STYLES", "Box", "ColumnParallelLinear", "RowParallelLinear",
     "TensorParallel", "TensorParallelLayoutError", "VocabParallelEmbedding",
     "VocabParallelHead", "apply_tensor_parallel", "check_divisible", "copy_to_tp_region",
     "gather_from_sequence_region", "gather_from_tp_region", "reduce_from_tp_region",

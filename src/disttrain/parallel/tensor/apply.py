@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ...config.schema import ModelConfig
 from ...errors import ConfigError
+from ...models.spec import ModelSpec, spec_for
 from .functions import scatter_to_sequence_region, vocab_parallel_token_loss
 from .layers import (
     Box,
@@ -45,19 +45,6 @@ from .layers import (
     whole_box,
 )
 
-GPT_PLAN: dict[str, str] = {
-    "tok_emb": "vocab",
-    "drop": "split_sequence",
-    "blocks.*.ln1": "sequence",
-    "blocks.*.attn.qkv": "colwise_qkv",
-    "blocks.*.attn.out": "rowwise",
-    "blocks.*.ln2": "sequence",
-    "blocks.*.mlp.up": "colwise",
-    "blocks.*.mlp.down": "rowwise",
-    "ln_f": "sequence",
-    "head": "vocab_head",
-}
-
 _SWAPPED = ("colwise", "colwise_qkv", "rowwise", "vocab", "vocab_head")
 STYLES = (*_SWAPPED, "sequence", "split_sequence")
 
@@ -66,22 +53,20 @@ class TensorParallelLayoutError(ConfigError, ValueError):
     """The model cannot be split over this many tp ranks."""
 
 
-def check_divisible(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+def check_divisible(spec: ModelSpec, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raise :class:`TensorParallelLayoutError` (a ValueError) naming the first model
-    field that tp does not divide: heads, MLP width, vocabulary (and sequence length
+    dimension in ``spec.tp_divisors`` that tp does not divide (and the sequence length
     under sequence parallelism)."""
-    fields = [("model.n_head", cfg.n_head, cfg.n_head, "attention heads"),
-              ("model.d_model", cfg.d_model, 4 * cfg.d_model, "MLP width 4 x d_model"),
-              ("model.vocab_size", cfg.vocab_size, cfg.vocab_size, "vocabulary rows")]
-    if sequence_parallel:
-        fields.append(("model.seq_len", cfg.seq_len, cfg.seq_len, "sequence positions"))
-    for name, value, split, what in fields:
-        if split % tp:
-            ok = [k for k in range(1, split + 1) if split % k == 0 and k <= 64]
+    divisors = list(spec.tp_divisors)
+    if sequence_parallel and spec.sequence_divisor is not None:
+        divisors.append(spec.sequence_divisor)
+    for d in divisors:
+        if d.split % tp:
+            ok = [k for k in range(1, d.split + 1) if d.split % k == 0 and k <= 64]
             raise TensorParallelLayoutError(
-                name, value, f"the {what} ({split}) cannot be split over tp={tp} ranks",
-                f"use a parallel.tp that divides {split} (one of {ok}) or change "
-                f"{name} so that tp={tp} divides the {what}")
+                d.field, d.value, f"the {d.what} ({d.split}) cannot be split over tp={tp} "
+                f"ranks", f"use a parallel.tp that divides {d.split} (one of {ok}) or "
+                f"change {d.field} so that tp={tp} divides the {d.what}")
 
 
 class TensorParallel:
@@ -128,9 +113,17 @@ class TensorParallel:
         be summed over tp); False for a replicated one (count it once)."""
         return id(param) in self._sharded
 
-    def sync_replicated_grads(self) -> None:
-        """Sum over tp the gradients that are partial per rank; call once after the
-        backward passes of a step, before clipping and the optimizer step.
+    @property
+    def partial_params(self) -> list[nn.Parameter]:
+        """Replicated parameters whose gradients are partial sums per tp rank (sequence
+        parallelism's norms and row-parallel biases)."""
+        return list(self._partial)
+
+    def sync_replicated_grads(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Sum over tp the gradients that are partial per rank (``grads``: their data
+        this rank holds, e.g. ZeRO shard pieces; default: the partial parameters'
+        ``.grad``); call once after the backward passes of a step, before clipping and
+        the optimizer step. Every tp rank must pass pieces of the same shapes.
 
         Without sequence parallelism this is a no-op: every replicated parameter (norms,
         row-parallel biases, position embedding) sees the full activations and the full
@@ -139,7 +132,8 @@ class TensorParallel:
         Under sequence parallelism the norms and row-parallel biases see only this
         rank's positions, so each rank holds a partial sum.
         """
-        grads = [p.grad for p in self._partial if p.grad is not None]
+        if grads is None:
+            grads = [p.grad for p in self._partial if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all
@@ -151,15 +145,18 @@ class TensorParallel:
 
 
 def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
-                          plan: dict[str, str] | None = None,
+                          spec: ModelSpec | None = None, plan: dict[str, str] | None = None,
                           sequence_parallel: bool = False) -> TensorParallel:
     """Shard ``model`` in place over the tp group of ``comm`` following ``plan``
-    (default :data:`GPT_PLAN`); every tp rank must pass an identically initialised
-    model. Returns the :class:`TensorParallel` handle."""
-    plan = dict(GPT_PLAN if plan is None else plan)
-    cfg = getattr(model, "cfg", None)
-    if isinstance(cfg, ModelConfig):
-        check_divisible(cfg, comm.size, sequence_parallel=sequence_parallel)
+    (default: the spec's ``tp_plan``; the spec defaults to
+    :func:`~disttrain.models.spec.spec_for` the model); every tp rank must pass an
+    identically initialised model. Returns the :class:`TensorParallel` handle."""
+    spec = spec or spec_for(model)
+    if plan is None and spec.tp_plan is None:
+        raise ValueError(f"no tensor-parallel plan for a {type(model).__name__}: pass "
+                         "plan= (module-name pattern -> style)")
+    plan = dict(spec.tp_plan if plan is None else plan)
+    check_divisible(spec, comm.size, sequence_parallel=sequence_parallel)
     targets = _match(model, plan)
     _check_ties(model, targets)
     if sequence_parallel and "split_sequence" not in plan.values():

@@ -1,0 +1,114 @@
+"""What the parallel strategies need to know about a model, handed to them as data.
+
+A :class:`ModelSpec` describes an unchanged ``nn.Module``: where its repeated blocks
+are, what runs before and after them (so a pipeline can cut it), how to split its
+matrices over tensor-parallel ranks (a plan: module-name pattern -> style), which
+weights are tied, what limits the tensor-parallel degree, and the relative cost of
+each piece. The strategies in :mod:`disttrain.parallel` read only this; nothing there
+knows a model class. The built-in GPT ships its spec (:func:`disttrain.models.gpt.gpt_spec`);
+:func:`spec_for` recognises it, and any other model gets :func:`generic_spec`
+(its first ``nn.ModuleList`` as the blocks, no plan, no pipeline cut).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# (module holding the named submodules, its input) -> its output
+Piece = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Divisor:
+    """A model dimension that the tensor-parallel degree must divide.
+
+    ``field`` / ``value``: the config key and its value, for the error message;
+    ``split``: the size that is cut into tp shards (e.g. 4 x d_model for the MLP)."""
+
+    field: str
+    value: int
+    split: int
+    what: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model's structure as the strategies see it.
+
+    ``blocks``: dotted path of the ``nn.ModuleList`` of repeated blocks (None: no
+    block list). ``before`` / ``after``: dotted paths of the modules the forward pass
+    runs before the blocks (embeddings) and after them (final norm, head); with
+    ``embed`` and ``finish`` they let a pipeline cut the model: ``embed(m, inputs)``
+    and ``finish(m, hidden)`` are called on a module that holds those submodules under
+    the same paths. ``hidden_size``: the last dimension of the activations between
+    blocks. ``tied``: (owner, copy) parameter names of tied weights.
+    ``tp_plan``: module-name pattern -> tensor-parallel style. ``tp_divisors``: the
+    dimensions tp must divide. ``embedding_cost`` / ``block_costs`` / ``head_cost``:
+    relative forward cost per token of each piece (any unit), for balanced pipeline
+    cuts. ``flops_per_token``: training FLOPs per token (None: counted at run time).
+    """
+
+    blocks: str | None
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    embed: Piece | None = None
+    finish: Piece | None = None
+    hidden_size: int = 0
+    tied: tuple[tuple[str, str], ...] = ()
+    tp_plan: Mapping[str, str] | None = None
+    tp_divisors: tuple[Divisor, ...] = ()
+    embedding_cost: float = 0.0
+    block_costs: tuple[float, ...] = ()
+    head_cost: float = 0.0
+    flops_per_token: int | None = None
+    sequence_divisor: Divisor | None = field(default=None)
+
+    @property
+    def can_pipeline(self) -> bool:
+        return (self.blocks is not None and self.embed is not None
+                and self.finish is not None and self.hidden_size > 0)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_costs)
+
+
+def block_list(model: nn.Module, spec: ModelSpec) -> nn.ModuleList | None:
+    """The model's block list named by ``spec`` (None when it has none)."""
+    if spec.blocks is None:
+        return None
+    blocks = model.get_submodule(spec.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(f"spec.blocks={spec.blocks!r} is a {type(blocks).__name__}, "
+                        "not an nn.ModuleList")
+    return blocks
+
+
+def generic_spec(model: nn.Module) -> ModelSpec:
+    """Any model: its first ``nn.ModuleList`` is the block list (for ZeRO's units and
+    activation checkpointing); no tensor plan and no pipeline cut."""
+    name = next((n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)),
+                None)
+    blocks = model.get_submodule(name) if name is not None else None
+    return ModelSpec(blocks=name, block_costs=(1.0,) * (len(blocks) if blocks else 0))
+
+
+_RECOGNISERS: list[Callable[[nn.Module], ModelSpec | None]] = []
+
+
+def register_spec(recognise: Callable[[nn.Module], ModelSpec | None]) -> None:
+    """Add a function that returns a model's spec, or None if it does not know it."""
+    _RECOGNISERS.append(recognise)
+
+
+def spec_for(model: nn.Module) -> ModelSpec:
+    """The spec of the first recogniser that knows ``model``, else :func:`generic_spec`."""
+    for recognise in _RECOGNISERS:
+        spec = recognise(model)
+        if spec is not None:
+            return spec
+    return generic_spec(model)

@@ -1,0 +1,156 @@
+"""The composition step: one rank's part of the model and its training state.
+
+:func:`compose` turns (model, its spec, the topology, each strategy's config slice) into
+a :class:`Parallelized`: the module this rank runs, its :class:`~.interfaces.GradSync`
+and :class:`~.interfaces.ShardedState`, the synchronisation between steps, and the kind
+of step it needs. In order, over an unchanged model:
+
+1. tensor and pipeline parallelism (:func:`~.hybrid.apply_model_parallel`) when
+   pp or tp > 1, else activation checkpointing on the whole model;
+2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
+   the dp group, on whatever step 1 left this rank (blocks grouped per pipeline chunk);
+3. under pp / tp its gradient side seen through :class:`~.hybrid.ModelParallelGrads`;
+4. the sync mode ``train.sync`` (:func:`~.sync.build_sync`).
+
+The training loop uses only the result's interfaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.codecs import build_codec
+from ..comm.collectives import Communicator
+from ..config.schema import Config
+from ..models.spec import ModelSpec, block_list
+from ..topology import Topology
+from .activation import apply_activation_checkpointing, canonical_name
+from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
+from .interfaces import GradSync, ShardedState
+from .pipeline.check import pipeline_cuts
+from .placement import Placement, tensor_pieces, whole_model_placement
+from .registry import StrategyContext, get_strategy
+from .sync import SyncStrategy, build_sync
+from .zero import Unit, build_units
+
+PLAIN, PIPELINE, PARAMETER_SERVER = "plain", "pipeline", "parameter_server"
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The communicators a composition uses: the world and one per mesh axis."""
+
+    world: Communicator
+    dp: Communicator
+    pp: Communicator
+    tp: Communicator
+
+
+@dataclass
+class Parallelized:
+    """This rank's part of the model and its training state, composed.
+
+    ``module``: what this rank runs (the model, or a ModuleList of its pipeline chunks);
+    ``grads`` / ``state``: the declared interfaces the loop uses; ``sync``: what happens
+    between steps (``train.sync``); ``step``: the kind of step (:data:`PLAIN`,
+    :data:`PIPELINE`, :data:`PARAMETER_SERVER`); ``mp``: the pipeline / tensor layout
+    (None when pp = tp = 1); ``strategy``: the data-parallel strategy's name;
+    ``loss_fn``: the loss the module's outputs need instead of the user's (the
+    vocabulary-parallel loss on tp-sharded logits), or None.
+    """
+
+    module: nn.Module
+    grads: GradSync
+    state: ShardedState
+    sync: SyncStrategy
+    step: str
+    mp: ModelParallel | None
+    placement: Placement
+    strategy: str
+    groups: Groups
+    zero_stage: int = 0
+    loss_fn: Callable[[Any, Any], Any] | None = None  # what the module's outputs need
+
+    def describe(self) -> str:
+        """This rank's part, in one line (for the start-up banner)."""
+        stage = f" (ZeRO-{self.zero_stage})" if self.zero_stage else ""
+        layout = self.mp.describe() if self.mp is not None else ""
+        return f"{self.strategy}{stage}" + (f"; {layout}" if layout else "")
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded model's parameters and buffers on global rank 0 (None
+        elsewhere), after ``grads.finalize()``. Without pp / tp every rank holds them;
+        otherwise each dp-rank-0 rank sends the boxes it saves (one gather of small
+        objects: meant for final weights, not for models too large for one host)."""
+        world = self.groups.world
+        if self.mp is None:
+            return dict(self.module.state_dict()) if world.rank == 0 else None
+        mine = []
+        if self.groups.dp.rank == 0:
+            for name, p in self.mp.named_parameters():
+                if self.placement.writes(p):
+                    mine += [(name, g.global_shape, g.offsets, g.tensor.detach().cpu().clone())
+                             for g in tensor_pieces(self.placement.boxes(name, p), p)]
+        everyone = world.all_gather_object(mine)
+        if world.rank != 0:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for pieces in everyone:
+            for name, shape, offsets, t in pieces:
+                out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
+                out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+        return full
+
+
+def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,
+            groups: Groups, *, micro_batches: int, num_samples: int,
+            tracer: object | None = None) -> Parallelized:
+    """Apply every strategy ``config`` selects to ``model`` for this rank (see the
+    module docstring); ``micro_batches``: per step and dp rank (the pipeline's m);
+    ``num_samples``: the training set's size (federated partitions)."""
+    train, par = config.train, config.parallel
+    checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
+    lay = topology.layout
+    mp = None
+    if lay.pp > 1 or lay.tp > 1:
+        mp = apply_model_parallel(model, spec, par, groups.pp, groups.tp,
+                                  micro_batches=micro_batches,
+                                  cuts=pipeline_cuts(par, spec),
+                                  checkpointing=checkpointing)
+        module, placement = mp.module, mp.placement
+    else:
+        apply_activation_checkpointing(model, *checkpointing, blocks=block_list(model, spec))
+        module, placement = model, whole_model_placement(model, canonical_name)
+    strategy = get_strategy(config)
+    grads, state = strategy.build(StrategyContext(
+        module=module, placement=placement, units=_units(model, spec, mp),
+        dp_comm=groups.dp, parallel=par, comm=config.comm, seed=train.seed,
+        tracer=tracer))
+    if mp is not None:
+        grads = ModelParallelGrads(grads, mp, groups.world)
+    sync = build_sync(train, model, groups.dp, num_samples,
+                      build_codec(config.comm, train.seed) if train.sync in
+                      ("local_sgd", "diloco") else None)
+    step = (PARAMETER_SERVER if sync.runs_own_loop
+            else PIPELINE if mp is not None and mp.chunks else PLAIN)
+    return Parallelized(module=module, grads=grads, state=state, sync=sync, step=step,
+                        mp=mp, placement=placement, strategy=strategy.name, groups=groups,
+                        zero_stage=lay.zero,
+                        loss_fn=mp.tp.loss_fn if mp is not None and mp.tp else None)
+
+
+def _units(model: nn.Module, spec: ModelSpec, mp: ModelParallel | None) -> list[Unit]:
+    """Parameters grouped for sharding: per pipeline chunk (a backward scope each), its
+    blocks then the rest; a tied weight whose copies live on two stages gets a unit of
+    its own, so both copies are sharded alike."""
+    if mp is None or not mp.chunks:
+        blocks = block_list(model, spec)
+        return build_units([(0, model, list(blocks) if blocks is not None else [])])
+    scopes = [(c.index, c, list(c.get_submodule(spec.blocks).values())) for c in mp.chunks]
+    tied = {id(w) for c in mp.chunks for w, _ in c.tied_weights()}
+    return build_units(scopes, separate=tied)

@@ -1,0 +1,68 @@
+"""The pipeline's compatibility check (run by validation before any process group)
+and ``parallel.pp_split`` read as cut points."""
+
+from __future__ import annotations
+
+from ...config.schema import Config, ParallelConfig
+from ...errors import ConfigError
+from ...models.spec import ModelSpec
+from ...topology import Layout
+from .schedules import validate_schedule
+
+
+def virtual_stages(parallel: ParallelConfig) -> int:
+    """Model chunks per pipeline rank: ``pp_virtual`` for the interleaved schedule, else 1."""
+    return parallel.pp_virtual if parallel.pp_schedule == "interleaved" else 1
+
+
+def check_pipeline(config: Config, layout: Layout, micro_batches: int,
+                   spec: ModelSpec) -> None:
+    """Refuse, with the fix, a pipeline the schedule or the model cannot run."""
+    if layout.pp == 1:
+        return
+    p = config.parallel
+    if not spec.can_pipeline:
+        raise ConfigError("parallel.pp", layout.pp, "this model cannot be cut into "
+                          "pipeline stages (its spec names no block list and no "
+                          "embed / finish pieces)", "pass a ModelSpec that does, or "
+                          "set parallel.pp=1")
+    v = virtual_stages(p)
+    try:
+        validate_schedule(p.pp_schedule, layout.pp, micro_batches, v, spec.n_blocks)
+    except ValueError as exc:
+        field, value = "parallel.pp_schedule", p.pp_schedule
+        if "micro-batches" in str(exc):
+            field, value = "train.grad_accum", micro_batches
+        elif "v >=" in str(exc):
+            field, value = "parallel.pp_virtual", p.pp_virtual
+        problem, _, fix = str(exc).partition("; ")
+        raise ConfigError(field, value, problem, f"{fix or 'see the schedule'}; the "
+                          "micro-batches per step are train.grad_accum, v is "
+                          "parallel.pp_virtual") from None
+    pipeline_starts(p.pp_split, layout.pp * v, spec.n_blocks)
+
+
+def pipeline_starts(split: str, chunks: int, n_layer: int) -> list[int] | None:
+    """``parallel.pp_split`` as the first block of each chunk, or None for auto."""
+    if split.strip() == "auto":
+        return None
+    try:
+        starts = [int(x) for x in split.split(",")]
+    except ValueError:
+        raise ConfigError("parallel.pp_split", split, "is neither 'auto' nor a list of "
+                          "block indices", "write e.g. '0,2' or 'auto'") from None
+    ok = (len(starts) == chunks and starts[0] == 0 and all(a < b for a, b in
+          zip(starts, starts[1:])) and starts[-1] < n_layer)
+    if not ok:
+        even = ",".join(str(i * n_layer // chunks) for i in range(chunks))
+        raise ConfigError("parallel.pp_split", split, f"needs {chunks} increasing block "
+                          f"indices starting at 0 and below n_layer={n_layer}",
+                          f"e.g. '{even}', or 'auto'")
+    return starts
+
+
+def pipeline_cuts(parallel: ParallelConfig, spec: ModelSpec) -> list[int] | None:
+    """The first block of every chunk after the first, or None to balance costs."""
+    starts = pipeline_starts(parallel.pp_split, parallel.pp * virtual_stages(parallel),
+                             spec.n_blocks)
+    return starts[1:] if starts else None

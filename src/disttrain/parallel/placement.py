@@ -1,0 +1,148 @@
+"""Where this rank's parameters sit in the global model, and pieces of global tensors.
+
+A :class:`Placement` answers, for every parameter this rank holds: its name in the full
+model, the boxes placing its local tensor in the global one (tensor parallelism), whether
+it is a copy of a weight saved elsewhere (a tied weight's second copy in a pipeline) or
+identical on every tp rank (written by tp rank 0 only), and the share of its squared
+gradient norm this rank contributes. The whole model on one rank is the trivial case.
+
+:func:`range_pieces` cuts a flat range of a local tensor into boxes of the global tensor,
+so a ZeRO shard (a flat range) of a tensor-parallel shard (a box) is still a set of boxes
+that any layout can load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .tensor.layers import Box, whole_box
+
+BoxesFn = Callable[[str, torch.Tensor], list[Box]]
+
+
+@dataclass(frozen=True)
+class GlobalPiece:
+    """A box of a global tensor held by this rank: ``tensor`` is its data (a view)."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclass
+class Placement:
+    """How the parameters this rank holds map to the full model's.
+
+    ``names``: id(parameter) -> full-model name. ``copies``: ids of parameters that
+    duplicate one saved by another rank (never saved, weight 0 in norms).
+    ``tp_replicated``: ids identical on every tp rank (saved by tp rank 0 only, weight
+    1/tp in norms). ``boxes`` / ``to_local``: tensor parallelism's boxes per name and
+    the cut of a global tensor to this rank's local one (identity without tp).
+    """
+
+    names: dict[int, str]
+    copies: set[int] = field(default_factory=set)
+    tp_replicated: set[int] = field(default_factory=set)
+    tp_rank: int = 0
+    tp_size: int = 1
+    boxes_fn: BoxesFn | None = None
+    to_local_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+
+    def name(self, param: torch.Tensor) -> str:
+        return self.names[id(param)]
+
+    def boxes(self, name: str, param: torch.Tensor) -> list[Box]:
+        """Where ``param`` (this rank's tensor for ``name``) lies in the global tensor."""
+        if self.boxes_fn is None:
+            return whole_box(tuple(param.shape))
+        return self.boxes_fn(name, param)
+
+    def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor for ``name``, cut from the global ``full``."""
+        return full if self.to_local_fn is None else self.to_local_fn(name, full)
+
+    def writes(self, param: torch.Tensor) -> bool:
+        """Whether this rank (among the ranks holding ``param``'s data, before any data
+        parallelism) saves it: never a copy; a tp-replicated one on tp rank 0 only."""
+        if id(param) in self.copies:
+            return False
+        return id(param) not in self.tp_replicated or self.tp_rank == 0
+
+    def norm_weight(self, param: torch.Tensor) -> float:
+        """The share of ``param``'s squared gradient norm this rank contributes (before
+        dividing out data-parallel replicas)."""
+        if id(param) in self.copies:
+            return 0.0
+        return 1.0 / self.tp_size if id(param) in self.tp_replicated else 1.0
+
+
+def whole_model_placement(module: nn.Module,
+                          canonical: Callable[[str], str] = lambda n: n) -> Placement:
+    """The trivial placement: this rank holds every parameter of ``module`` whole."""
+    return Placement(names={id(p): canonical(n) for n, p in module.named_parameters()})
+
+
+def range_boxes(shape: tuple[int, ...], start: int, stop: int
+                ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Boxes (offsets, sizes, flat start) covering elements ``[start, stop)`` of the
+    row-major flattening of a tensor of ``shape``; each box is contiguous in that
+    flattening (at most 2 x ndim - 1 of them)."""
+    if start >= stop:
+        return
+    if len(shape) <= 1:
+        yield (start,), (stop - start,), start
+        return
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    row, col = divmod(start, inner)
+    last_row, last_col = divmod(stop, inner)
+    if row == last_row:  # inside one row: recurse into it
+        for offs, sizes, flat in range_boxes(shape[1:], col, last_col):
+            yield (row, *offs), (1, *sizes), row * inner + flat
+        return
+    if col:
+        yield from range_boxes(shape, start, (row + 1) * inner)
+        row += 1
+    if last_row > row:
+        yield (row, *(0,) * (len(shape) - 1)), (last_row - row, *shape[1:]), row * inner
+    if last_col:
+        yield from range_boxes(shape, last_row * inner, stop)
+
+
+def range_pieces(boxes: list[Box], local_shape: tuple[int, ...], start: int, stop: int,
+                 data: torch.Tensor) -> list[GlobalPiece]:
+    """The global boxes of elements ``[start, stop)`` of a local tensor of
+    ``local_shape`` whose boxes are ``boxes``; ``data`` [stop - start] holds those
+    elements (e.g. a slice of a ZeRO shard)."""
+    out = []
+    for offs, sizes, flat in range_boxes(tuple(local_shape), start, stop):
+        segment = data[flat - start:flat - start + _numel(sizes)].view(sizes)
+        for b in boxes:
+            lo = [max(o, bo) for o, bo in zip(offs, b.local_offsets)]
+            hi = [min(o + s, bo + bs) for o, s, bo, bs in
+                  zip(offs, sizes, b.local_offsets, b.shape)]
+            if any(a >= z for a, z in zip(lo, hi)):
+                continue
+            view = segment[tuple(slice(a - o, z - o) for a, z, o in zip(lo, hi, offs))]
+            glob = tuple(g + a - lo_b for g, a, lo_b in
+                         zip(b.global_offsets, lo, b.local_offsets))
+            out.append(GlobalPiece(b.global_shape, glob, view))
+    return out
+
+
+def tensor_pieces(boxes: list[Box], tensor: torch.Tensor) -> list[GlobalPiece]:
+    """A whole local tensor as pieces of its global tensor (one per box)."""
+    return [GlobalPiece(b.global_shape, b.global_offsets, tensor[b.local_slices()])
+            for b in boxes]
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n

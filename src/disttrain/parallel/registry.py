@@ -1,0 +1,166 @@
+"""Data-parallel strategies by name: how replicas share gradients and training state.
+
+A strategy is registered once, here or by user code, with its builder and its
+compatibility check; ``parallel.strategy`` selects it (``auto``: ``zero`` when
+``parallel.zero > 0``, ``local`` when ``train.sync`` is not ``every_step``, else
+``ddp``). The builder gets a :class:`StrategyContext` and returns the
+:class:`~.interfaces.GradSync` and :class:`~.interfaces.ShardedState` of this rank; the
+check gets the whole config and the resolved layout before any process group exists
+and raises :class:`~disttrain.errors.ConfigError` with the fix.
+
+    register_strategy("mine", build=lambda ctx: (MyGrads(ctx), MyState(ctx)))
+    Trainer(model, data, loss, {"parallel": {"strategy": "mine"}}).fit()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.codecs import build_codec
+from ..comm.collectives import Communicator
+from ..config.schema import CommConfig, Config, ParallelConfig
+from ..errors import ConfigError
+from ..names import SYNC_EVERY_STEP
+from ..topology import Layout
+from .data import DataParallel
+from .interfaces import GradSync, ShardedState
+from .placement import Placement
+from .replicated import ReplicatedState
+from .sync.base import LocalGradients
+from .zero import Unit, ZeroDataParallel
+
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyContext:
+    """What a data-parallel strategy is built from.
+
+    ``module``: this rank's part of the model (the model, or its pipeline chunks);
+    ``placement``: its parameters' names and boxes in the full model; ``units``: its
+    parameters grouped per block and per backward scope (for sharding);
+    ``dp_comm``: the dp group; ``parallel`` / ``comm``: its config sections;
+    ``seed``: for codecs that sample; ``tracer``: a span recorder (or None).
+    """
+
+    module: nn.Module
+    placement: Placement
+    units: list[Unit]
+    dp_comm: Communicator
+    parallel: ParallelConfig
+    comm: CommConfig
+    seed: int = 0
+    tracer: object | None = None
+
+
+Build = Callable[[StrategyContext], tuple[GradSync, ShardedState]]
+Check = Callable[[Config, Layout], None]
+
+
+def _no_check(config: Config, layout: Layout) -> None:
+    """No constraints beyond the layout's."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    build: Build
+    check: Check = _no_check
+
+
+_STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, build: Build, check: Check = _no_check) -> None:
+    """Make ``parallel.strategy = name`` build this rank's gradient sync and state with
+    ``build``; ``check`` refuses configurations it cannot train, before launch."""
+    _STRATEGIES[name] = Strategy(name, build, check)
+
+
+def strategy_names() -> list[str]:
+    return sorted(_STRATEGIES)
+
+
+def selected_strategy(config: Config) -> str:
+    """The strategy name ``parallel.strategy`` resolves to."""
+    name = config.parallel.strategy
+    if name != "auto":
+        return name
+    if config.parallel.zero:
+        return "zero"
+    return "ddp" if config.train.sync == SYNC_EVERY_STEP else "local"
+
+
+def get_strategy(config: Config) -> Strategy:
+    name = selected_strategy(config)
+    if name not in _STRATEGIES:
+        raise ConfigError("parallel.strategy", name, "is not a registered strategy",
+                          f"use auto or one of {', '.join(strategy_names())} (or call "
+                          "disttrain.parallel.register_strategy first)")
+    return _STRATEGIES[name]
+
+
+# --------------------------------------------------------------------- built-ins
+def _build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
+    grads = DataParallel(ctx.module, ctx.dp_comm, int(ctx.parallel.bucket_mb * 2**20),
+                         tracer=ctx.tracer,
+                         reduce_dtype=WIRE_DTYPES[ctx.parallel.grad_reduce_dtype],
+                         codec=build_codec(ctx.comm, ctx.seed))
+    grads.broadcast_parameters()
+    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
+                                  ctx.dp_comm.size)
+
+
+def _build_zero(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
+    wire = WIRE_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
+    zero = ZeroDataParallel(ctx.units, ctx.dp_comm, ctx.parallel.zero, ctx.placement, wire)
+    zero.broadcast_parameters()
+    return zero, zero
+
+
+def _build_local(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
+    grads = LocalGradients(ctx.module, ctx.dp_comm)
+    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
+                                  ctx.dp_comm.size)
+
+
+def _check_zero(config: Config, layout: Layout) -> None:
+    """ZeRO shards flat buffers: codecs other than casts and layer-wise optimizers need
+    whole per-parameter gradients; a stage must be chosen."""
+    codec, p, opt = config.comm.codec, config.parallel, config.train.optimizer
+    if not p.zero:
+        raise ConfigError("parallel.strategy", "zero", "needs a ZeRO stage",
+                          "set parallel.zero=1, 2 or 3")
+    if codec not in ("none", "fp16", "bf16"):
+        raise ConfigError("comm.codec", codec, f"is not supported with parallel.zero="
+                          f"{p.zero} (ZeRO reduce-scatters flat shards; only the fp16/bf16 "
+                          "casts apply to a reduce-scatter)",
+                          "use comm.codec=fp16 or bf16 with ZeRO, or parallel.zero=0 for "
+                          f"{codec}")
+    if opt in ("lars", "lamb"):
+        raise ConfigError("train.optimizer", opt, f"is not supported with parallel.zero="
+                          f"{p.zero} (the trust ratio needs each layer's whole weight, ZeRO "
+                          "holds flat shards)", "use parallel.zero=0 with lars/lamb, or "
+                          "train.optimizer=adamw/sgd with ZeRO")
+
+
+def _check_replica(name: str, wants_local: bool) -> Check:
+    def check(config: Config, layout: Layout) -> None:
+        if config.parallel.zero:
+            raise ConfigError("parallel.zero", config.parallel.zero,
+                              f"shards the state, which parallel.strategy={name} keeps "
+                              "whole", "set parallel.strategy=auto or zero")
+        if (config.train.sync != SYNC_EVERY_STEP) != wants_local:
+            raise ConfigError("parallel.strategy", name,
+                              f"does not fit train.sync={config.train.sync}",
+                              "set parallel.strategy=auto")
+    return check
+
+
+register_strategy("ddp", _build_ddp, _check_replica("ddp", wants_local=False))
+register_strategy("zero", _build_zero, _check_zero)
+register_strategy("local", _build_local, _check_replica("local", wants_local=True))

@@ -1,0 +1,92 @@
+"""The training state of replicas: whole parameters (or tp boxes), their optimizer state
+and the persistent buffers, held identically by every dp rank.
+
+Each tensor is saved once: the dp ranks split the tensors between them by size
+(:func:`~disttrain.checkpoint.state.assign_owners`, the same choice on every rank);
+among tp ranks a replicated tensor is written by tp rank 0, and a tied weight's
+second copy (pipelines) by nobody. Loading takes any layout's checkpoint and cuts this
+rank's part out of each global tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checkpoint.state import (MODEL, OPTIM, assign_owners, restore_named,
+                                restore_optimizer)
+from .activation import canonical_name
+from .interfaces import StatePiece, TensorSource
+from .placement import Placement, tensor_pieces
+
+
+class ReplicatedState:
+    """:class:`~disttrain.parallel.interfaces.ShardedState` of a replica: ``module`` is
+    this rank's part of the model, ``placement`` its names and boxes; ``dp_rank`` of
+    ``dp_size`` replicas."""
+
+    def __init__(self, module: nn.Module, placement: Placement, dp_rank: int = 0,
+                 dp_size: int = 1) -> None:
+        self.module, self.placement = module, placement
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    def _parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        out = []
+        for p in self.module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((self.placement.name(p), p))
+        return out
+
+    def state_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
+        candidates: list[StatePiece] = []
+        for name, p in self._parameters():
+            if not self.placement.writes(p):
+                continue
+            boxes = self.placement.boxes(name, p)
+            tensors = [(MODEL + name, p.detach())]
+            for key, value in optimizer.state.get(p, {}).items():
+                t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                if t.dim() == 0:  # a scalar (Adam's step): once, from tp rank 0
+                    if self.placement.tp_rank == 0:
+                        candidates.append(StatePiece(f"{OPTIM}{name}/{key}", t.detach(),
+                                                     (), ()))
+                else:
+                    tensors.append((f"{OPTIM}{name}/{key}", t.detach()))
+            for full, t in tensors:
+                candidates += [StatePiece(full, g.tensor, g.global_shape, g.offsets)
+                               for g in tensor_pieces(boxes, t)]
+        if self.placement.tp_rank == 0:
+            candidates += [StatePiece(MODEL + n, b.detach(), tuple(b.shape),
+                                      (0,) * b.dim(), eager=True)
+                           for n, b in self.buffers().items()]
+        return self._mine(candidates)
+
+    def _mine(self, pieces: list[StatePiece]) -> list[StatePiece]:
+        """The pieces this dp rank writes (all replicas hold the same list)."""
+        sizes = {_key(p): p.tensor.numel() * p.tensor.element_size() for p in pieces}
+        owners = assign_owners(sizes, self.dp_size)
+        return [p for p in pieces if owners[_key(p)] == self.dp_rank]
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent buffers by their full-model name (a chunk keeps the model's paths)."""
+        persistent = set(self.module.state_dict().keys())
+        return {canonical_name(n): b for n, b in self.module.named_buffers()
+                if canonical_name(n) in persistent}
+
+    def load_state(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
+        params = {MODEL + n: p for n, p in self._parameters()}
+        restore_named(source, params, self.placement.to_local)
+        restore_named(source, {MODEL + n: b for n, b in self.buffers().items()})
+        restore_optimizer(source, self.module, optimizer, self.placement.names,
+                          self.placement.to_local)
+
+
+def _key(p: StatePiece) -> str:
+    return f"{p.name}@{','.join(map(str, p.offsets))}"

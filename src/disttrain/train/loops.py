@@ -1,0 +1,93 @@
+"""The training loops: a step at a time, or the parameter server's own loop.
+
+The composition says which one a run needs (``Parallelized.step``); both implement
+:class:`TrainingLoop` and report a :class:`LoopResult`, from which the trainer writes
+the summary. Each calls back into the trainer for what every run shares (evaluation,
+the progress line, metrics records, checkpoints).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..faults import maybe_fail
+from ..monitor.stats import StatsWindow, StepStats
+from .optim import lr_at
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+@dataclass
+class LoopResult:
+    initial_eval: float | None
+    final_eval: float | None
+    totals: StatsWindow
+    final_loss: float
+    wall_time: float
+
+
+class TrainingLoop(Protocol):
+    def run(self, trainer: Trainer) -> LoopResult: ...
+
+
+class StepLoop:
+    """``train.steps`` optimizer steps from ``trainer.start_step``; evaluation,
+    checkpoints and metrics records at their cadences."""
+
+    def run(self, trainer: Trainer) -> LoopResult:
+        train = trainer.config.train
+        start = time.perf_counter()
+        initial_eval = trainer.evaluate()
+        trainer.bar.message(trainer.banner(initial_eval))
+        totals = StatsWindow()
+        recent: deque[float] = deque(maxlen=10)
+        last_eval = initial_eval
+        for step in range(trainer.start_step, train.steps):
+            stats = trainer.train_step(step)
+            totals.add(stats)
+            if stats.terms:  # a fedavg client that sat the step out has no loss
+                recent.append(stats.loss)
+            done = step + 1
+            evaluate_now = train.eval_every and done % train.eval_every == 0
+            if evaluate_now or done == train.steps:
+                last_eval = trainer.evaluate()
+            trainer.maybe_checkpoint(done)
+            maybe_fail("train.step", trainer.rank, done)
+            if done % train.log_every == 0 or done == train.steps or evaluate_now:
+                trainer.log(done, last_eval if evaluate_now or done == train.steps
+                            else None)
+        final_loss = sum(recent) / len(recent) if recent else float("nan")
+        return LoopResult(initial_eval, last_eval, totals, final_loss,
+                          time.perf_counter() - start)
+
+
+class ParameterServerLoop:
+    """``train.sync=async``: parameter servers and workers run the server's loop
+    (:meth:`~disttrain.parallel.sync.AsyncParameterServer.run`); no checkpoints."""
+
+    def run(self, trainer: Trainer) -> LoopResult:
+        train, b = trainer.config.train, trainer.plan.batch
+        start = time.perf_counter()
+        initial_eval = trainer.evaluate()
+        trainer.bar.message(trainer.banner(initial_eval))
+        result = trainer.parallel.sync.run(
+            optimizer=trainer.optimizer, steps=train.steps, sampler=trainer.sampler,
+            per_worker=b.global_batch // b.dp, micro_batch=b.micro_batch,
+            compute=trainer.stepper.gradients,
+            lr_at=lambda s: lr_at(s, train, trainer.plan.lr),
+            log=lambda record: self._log(trainer, record), log_every=train.log_every)
+        trainer.position = result["samples"]
+        totals = StatsWindow()
+        totals.add(StepStats(terms=result["terms"], total_s=result["loop_s"]))
+        final_eval = trainer.evaluate()
+        return LoopResult(initial_eval, final_eval, totals, result["train_loss"],
+                          time.perf_counter() - start)
+
+    @staticmethod
+    def _log(trainer: Trainer, record: dict[str, Any]) -> None:
+        trainer.bar.update(record["step"], record["loss"], 0.0)
+        trainer.telemetry.writer.write(record)

@@ -1,0 +1,40 @@
+"""The whole-config validation, before any process group exists.
+
+:func:`resolve` turns a :class:`~disttrain.config.Config`, the world size and the
+model's spec into a :class:`~disttrain.config.validate.RunPlan` (the layout, the batch
+triple with its third member derived, the learning rate), asking each part that has
+constraints: the config's own sections, then every strategy the config selects, each
+through the check that lives beside it. It sits above both ``config`` and ``parallel``
+(the launcher and the Trainer call it), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from .config.layout import resolve_layout
+from .config.schema import Config
+from .config.validate import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
+                              scaled_lr)
+from .models.gpt import gpt_spec
+from .models.spec import ModelSpec
+from .parallel.balance import check_balance
+from .parallel.pipeline.check import check_pipeline
+from .parallel.registry import get_strategy
+from .parallel.sync.check import check_sync
+from .parallel.tensor.check import check_tensor
+
+
+def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> RunPlan:
+    """Validate the whole config for a job of ``world_size`` ranks training a model with
+    ``spec`` (default: the built-in GPT of ``config.model``); raises ConfigError (one
+    line: the field, the value, the fix)."""
+    check_sections(config)
+    spec = spec or gpt_spec(config.model)
+    p = config.parallel
+    layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
+    check_sync(config, layout)
+    get_strategy(config).check(config, layout)
+    check_balance(config, layout)
+    batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
+    check_tensor(config, layout, spec)
+    check_pipeline(config, layout, batch.grad_accum, spec)
+    return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))

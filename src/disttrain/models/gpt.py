@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.schema import ModelConfig
-
-IGNORE_INDEX = -1
+from ..targets import IGNORE_INDEX
 
 
 class CausalSelfAttention(nn.Module):

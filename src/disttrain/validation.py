@@ -15,7 +15,7 @@ from .config.schema import Config
 from .config.validate import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
                               scaled_lr)
 from .models.gpt import gpt_spec
-from .models.spec import ModelSpec
+from .spec import ModelSpec
 from .parallel.balance import check_balance
 from .parallel.pipeline.check import check_pipeline
 from .parallel.registry import get_strategy

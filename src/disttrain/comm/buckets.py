@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..monitor.trace import Tracer, now_us
 from .codecs import GradientCodec
 from .collectives import Communicator
+from .spans import SpanRecorder, now_us
 
 
 @dataclass
@@ -83,7 +83,7 @@ class BucketReducer:
     """
 
     def __init__(self, buckets: list[GradBucket], comm: Communicator,
-                 tracer: Tracer | None = None,
+                 tracer: SpanRecorder | None = None,
                  reduce_dtype: torch.dtype = torch.float32,
                  codec: GradientCodec | None = None) -> None:
         self.buckets = buckets

@@ -2,7 +2,7 @@
 
 from .gpt import (GPT, GPT_TP_PLAN, IGNORE_INDEX, flops_per_token, gpt_spec, num_params,
                   token_loss)
-from .spec import Divisor, ModelSpec, generic_spec, register_spec, spec_for
+from ..spec import Divisor, ModelSpec, generic_spec, register_spec, spec_for
 
 __all__ = ["GPT", "GPT_TP_PLAN", "IGNORE_INDEX", "Divisor", "ModelSpec", "flops_per_token",
            "generic_spec", "gpt_spec", "num_params", "register_spec", "spec_for",

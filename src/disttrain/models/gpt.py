@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.schema import ModelConfig
-from .spec import Divisor, ModelSpec, register_spec
-
-IGNORE_INDEX = -1
+from ..targets import IGNORE_INDEX
+from ..spec import Divisor, ModelSpec, register_spec
 
 
 class CausalSelfAttention(nn.Module):

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..comm.spans import now_us
 
 LANES = {"main": 0, "comm": 1, "checkpoint": 2, "pipeline": 3}
 
 
-def now_us() -> float:
-    return time.time_ns() / 1000.0
-
-
 class Tracer:
-    """Records spans when ``enabled``; otherwise every call is a cheap no-op."""
+    """Records spans when ``enabled``; otherwise every call is a cheap no-op.
+
+    Satisfies :class:`disttrain.comm.spans.SpanRecorder`, so comm can record its
+    collectives here without importing monitor.
+    """
 
     def __init__(self, enabled: bool, rank: int) -> None:
         self.enabled, self.rank = enabled, rank

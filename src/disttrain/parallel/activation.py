@@ -17,13 +17,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-WRAPPED = "checkpointed"
-_SEGMENT = f".{WRAPPED}."
-
-
-def canonical_name(name: str) -> str:
-    """``blocks.0.checkpointed.mlp.up.weight`` -> ``blocks.0.mlp.up.weight``."""
-    return name.replace(_SEGMENT, ".")
+# the rule lives below checkpoint/, which needs it too; re-exported for this module's users
+from ..naming import WRAPPED
+from ..naming import canonical_name as canonical_name
 
 
 class CheckpointedBlock(nn.Module):

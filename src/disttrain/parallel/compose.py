@@ -27,7 +27,7 @@ from torch import nn
 from ..comm.codecs import build_codec
 from ..comm.collectives import Communicator
 from ..config.schema import Config
-from ..models.spec import ModelSpec, block_list
+from ..spec import ModelSpec, block_list
 from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..comm import Communicator
 from ..config.schema import ParallelConfig
-from ..models.spec import ModelSpec, block_list
+from ..spec import ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
 from .interfaces import GradSync, Work
 from .pipeline import (PipelineChunk, Schedule, build_chunks, build_schedule,

@@ -31,7 +31,7 @@ from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
 from ..data.sampler import GlobalOrderSampler, eval_indices
-from ..models.spec import ModelSpec, spec_for
+from ..spec import ModelSpec, spec_for
 from ..monitor import MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
 from ..monitor.metrics import truncate_metrics
@@ -71,7 +71,7 @@ class Trainer:
     """Trains ``model`` on ``dataset`` with the strategies the config selects.
 
     The config is validated when the Trainer is made, before any process group, against
-    the model's ``spec`` (default: :func:`~disttrain.models.spec.spec_for` the model);
+    the model's ``spec`` (default: :func:`~disttrain.spec.spec_for` the model);
     the process group (if none exists yet) is created by :meth:`fit` from the
     environment that ``disttrain run`` / torchrun set, or as a world of one.
     """

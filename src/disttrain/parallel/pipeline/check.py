@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
-from ...models.spec import ModelSpec
+from ...spec import ModelSpec
 from ...topology import Layout
 from .schedules import validate_schedule
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ...models.spec import ModelSpec, block_list
+from ...spec import ModelSpec, block_list
 
 # Above any tag the runner uses, so the exchange never matches an activation message.
 _TIED_TAG = 1 << 24

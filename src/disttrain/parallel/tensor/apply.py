@@ -33,7 +33,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...errors import ConfigError
-from ...models.spec import ModelSpec, spec_for
+from ...spec import ModelSpec, spec_for
 from .functions import scatter_to_sequence_region, vocab_parallel_token_loss
 from .layers import (
     Box,
@@ -149,7 +149,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
                           sequence_parallel: bool = False) -> TensorParallel:
     """Shard ``model`` in place over the tp group of ``comm`` following ``plan``
     (default: the spec's ``tp_plan``; the spec defaults to
-    :func:`~disttrain.models.spec.spec_for` the model); every tp rank must pass an
+    :func:`~disttrain.spec.spec_for` the model); every tp rank must pass an
     identically initialised model. Returns the :class:`TensorParallel` handle."""
     spec = spec or spec_for(model)
     if plan is None and spec.tp_plan is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...config.schema import Config
 from ...errors import ConfigError
-from ...models.spec import ModelSpec
+from ...spec import ModelSpec
 from ...topology import Layout
 from .apply import check_divisible
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...comm.collectives import Communicator, ReduceOp
-from ...models.gpt import IGNORE_INDEX
+from ...targets import IGNORE_INDEX
 
 SEQ_DIM = 1
 

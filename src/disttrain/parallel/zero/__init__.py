@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ...models.spec import generic_spec
+from ...spec import generic_spec
 from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement
 from .flat import FlatParam, Unit, build_units, flatten_unit, free

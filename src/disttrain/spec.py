@@ -1,5 +1,8 @@
 """What the parallel strategies need to know about a model, handed to them as data.
 
+This module sits below both :mod:`disttrain.models` (which ship specs) and
+:mod:`disttrain.parallel` (which read them), and imports neither.
+
 A :class:`ModelSpec` describes an unchanged ``nn.Module``: where its repeated blocks
 are, what runs before and after them (so a pipeline can cut it), how to split its
 matrices over tensor-parallel ranks (a plan: module-name pattern -> style), which

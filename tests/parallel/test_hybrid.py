@@ -2,10 +2,19 @@
 
 Every layout of the issue, with each pipeline schedule that applies, trains the tiny GPT
 (4 blocks) for 10 steps and must end with the final weights of the one-process run on
-the same global batch (fp32, atol 1e-4); the layouts with dp = 2 also run under ZeRO-1
-(and (2, 1, 2) under ZeRO-2 and 3).
+the same global batch (fp32, atol 1e-4); the layouts with dp = 2 also run under ZeRO-1,
+(2, 1, 2) under ZeRO-2 and 3 (also with sequence parallelism), (2, 2, 1) under ZeRO-2
+and 3 with every schedule, and (2, 2, 2) under ZeRO-2 and 3 with 1F1B.
 The runs of one world size share one spawn (a new DeviceMesh per run). A checkpoint
-saved at (2, 2, 1) resumes at (1, 1, 4) and at (1, 1, 1) on the same trajectory.
+saved at (2, 2, 1) resumes at (1, 1, 4) and at (1, 1, 1) on the same trajectory; a
+ZeRO-3 one saved at (2, 2, 1) resumes at (1, 1, 4), at (2, 1, 1) under ZeRO-1 and on
+one rank unsharded.
+
+atol 1e-4: the layouts sum the same terms in other orders (micro-batches, tp shards,
+reduce-scatter vs all-reduce), so fp32 rounding differs by ~1e-7 per step; AdamW's
+normalised steps of lr 3e-3 keep that far below 1e-4 over 10 steps, while a wrong
+gradient (a missing micro-batch, a tied weight not summed, a shard reduced twice)
+moves weights by 1e-3 or more.
 """
 
 from __future__ import annotations
@@ -80,12 +89,19 @@ def _cases(world: int) -> list[tuple]:
             for zero in (0, 1) if layout[0] > 1 else (0,):
                 name = "x".join(map(str, layout)) + f"-{schedule}-z{zero}"
                 out.append((name, layout, schedule, zero, None))
-    if world == 4:  # ZeRO-2/3 under tensor parallelism (refused with a pipeline)
+    if world == 4:  # ZeRO-2/3 under tensor parallelism and under every schedule
         out += [(f"2x1x2-None-z{z}", (2, 1, 2), None, z, None) for z in (2, 3)]
+        out += [(f"2x2x1-{s}-z{z}", (2, 2, 1), s, z, None)
+                for s in ("gpipe", "1f1b", "interleaved") for z in (2, 3)]
+        # sequence parallelism's partial gradients summed on ZeRO-2 shards
+        out.append(("2x1x2-sp-z2", (2, 1, 2), None, 2,
+                    {"parallel": {"sequence_parallel": True}}))
         # sequence parallelism and activation checkpointing inside a pipeline
         out.append(("1x2x2-sp-ac", (1, 2, 2), "1f1b", 0,
                     {"parallel": {"sequence_parallel": True},
                      "train": {"activation_checkpointing": "full"}}))
+    if world == 8:
+        out += [(f"2x2x2-1f1b-z{z}", (2, 2, 2), "1f1b", z, None) for z in (2, 3)]
     return out
 
 
@@ -125,6 +141,24 @@ def test_checkpoint_from_dp2_pp2_resumes_at_tp4_and_one_rank(reference, tmp_path
         shutil.copytree(saved, run_dir)
         run_distributed(_resume_at, world, args=(str(run_dir), layout), timeout=180)
         _assert_close(_weights(run_dir), reference, 1e-4, f"resumed at {layout}")
+
+
+def _resume_zero(run_dir: str, layout: tuple[int, int, int], zero: int) -> None:
+    _fit(run_dir, layout=layout, zero=zero, checkpoint={"every": 5, "async": False})
+
+
+def test_zero3_checkpoint_from_dp2_pp2_resumes_in_any_layout_and_stage(reference, tmp_path):
+    """The ZeRO-3 shards of a pipeline are pieces of the global tensors: they load at
+    (1, 1, 4), at (2, 1, 1) under ZeRO-1 and on one rank without ZeRO."""
+    saved = tmp_path / "saved"
+    run_distributed(_fit, 4, args=(str(saved),), timeout=180,
+                    kwargs={"layout": (2, 2, 1), "schedule": "1f1b", "zero": 3,
+                            "steps": 5, "checkpoint": {"every": 5, "async": False}})
+    for world, layout, zero in ((4, (1, 1, 4), 0), (2, (2, 1, 1), 1), (1, (1, 1, 1), 0)):
+        run_dir = tmp_path / f"resumed-{world}-z{zero}"
+        shutil.copytree(saved, run_dir)
+        run_distributed(_resume_zero, world, args=(str(run_dir), layout, zero), timeout=180)
+        _assert_close(_weights(run_dir), reference, 1e-4, f"resumed at {layout} z{zero}")
 
 
 @pytest.mark.parametrize("parallel, train, field", [

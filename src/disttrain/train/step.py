@@ -120,20 +120,21 @@ class StepRunner:
                          count: float) -> StepStats:
         """Finish the gradient reduction scaled by 1 / the global loss-term count, clip,
         take the optimizer step; fill in the step's timings (from ``t0``; ``waited0``:
-        the ledger's wait total then) and loss."""
+        the ledger's wait total then) and loss. Time blocked in collectives is
+        ``comm_s``, taken out of the phase it fell in (compute or optimizer): a rank
+        waiting for a slower one in the norm's all-reduce is not busy."""
         self.grads.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
-        stats.compute_s = time.perf_counter() - t0 - stats.data_s
-        to = time.perf_counter()
+        to, waited_mid = time.perf_counter(), self.ledger.wait_seconds
+        stats.compute_s = to - t0 - stats.data_s - (waited_mid - waited0)
         with self.tracer.span("optimizer"):
             self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
             self.before_update()
             if self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
                 self.optimizer.step()
                 self.grads.after_optimizer_step()
-        stats.optim_s = time.perf_counter() - to
+        stats.optim_s = time.perf_counter() - to - (self.ledger.wait_seconds - waited_mid)
         stats.total_s = time.perf_counter() - t0
         stats.comm_s = self.ledger.wait_seconds - waited0
-        stats.compute_s -= stats.comm_s
         stats.loss, stats.terms = loss / max(count, 1.0), int(count)
         return stats
 

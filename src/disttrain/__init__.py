@@ -9,9 +9,10 @@ Launch on N local processes with ``disttrain run --nproc N script.py`` (or torch
 
 from .config import Config, load_config
 from .errors import ConfigError, UserError
+from .spec import ModelSpec
 from .train import Trainer, train_default
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "Trainer", "UserError", "load_config", "train_default",
-           "__version__"]
+__all__ = ["Config", "ConfigError", "ModelSpec", "Trainer", "UserError", "load_config",
+           "train_default", "__version__"]

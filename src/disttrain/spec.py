@@ -16,7 +16,7 @@ knows a model class. The built-in GPT ships its spec (:func:`disttrain.models.gp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -50,7 +50,8 @@ class ModelSpec:
     the same paths. ``hidden_size``: the last dimension of the activations between
     blocks. ``tied``: (owner, copy) parameter names of tied weights.
     ``tp_plan``: module-name pattern -> tensor-parallel style. ``tp_divisors``: the
-    dimensions tp must divide. ``embedding_cost`` / ``block_costs`` / ``head_cost``:
+    dimensions tp must divide. ``tp_head_attrs``: integer attributes of a fused qkv
+    projection's parent that count heads (each tp rank then holds 1/tp of them). ``embedding_cost`` / ``block_costs`` / ``head_cost``:
     relative forward cost per token of each piece (any unit), for balanced pipeline
     cuts. ``flops_per_token``: training FLOPs per token (None: counted at run time).
     """
@@ -64,11 +65,12 @@ class ModelSpec:
     tied: tuple[tuple[str, str], ...] = ()
     tp_plan: Mapping[str, str] | None = None
     tp_divisors: tuple[Divisor, ...] = ()
+    tp_head_attrs: tuple[str, ...] = ()
     embedding_cost: float = 0.0
     block_costs: tuple[float, ...] = ()
     head_cost: float = 0.0
     flops_per_token: int | None = None
-    sequence_divisor: Divisor | None = field(default=None)
+    sequence_divisor: Divisor | None = None
 
     @property
     def can_pipeline(self) -> bool:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.codecs import build_codec
 from ..comm.collectives import Communicator
 from ..config.schema import Config
 from ..spec import ModelSpec, block_list
@@ -133,9 +132,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
         tracer=tracer))
     if mp is not None:
         grads = ModelParallelGrads(grads, mp, groups.world)
-    sync = build_sync(train, model, groups.dp, num_samples,
-                      build_codec(config.comm, train.seed) if train.sync in
-                      ("local_sgd", "diloco") else None)
+    sync = build_sync(train, model, groups.dp, num_samples, config.comm)
     step = (PARAMETER_SERVER if sync.runs_own_loop
             else PIPELINE if mp is not None and mp.chunks else PLAIN)
     return Parallelized(module=module, grads=grads, state=state, sync=sync, step=step,

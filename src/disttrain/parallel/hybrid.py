@@ -33,6 +33,7 @@ from .activation import apply_activation_checkpointing, canonical_name
 from .interfaces import GradSync, Work
 from .pipeline import (PipelineChunk, Schedule, build_chunks, build_schedule,
                        chunk_param_names, exchange_tied_grads, plan_stages)
+from .pipeline.check import virtual_stages
 from .pipeline.stages import StagePlan
 from .placement import Placement
 from .tensor import TensorParallel, apply_tensor_parallel
@@ -126,7 +127,7 @@ def apply_model_parallel(model: nn.Module, spec: ModelSpec, parallel: ParallelCo
     copies: set[int] = set()
     module: nn.Module = model
     if pp_comm.size > 1:
-        v = parallel.pp_virtual if parallel.pp_schedule == "interleaved" else 1
+        v = virtual_stages(parallel)
         stages = plan_stages(spec, pp=pp_comm.size, v=v, cuts=cuts)
         chunks = build_chunks(model, spec, stages, pp_comm.rank)
         schedule = build_schedule(parallel.pp_schedule, pp=pp_comm.size, m=micro_batches,

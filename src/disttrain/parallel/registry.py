@@ -32,6 +32,7 @@ from .placement import Placement
 from .replicated import ReplicatedState
 from .sync.base import LocalGradients
 from .zero import Unit, ZeroDataParallel
+from .zero.check import check_zero
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -128,26 +129,6 @@ def _build_local(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
                                   ctx.dp_comm.size)
 
 
-def _check_zero(config: Config, layout: Layout) -> None:
-    """ZeRO shards flat buffers: codecs other than casts and layer-wise optimizers need
-    whole per-parameter gradients; a stage must be chosen."""
-    codec, p, opt = config.comm.codec, config.parallel, config.train.optimizer
-    if not p.zero:
-        raise ConfigError("parallel.strategy", "zero", "needs a ZeRO stage",
-                          "set parallel.zero=1, 2 or 3")
-    if codec not in ("none", "fp16", "bf16"):
-        raise ConfigError("comm.codec", codec, f"is not supported with parallel.zero="
-                          f"{p.zero} (ZeRO reduce-scatters flat shards; only the fp16/bf16 "
-                          "casts apply to a reduce-scatter)",
-                          "use comm.codec=fp16 or bf16 with ZeRO, or parallel.zero=0 for "
-                          f"{codec}")
-    if opt in ("lars", "lamb"):
-        raise ConfigError("train.optimizer", opt, f"is not supported with parallel.zero="
-                          f"{p.zero} (the trust ratio needs each layer's whole weight, ZeRO "
-                          "holds flat shards)", "use parallel.zero=0 with lars/lamb, or "
-                          "train.optimizer=adamw/sgd with ZeRO")
-
-
 def _check_replica(name: str, wants_local: bool) -> Check:
     def check(config: Config, layout: Layout) -> None:
         if config.parallel.zero:
@@ -162,5 +143,5 @@ def _check_replica(name: str, wants_local: bool) -> Check:
 
 
 register_strategy("ddp", _build_ddp, _check_replica("ddp", wants_local=False))
-register_strategy("zero", _build_zero, _check_zero)
+register_strategy("zero", _build_zero, check_zero)
 register_strategy("local", _build_local, _check_replica("local", wants_local=True))

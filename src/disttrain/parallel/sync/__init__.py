@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...comm.codecs import GradientCodec
+from ...comm.codecs import build_codec
 from ...comm.collectives import Communicator
-from ...config.schema import TrainConfig
+from ...config.schema import CommConfig, TrainConfig
 from .async_ps import AsyncParameterServer, AsyncReport, assign_shards
 from .base import LocalGradients, SyncStrategy, flatten, unflatten_into, weighted_average
 from .diloco import DiLoCo, OuterNesterov, outer_round
@@ -25,11 +25,13 @@ from .local_sgd import LocalSGD
 
 
 def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
-               num_samples: int, codec: GradientCodec | None = None) -> SyncStrategy:
+               num_samples: int, comm_config: CommConfig | None = None) -> SyncStrategy:
     """The strategy for ``train.sync`` over ``comm`` (the dp group; the world for
-    async); ``num_samples`` is the training set's size (fedavg partitions it); ``codec``
-    compresses local SGD's per-round updates and DiLoCo's pseudo-gradient."""
+    async); ``num_samples`` is the training set's size (fedavg partitions it);
+    ``comm_config``'s codec compresses local SGD's per-round updates and DiLoCo's
+    pseudo-gradient."""
     mode = train.sync
+    codec = build_codec(comm_config, train.seed) if comm_config is not None else None
     if mode == "local_sgd":
         return LocalSGD(model, comm, train.sync_every, codec)
     if mode == "diloco":

@@ -37,6 +37,7 @@ from ...spec import ModelSpec, spec_for
 from .functions import scatter_to_sequence_region, vocab_parallel_token_loss
 from .layers import (
     Box,
+    ShardedModule,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -174,7 +175,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
             module.register_forward_hook(
                 lambda _m, _inp, out: scatter_to_sequence_region(out, comm))
         if style == "colwise_qkv":
-            _set_local_heads(model, name, comm.size)
+            _set_local_heads(model, name, comm.size, spec.tp_head_attrs)
     return _handle(model, comm, partial, sequence_parallel)
 
 
@@ -245,10 +246,13 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _set_local_heads(model: nn.Module, qkv_name: str, tp: int) -> None:
+def _set_local_heads(model: nn.Module, qkv_name: str, tp: int,
+                     attrs: tuple[str, ...]) -> None:
+    """The fused projection's parent counts heads in ``attrs`` (the spec's
+    ``tp_head_attrs``): each rank now runs 1/tp of them."""
     parent = model.get_submodule(qkv_name.rpartition(".")[0])
-    if hasattr(parent, "n_head"):
-        parent.n_head //= tp
+    for attr in attrs:
+        setattr(parent, attr, getattr(parent, attr) // tp)
 
 
 def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
@@ -257,8 +261,9 @@ def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
     boxes: dict[str, list[Box]] = {}
     sharded: set[int] = set()
     for mod_name, m in model.named_modules():
-        own = m.param_boxes() if hasattr(m, "param_boxes") else {}
-        partial.extend(m.partial_grad_params() if hasattr(m, "partial_grad_params") else [])
+        sharded_module = isinstance(m, ShardedModule)
+        own = m.param_boxes() if sharded_module else {}
+        partial.extend(m.partial_grad_params() if sharded_module else [])
         for p_name, p in m._parameters.items():
             if p is None:
                 continue

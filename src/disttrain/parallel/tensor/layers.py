@@ -94,7 +94,20 @@ def _shard_param(full: torch.Tensor | None, boxes: list[Box]) -> nn.Parameter | 
     return nn.Parameter(cut(full.detach(), boxes), requires_grad=full.requires_grad)
 
 
-class ColumnParallelLinear(nn.Module):
+class ShardedModule(nn.Module):
+    """A module holding tensor-parallel shards: it says where its parameters lie in the
+    global tensors and which of them receive partial gradients."""
+
+    def param_boxes(self) -> dict[str, list[Box]]:
+        """Parameter name (local to the module) -> its boxes in the global tensor."""
+        return {}
+
+    def partial_grad_params(self) -> list[nn.Parameter]:
+        """Replicated parameters whose gradients are partial sums over tp."""
+        return []
+
+
+class ColumnParallelLinear(ShardedModule):
     """y_local = x @ W_local^T + b_local, output sharded on its last dim.
 
     weight: [out/tp, in], sharded on dim 0; bias: [out/tp]. With ``parts`` > 1 the
@@ -134,7 +147,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedModule):
     """y = sum over ranks of (x_local @ W_local^T), then + b.
 
     weight: [out, in/tp], sharded on dim 1; bias: [out], replicated, added once after
@@ -175,7 +188,7 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardedModule):
     """Token ids [B, T] -> [B, T, d], the table sharded by vocabulary rows.
 
     weight: [V/tp, d], rows [r*V/tp, (r+1)*V/tp) of the full table on rank r. Ids

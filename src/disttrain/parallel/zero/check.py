@@ -1,0 +1,27 @@
+"""ZeRO's compatibility check (run by validation before any process group exists)."""
+
+from __future__ import annotations
+
+from ...config.layout import Layout
+from ...config.schema import Config
+from ...errors import ConfigError
+
+
+def check_zero(config: Config, layout: Layout) -> None:
+    """ZeRO shards flat buffers: codecs other than casts and layer-wise optimizers need
+    whole per-parameter gradients; a stage must be chosen."""
+    codec, p, opt = config.comm.codec, config.parallel, config.train.optimizer
+    if not p.zero:
+        raise ConfigError("parallel.strategy", "zero", "needs a ZeRO stage",
+                          "set parallel.zero=1, 2 or 3")
+    if codec not in ("none", "fp16", "bf16"):
+        raise ConfigError("comm.codec", codec, f"is not supported with parallel.zero="
+                          f"{p.zero} (ZeRO reduce-scatters flat shards; only the fp16/bf16 "
+                          "casts apply to a reduce-scatter)",
+                          "use comm.codec=fp16 or bf16 with ZeRO, or parallel.zero=0 for "
+                          f"{codec}")
+    if opt in ("lars", "lamb"):
+        raise ConfigError("train.optimizer", opt, f"is not supported with parallel.zero="
+                          f"{p.zero} (the trust ratio needs each layer's whole weight, ZeRO "
+                          "holds flat shards)", "use parallel.zero=0 with lars/lamb, or "
+                          "train.optimizer=adamw/sgd with ZeRO")

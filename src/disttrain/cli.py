@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import EXIT_USAGE, UserError
 from .monitor.report import add_report_parser, run_report
+from .names import METRICS_FILE, SUMMARY_FILE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        dest="overrides", help="override one config value (repeatable)")
     train.add_argument("--run-dir", default=None, metavar="DIR",
-                       help="where the config snapshot, metrics.jsonl, summary.json and "
+                       help=f"where the config snapshot, {METRICS_FILE}, {SUMMARY_FILE} and "
                        "weights go (default runs/<time>)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_launch_options(train)

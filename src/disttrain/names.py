@@ -1,3 +1,63 @@
-"""Names two modules must agree on, defined once."""
+"""Names that several modules must agree on, each defined once here.
 
+A config choice (a pipeline schedule, a gradient codec, a sync mode) is checked by the
+config schema, dispatched on by the strategy that implements it and compared against by
+the trainer and the validator; a file in the run directory is written by one module and
+read by another (the report, a resumed run, ``disttrain export``). Spelling any of them
+twice lets the copies drift apart silently, so they all import from here.
+
+This module imports nothing from disttrain: ``config/schema.py`` sits at the bottom of
+the layers and takes its ``choices`` from here.
+"""
+
+from __future__ import annotations
+
+# ----------------------------------------------------------- pipeline schedules
+SCHEDULE_GPIPE = "gpipe"
+SCHEDULE_1F1B = "1f1b"
+SCHEDULE_INTERLEAVED = "interleaved"  # the one schedule with several chunks per stage
+SCHEDULES = (SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED)
+
+# ----------------------------------------------------------- gradient codecs
+CODEC_NONE = "none"  # the plain all-reduce: no codec object at all
+CODEC_FP16 = "fp16"
+CODEC_BF16 = "bf16"
+CODEC_TOPK = "topk"
+CODEC_RANDOMK = "randomk"
+CODEC_POWERSGD = "powersgd"
+CODEC_ONEBIT = "onebit"
+CODEC_QSGD = "qsgd"
+CODECS = (CODEC_NONE, CODEC_FP16, CODEC_BF16, CODEC_TOPK, CODEC_RANDOMK, CODEC_POWERSGD,
+          CODEC_ONEBIT, CODEC_QSGD)
+# casts only: they reduce element-wise, so they also apply to ZeRO's reduce-scatter
+CAST_CODECS = (CODEC_FP16, CODEC_BF16)
+# biased: what they drop is carried to the next step by error feedback
+BIASED_CODECS = (CODEC_TOPK, CODEC_ONEBIT, CODEC_POWERSGD)
+
+# ----------------------------------------------------------- sync modes (train.sync)
 SYNC_EVERY_STEP = "every_step"
+SYNC_LOCAL_SGD = "local_sgd"
+SYNC_DILOCO = "diloco"
+SYNC_ASYNC = "async"
+SYNC_FEDAVG = "fedavg"
+SYNC_MODES = (SYNC_EVERY_STEP, SYNC_LOCAL_SGD, SYNC_DILOCO, SYNC_ASYNC, SYNC_FEDAVG)
+# the periodic modes whose per-round update goes through comm.codec
+CODEC_SYNC_MODES = (SYNC_LOCAL_SGD, SYNC_DILOCO)
+
+# ----------------------------------------------------------- the run directory
+CONFIG_FILE = "config.toml"          # the resolved config; a resumed run starts from it
+METRICS_FILE = "metrics.jsonl"       # one MetricsRecord per logged step
+SUMMARY_FILE = "summary.json"        # written once, when the run finishes
+WEIGHTS_FILE = "model.safetensors"   # the final, unsharded weights
+TENSORBOARD_DIR = "tensorboard"      # event files, when tensorboard is installed
+TRACE_FILE = "trace.json"            # the merged Chrome-trace timeline of every rank
+REPORT_DIR = "report"                # `disttrain report`: PNGs and REPORT_FILE
+REPORT_FILE = "report.html"
+CHECKPOINT_DIR = "checkpoints"       # one step-NNNNNNNN directory per committed save
+CHECKPOINT_INDEX_FILE = "index.json"  # in each checkpoint: global shapes, shards, checksums
+CHECKPOINT_LATEST_FILE = "latest"    # names the newest committed checkpoint (the commit)
+
+
+def trace_rank_file(rank: int) -> str:
+    """One rank's timeline before rank 0 merges them all into :data:`TRACE_FILE`."""
+    return f"trace-rank{rank}.json"

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..names import CHECKPOINT_INDEX_FILE
+
 FORMAT = "disttrain-checkpoint"
 VERSION = 1
-INDEX_FILE = "index.json"
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -115,9 +116,10 @@ class CheckpointIndex:
 
     @staticmethod
     def read(directory: Path) -> CheckpointIndex:
-        data = json.loads((directory / INDEX_FILE).read_text(encoding="utf-8"))
+        path = directory / CHECKPOINT_INDEX_FILE
+        data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"{directory / INDEX_FILE}: not a {FORMAT} v{VERSION} index")
+            raise ValueError(f"{path}: not a {FORMAT} v{VERSION} index")
         return CheckpointIndex(step=int(data["step"]), meta=data["meta"], files=data["files"],
                                tensors={k: TensorEntry.from_json(v)
                                         for k, v in data["tensors"].items()})

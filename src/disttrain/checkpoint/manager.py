@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..names import CHECKPOINT_DIR
 from . import storage
 from .format import (CheckpointIndex, ShardReader, ShardRef, TensorEntry, dtype_name,
                      shard_file_name, whole_tensor_entry)
 
-CHECKPOINT_DIR = "checkpoints"
 # global name, global shape, and where the piece lies: a flat range (start, stop) of the
 # row-major flattening, or a box {"offsets": [...], "shape": [...]}
 Part = tuple[str, tuple[int, ...], "tuple[int, int] | dict[str, list[int]]"]

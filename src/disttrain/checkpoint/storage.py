@@ -32,9 +32,9 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..faults import maybe_fail
 from ..fsutil import fsync_dir
-from .format import INDEX_FILE, CheckpointIndex, TensorEntry, shard_file_name
+from ..names import CHECKPOINT_INDEX_FILE, CHECKPOINT_LATEST_FILE
+from .format import CheckpointIndex, TensorEntry, shard_file_name
 
-LATEST = "latest"
 _CHUNK = 64 * 2**20
 # in the order safetensors.torch.save lays tensors out (by dtype, then by name): every
 # tensor stays aligned to its element size, and files match what it writes byte for byte
@@ -184,7 +184,7 @@ def commit(root: Path, staging: Path, step: int, world_size: int, meta: dict[str
     markers = _wait_markers(staging, world_size, timeout_s)
     tensors, files = merge_markers(markers)
     index = CheckpointIndex(step=step, tensors=tensors, files=files, meta=meta)
-    write_atomic(staging / INDEX_FILE, index.to_json().encode())
+    write_atomic(staging / CHECKPOINT_INDEX_FILE, index.to_json().encode())
     for m in staging.glob("rank-*.json"):
         m.unlink()
     maybe_fail("save.before_rename", 0, step)
@@ -194,14 +194,14 @@ def commit(root: Path, staging: Path, step: int, world_size: int, meta: dict[str
     os.replace(staging, final)
     fsync_dir(root)
     maybe_fail("save.before_pointer", 0, step)
-    write_atomic(root / LATEST, final.name.encode())
+    write_atomic(root / CHECKPOINT_LATEST_FILE, final.name.encode())
     prune(root, keep)
     return final
 
 
 def committed_steps(root: Path) -> list[Path]:
     """Committed checkpoint directories, newest first (none newer than ``latest``)."""
-    pointer = root / LATEST
+    pointer = root / CHECKPOINT_LATEST_FILE
     if not pointer.is_file():
         return []
     newest = pointer.read_text().strip()
@@ -230,7 +230,7 @@ def verify(directory: Path) -> str | None:
     try:
         index = CheckpointIndex.read(directory)
     except (OSError, ValueError, KeyError) as exc:
-        return f"{directory / INDEX_FILE}: unreadable index ({exc})"
+        return f"{directory / CHECKPOINT_INDEX_FILE}: unreadable index ({exc})"
     for name, info in sorted(index.files.items()):
         path = directory / name
         if not path.is_file():

@@ -43,10 +43,12 @@ import torch
 import torch.nn.functional as F
 
 from ..config.schema import CommConfig
+from ..names import (BIASED_CODECS, CODEC_BF16, CODEC_FP16, CODEC_NONE, CODEC_ONEBIT,
+                     CODEC_POWERSGD, CODEC_QSGD, CODEC_RANDOMK, CODEC_TOPK, CODECS)
 from .collectives import Communicator, TrackedWork
 
-CODECS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "qsgd")
-BIASED_CODECS = ("topk", "onebit", "powersgd")
+# the wire dtype of each cast codec (ZeRO's reduce-scatter takes it too)
+CAST_DTYPES = {CODEC_FP16: torch.float16, CODEC_BF16: torch.bfloat16}
 Shape = Sequence[int]
 
 
@@ -68,13 +70,17 @@ class GradientCodec(ABC):
     """Base class: per-key state, seeding, fp32 staging and error feedback."""
 
     name = "abstract"
-    biased = False
 
     def __init__(self, *, seed: int = 0, error_feedback: bool = False) -> None:
         self.seed = seed
         self.error_feedback = error_feedback and self.biased
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self._calls: dict[Hashable, int] = {}
+
+    @property
+    def biased(self) -> bool:
+        """Whether the decoded sum is off in expectation (error feedback applies)."""
+        return self.name in BIASED_CODECS
 
     def start(self, flat: torch.Tensor, comm: Communicator, *, key: Hashable = 0,
               segments: Sequence[Shape] | None = None) -> PendingReduction:
@@ -169,7 +175,7 @@ class CastCodec(GradientCodec):
     def __init__(self, dtype: torch.dtype, **kw) -> None:
         super().__init__(**kw)
         self.dtype = dtype
-        self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        self.name = next(name for name, d in CAST_DTYPES.items() if d == dtype)
 
     def _start(self, x, comm, key, step, shapes):
         wire = x.to(self.dtype)
@@ -181,7 +187,7 @@ class RandomKCodec(GradientCodec):
     the key and the call count, so never sent), values scaled by n / k so the expected
     result is the exact sum; the k values are all-reduced."""
 
-    name = "randomk"
+    name = CODEC_RANDOMK
 
     def __init__(self, *, ratio: float = 0.01, **kw) -> None:
         super().__init__(**kw)
@@ -205,7 +211,7 @@ class TopKCodec(GradientCodec):
     [k fp32 values bit-cast | k indices], all-gathered; every rank scatter-adds all of
     them into a dense result (entries chosen by several ranks are summed)."""
 
-    name, biased = "topk", True
+    name = CODEC_TOPK
 
     def __init__(self, *, ratio: float = 0.01, **kw) -> None:
         super().__init__(**kw)
@@ -254,7 +260,7 @@ class OneBitCodec(GradientCodec):
     bits], padded to a multiple of 4 bytes; all-gathered and summed. Biased: use error
     feedback."""
 
-    name, biased = "onebit", True
+    name = CODEC_ONEBIT
 
     def __init__(self, *, block: int = 0, **kw) -> None:
         super().__init__(**kw)
@@ -292,7 +298,7 @@ class QSGDCodec(GradientCodec):
     block) | n int8 signed levels], padded to 4 bytes; all-gathered and summed. Each
     rank draws its own rounding noise (seed, key, call count, rank)."""
 
-    name = "qsgd"
+    name = CODEC_QSGD
 
     def __init__(self, *, levels: int = 16, block: int = 512, **kw) -> None:
         super().__init__(**kw)
@@ -339,7 +345,7 @@ class PowerSGDCodec(GradientCodec):
     are narrow, at the price of mixing unrelated rows (a coarser approximation, the
     difference carried by error feedback)."""
 
-    name, biased = "powersgd", True
+    name = CODEC_POWERSGD
 
     def __init__(self, *, rank: int = 4, warm_start: bool = True, batched: bool = False,
                  **kw) -> None:
@@ -421,20 +427,20 @@ def build_codec(config: CommConfig, seed: int = 0) -> GradientCodec | None:
     """The codec ``[comm]`` selects, or None for ``codec = "none"`` (the plain
     all-reduce, which callers run themselves)."""
     name, ef = config.codec, config.error_feedback
-    if name == "none":
+    if name == CODEC_NONE:
         return None
-    if name in ("fp16", "bf16"):
-        return CastCodec(torch.float16 if name == "fp16" else torch.bfloat16, seed=seed)
-    if name == "topk":
+    if name in CAST_DTYPES:
+        return CastCodec(CAST_DTYPES[name], seed=seed)
+    if name == CODEC_TOPK:
         return TopKCodec(ratio=config.topk_ratio, seed=seed, error_feedback=ef)
-    if name == "randomk":
+    if name == CODEC_RANDOMK:
         return RandomKCodec(ratio=config.randomk_ratio, seed=seed)
-    if name == "powersgd":
+    if name == CODEC_POWERSGD:
         return PowerSGDCodec(rank=config.powersgd_rank, warm_start=config.powersgd_warm_start,
                              batched=config.powersgd_batched, seed=seed, error_feedback=ef)
-    if name == "onebit":
+    if name == CODEC_ONEBIT:
         return OneBitCodec(block=config.onebit_block, seed=seed, error_feedback=ef)
-    if name == "qsgd":
+    if name == CODEC_QSGD:
         return QSGDCodec(levels=config.qsgd_levels, seed=seed)
     raise ValueError(f"unknown codec {name!r}; one of {', '.join(CODECS)}")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UserError
+from ..names import CONFIG_FILE
 from .schema import SECTIONS, Config, config_key
 
 
@@ -42,7 +43,7 @@ def load_run_config(path: str | Path | None, overrides: list[str],
                     run_dir: str | Path | None) -> Config:
     """The config of a run: with no file given, an existing run directory's snapshot
     is the base (so ``--run-dir DIR`` alone continues DIR's run), then overrides."""
-    snapshot = Path(run_dir) / "config.toml" if run_dir else None
+    snapshot = Path(run_dir) / CONFIG_FILE if run_dir else None
     if path is None and snapshot is not None and snapshot.is_file():
         path = snapshot
     return load_config(path, overrides)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..names import (CODEC_NONE, CODECS, SCHEDULE_1F1B, SCHEDULES, SYNC_EVERY_STEP,
+                     SYNC_MODES, TRACE_FILE)
+
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
        le: float | None = None, choices: tuple[str, ...] | None = None,
@@ -95,11 +98,11 @@ class TrainConfig:
                                        choices=("none", "full", "every_k"))
     activation_checkpointing_k: int = _f(2, "with every_k: checkpoint blocks 0, k, 2k, ...",
                                          ge=1)
-    sync: str = _f("every_step", "how dp replicas synchronise: every_step (gradient "
+    sync: str = _f(SYNC_EVERY_STEP, "how dp replicas synchronise: every_step (gradient "
                    "all-reduce), local_sgd (average parameters every sync_every steps), "
                    "diloco (outer Nesterov step every sync_every steps), async (parameter "
                    "servers), fedavg (federated averaging over non-IID partitions)",
-                   choices=("every_step", "local_sgd", "diloco", "async", "fedavg"))
+                   choices=SYNC_MODES)
     sync_every: int = _f(50, "local_sgd/diloco/fedavg: local steps per synchronisation "
                          "round (H)", ge=1)
     outer_lr: float = _f(0.7, "diloco: outer SGD learning rate", gt=0.0)
@@ -139,9 +142,9 @@ class ParallelConfig:
     balance: str = _f("static", "split of each global batch over dp ranks: static (even) "
                       "or dynamic (in proportion to measured throughput)",
                       choices=("static", "dynamic"))
-    pp_schedule: str = _f("1f1b", "pipeline schedule when pp > 1: gpipe, 1f1b or "
+    pp_schedule: str = _f(SCHEDULE_1F1B, "pipeline schedule when pp > 1: gpipe, 1f1b or "
                           "interleaved (micro-batches per step = train.grad_accum)",
-                          choices=("gpipe", "1f1b", "interleaved"))
+                          choices=SCHEDULES)
     pp_virtual: int = _f(2, "interleaved: model chunks (virtual stages) per pipeline rank",
                          ge=1)
     pp_split: str = _f("auto", "where pipeline chunks begin: auto (balance the estimated "
@@ -154,9 +157,8 @@ class ParallelConfig:
 class CommConfig:
     """Gradient compression for the data-parallel all-reduce."""
 
-    codec: str = _f("none", "gradient codec: none, fp16, bf16, topk, randomk, powersgd, "
-                    "onebit or qsgd", choices=("none", "fp16", "bf16", "topk", "randomk",
-                                               "powersgd", "onebit", "qsgd"))
+    codec: str = _f(CODEC_NONE, "gradient codec: none, fp16, bf16, topk, randomk, powersgd, "
+                    "onebit or qsgd", choices=CODECS)
     topk_ratio: float = _f(0.01, "topk: fraction of each bucket's entries sent", gt=0.0,
                            le=1.0)
     randomk_ratio: float = _f(0.01, "randomk: fraction of each bucket's entries sent",
@@ -192,7 +194,7 @@ class MonitorConfig:
     hang_timeout: float = _f(120.0, "a collective waiting longer than this (s) is a hang: "
                              "ranks report where they are and the job exits; 0 = off",
                              ge=0.0)
-    trace: bool = _f(False, "record a Chrome-trace timeline of every rank (trace.json)")
+    trace: bool = _f(False, f"record a Chrome-trace timeline of every rank ({TRACE_FILE})")
     straggler_threshold: float = _f(0.25, "a rank whose compute time exceeds the median "
                                     "by this fraction is slow", gt=0.0)
     straggler_window: int = _f(3, "consecutive logged steps a rank must be slow to be "

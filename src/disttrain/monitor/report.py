@@ -30,12 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..names import CONFIG_FILE, METRICS_FILE, REPORT_DIR, REPORT_FILE, SUMMARY_FILE
 from .progress import format_duration
-
-# The run directory's file names (written by disttrain.train.rundir; monitor sits below
-# train, so they are not imported from there).
-METRICS_FILE, SUMMARY_FILE, CONFIG_FILE = "metrics.jsonl", "summary.json", "config.toml"
-REPORT_DIR, REPORT_FILE = "report", "report.html"
 
 # Colours (matplotlib's default cycle, named so the page and the tests agree).
 LOSS_COLOR, EVAL_COLOR, RATE_COLOR, MFU_COLOR = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"

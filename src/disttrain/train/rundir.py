@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 import torch
 from torch import nn
 
-CONFIG_FILE = "config.toml"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-WEIGHTS_FILE = "model.safetensors"
+from ..names import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, WEIGHTS_FILE
+
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "WEIGHTS_FILE",
+           "new_run_dir_name", "save_weights", "write_summary", "write_text_atomic"]
 
 
 def new_run_dir_name() -> Path:

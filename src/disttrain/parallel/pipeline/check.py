@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
+from ...names import SCHEDULE_INTERLEAVED
 from ...spec import ModelSpec
 from ...topology import Layout
 from .schedules import validate_schedule
@@ -12,7 +13,7 @@ from .schedules import validate_schedule
 
 def virtual_stages(parallel: ParallelConfig) -> int:
     """Model chunks per pipeline rank: ``pp_virtual`` for the interleaved schedule, else 1."""
-    return parallel.pp_virtual if parallel.pp_schedule == "interleaved" else 1
+    return parallel.pp_virtual if parallel.pp_schedule == SCHEDULE_INTERLEAVED else 1
 
 
 def check_pipeline(config: Config, layout: Layout, micro_batches: int,

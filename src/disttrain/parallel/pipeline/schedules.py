@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from ...names import SCHEDULE_1F1B, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, SCHEDULES
+
 FORWARD, BACKWARD = "F", "B"
 
 
@@ -71,10 +72,10 @@ def validate_schedule(name: str, pp: int, m: int, v: int, n_layer: int) -> None:
     for field, value in (("pp", pp), ("micro-batches", m), ("v", v)):
         if value < 1:
             raise ValueError(f"pipeline {field}={value} must be at least 1")
-    if name != "interleaved" and v != 1:
+    if name != SCHEDULE_INTERLEAVED and v != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per stage but v={v}; "
                          "set v=1 or use the 'interleaved' schedule")
-    if name == "interleaved":
+    if name == SCHEDULE_INTERLEAVED:
         if v < 2:
             raise ValueError(f"'interleaved' needs v >= 2 chunks per stage, got v={v}; "
                              "set v=2 or more, or use '1f1b'")
@@ -95,7 +96,8 @@ def validate_schedule(name: str, pp: int, m: int, v: int, n_layer: int) -> None:
 def build_schedule(name: str, *, pp: int, m: int, v: int = 1) -> Schedule:
     """Every pp rank's actions for ``m`` micro-batches (see the module docstring)."""
     validate_schedule(name, pp, m, v, n_layer=pp * v)
-    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
+    make = {SCHEDULE_GPIPE: _gpipe, SCHEDULE_1F1B: _one_f_one_b,
+            SCHEDULE_INTERLEAVED: _interleaved}[name]
     actions = tuple(tuple(make(pp, m, v, r)) for r in range(pp))
     return Schedule(name=name, pp=pp, m=m, v=v, actions=actions)
 
@@ -107,7 +109,7 @@ def analytic_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
     ``(pp-1)/v`` full-stage slots against ``m`` busy ones, ``(pp-1) / (v m + pp-1)``
     (about the 1F1B value divided by v when m >> pp).
     """
-    if name == "interleaved":
+    if name == SCHEDULE_INTERLEAVED:
         return (pp - 1) / (v * m + pp - 1)
     return (pp - 1) / (m + pp - 1)
 

@@ -17,6 +17,7 @@ from torch import nn
 from ...comm.codecs import build_codec
 from ...comm.collectives import Communicator
 from ...config.schema import CommConfig, TrainConfig
+from ...names import SYNC_ASYNC, SYNC_DILOCO, SYNC_FEDAVG, SYNC_LOCAL_SGD
 from .async_ps import AsyncParameterServer, AsyncReport, assign_shards
 from .base import LocalGradients, SyncStrategy, flatten, unflatten_into, weighted_average
 from .diloco import DiLoCo, OuterNesterov, outer_round
@@ -32,15 +33,15 @@ def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
     pseudo-gradient."""
     mode = train.sync
     codec = build_codec(comm_config, train.seed) if comm_config is not None else None
-    if mode == "local_sgd":
+    if mode == SYNC_LOCAL_SGD:
         return LocalSGD(model, comm, train.sync_every, codec)
-    if mode == "diloco":
+    if mode == SYNC_DILOCO:
         return DiLoCo(model, comm, train.sync_every, train.outer_lr, train.outer_momentum,
                       codec)
-    if mode == "fedavg":
+    if mode == SYNC_FEDAVG:
         return FedAvg(model, comm, num_samples=num_samples, every=train.sync_every,
                       fraction=train.fed_fraction, seed=train.seed)
-    if mode == "async":
+    if mode == SYNC_ASYNC:
         return AsyncParameterServer(model, comm, servers=train.ps_servers,
                                     staleness_bound=train.staleness_bound,
                                     accumulate=train.ps_accumulate)

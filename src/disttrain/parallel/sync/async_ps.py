@@ -59,6 +59,7 @@ from torch import nn
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
 from ...faults import maybe_slow_down
+from ...names import SYNC_ASYNC
 from .base import SyncStrategy, flatten, unflatten_into
 
 HEADER = 4
@@ -111,7 +112,7 @@ class AsyncParameterServer(SyncStrategy):
     """Parameter servers and workers over ``comm`` (the world). :meth:`run` replaces
     the trainer's step loop."""
 
-    name = "async"
+    name = SYNC_ASYNC
     runs_own_loop = True
 
     def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
@@ -322,7 +323,7 @@ def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str,
     losses = [x for r in workers_ for x in r.recent_losses]
     steps = max(r.pushes for r in servers) / workers
     return {
-        "sync": "async", "ps_servers": len(servers), "workers": workers,
+        "sync": SYNC_ASYNC, "ps_servers": len(servers), "workers": workers,
         "staleness_bound": bound,
         "staleness_mean": sum(r.staleness_sum for r in servers) / max(applied, 1),
         "staleness_max": max(r.staleness_max for r in servers),

@@ -26,6 +26,7 @@ from torch import nn
 
 from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator
+from ...names import SYNC_DILOCO
 from .base import PeriodicSync, flatten, unflatten_into
 
 
@@ -54,7 +55,7 @@ def outer_round(comm: Communicator, params: list[torch.Tensor],
     if codec is None:
         comm.all_reduce(delta)
     else:
-        codec.all_reduce(delta, comm, key="diloco", segments=[p.shape for p in params])
+        codec.all_reduce(delta, comm, key=SYNC_DILOCO, segments=[p.shape for p in params])
     delta /= comm.size
     unflatten_into(outer.step(delta), params)
 
@@ -62,7 +63,7 @@ def outer_round(comm: Communicator, params: list[torch.Tensor],
 class DiLoCo(PeriodicSync):
     """Inner steps on local gradients; an outer Nesterov step every ``every`` steps."""
 
-    name = "diloco"
+    name = SYNC_DILOCO
     def __init__(self, model: nn.Module, comm: Communicator, every: int, outer_lr: float,
                  outer_momentum: float, codec: GradientCodec | None = None) -> None:
         super().__init__(model, comm, every)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
+from ...names import SYNC_FEDAVG
 from .base import PeriodicSync, weighted_average
 
 
@@ -51,7 +52,7 @@ def choose_clients(seed: int, round_index: int, clients: int, fraction: float) -
 class FedAvg(PeriodicSync):
     """One client per dp rank; a sample-weighted average every ``every`` steps."""
 
-    name = "fedavg"
+    name = SYNC_FEDAVG
     def __init__(self, model: nn.Module, comm: Communicator, *, num_samples: int,
                  every: int, fraction: float, seed: int) -> None:
         super().__init__(model, comm, every)

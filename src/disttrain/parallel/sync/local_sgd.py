@@ -23,6 +23,7 @@ from torch import nn
 
 from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator
+from ...names import SYNC_LOCAL_SGD
 from .base import PeriodicSync, flatten, unflatten_into, weighted_average
 
 
@@ -30,7 +31,7 @@ class LocalSGD(PeriodicSync):
     """Parameter averaging every ``every`` steps over ``comm`` (the dp group), of the
     parameters themselves or, with ``codec``, of compressed per-round updates."""
 
-    name = "local_sgd"
+    name = SYNC_LOCAL_SGD
 
     def __init__(self, model: nn.Module, comm: Communicator, every: int,
                  codec: GradientCodec | None = None) -> None:
@@ -43,7 +44,7 @@ class LocalSGD(PeriodicSync):
             weighted_average(self.comm, self.params, 1.0)
             return
         delta = self.theta - flatten(self.params)
-        self.codec.all_reduce(delta, self.comm, key="local_sgd",
+        self.codec.all_reduce(delta, self.comm, key=SYNC_LOCAL_SGD,
                               segments=[p.shape for p in self.params])
         self.theta -= delta.div_(self.comm.size)
         unflatten_into(self.theta, self.params)

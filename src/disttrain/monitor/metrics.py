@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from .record import STEP, MetricsRecord, as_record
 
 
 class MetricsWriter:
@@ -15,12 +18,14 @@ class MetricsWriter:
         self.path = path
         self._fh = None
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: MetricsRecord | Mapping[str, Any]) -> None:
+        """Append ``record`` (a dict is checked against the record's fields first)."""
         if self.path is None:
             return
+        line = json.dumps(as_record(record).to_dict(), sort_keys=True)
         if self._fh is None:
             self._fh = self.path.open("a", encoding="utf-8")
-        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+        self._fh.write(line + "\n")
         self._fh.flush()
 
     def close(self) -> None:
@@ -30,6 +35,7 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records as written, as dicts (older runs may hold keys no longer recorded)."""
     with path.open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
@@ -38,7 +44,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop records past ``last_step`` (a resumed run redoes those steps)."""
     if not path.is_file():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    kept = [r for r in read_metrics(path) if r.get(STEP, 0) <= last_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
                    encoding="utf-8")

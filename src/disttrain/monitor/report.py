@@ -32,6 +32,15 @@ from typing import Any
 from ..errors import UserError
 from ..names import CONFIG_FILE, METRICS_FILE, REPORT_DIR, REPORT_FILE, SUMMARY_FILE
 from .progress import format_duration
+from .record import (EVAL_LOSS, LOSS, MEM_PEAK_MB, MFU, RANK, RANK_COMM_S, RANK_COMPUTE_S,
+                     RANK_DATA_S, RANK_SAMPLES, RANK_TOTAL_S, RANKS, STEP, STEP_TIME_S,
+                     STRAGGLERS, TIME_COMM_S, TIME_COMPUTE_S, TIME_DATA_S, TIME_OPTIM_S,
+                     TOKENS_PER_S)
+
+# Keys disttrain does not write (MetricsRecord has no such field) but the report still
+# reads when a record holds them: older runs logged the data wait as data_time_s, and a
+# resident-memory series is plotted when present.
+OLD_DATA_TIME_S, MEM_RSS_MB = "data_time_s", "mem_rss_mb"
 
 # Colours (matplotlib's default cycle, named so the page and the tests agree).
 LOSS_COLOR, EVAL_COLOR, RATE_COLOR, MFU_COLOR = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
@@ -99,9 +108,9 @@ def _read_records(path: Path) -> list[Record]:
                 break
             raise UserError(f"{str(path)!r} line {i + 1} is not JSON ({exc.msg}; remove "
                             "or repair that line)") from None
-        if isinstance(record, dict) and _number(record.get("step")) is not None:
+        if isinstance(record, dict) and _number(record.get(STEP)) is not None:
             records.append(record)
-    return sorted(records, key=lambda r: r["step"])
+    return sorted(records, key=lambda r: r[STEP])
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -122,7 +131,7 @@ def _number(value: Any) -> float | None:
 
 def series(records: list[Record], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the records that hold a number under ``key``."""
-    pairs = [(float(r["step"]), _number(r.get(key))) for r in records]
+    pairs = [(float(r[STEP]), _number(r.get(key))) for r in records]
     kept = [(s, v) for s, v in pairs if v is not None]
     return [s for s, _ in kept], [v for _, v in kept]
 
@@ -163,18 +172,18 @@ def _render(draw: Callable[[Any], None], size: tuple[float, float] = SIZE) -> by
 
 
 def _loss_plot(run: RunData) -> Plot:
-    steps, loss = series(run.records, "loss")
-    esteps, evals = series(run.records, "eval_loss")
+    steps, loss = series(run.records, LOSS)
+    esteps, evals = series(run.records, EVAL_LOSS)
     start, first = (_number(run.summary.get(k)) for k in ("start_step", "initial_eval_loss"))
     if first is not None and (not esteps or esteps[0] > (start or 0)):
         esteps, evals = [start or 0.0, *esteps], [first, *evals]
-    bad = sum(1 for r in run.records if "loss" in r and _number(r["loss"]) is None)
+    bad = sum(1 for r in run.records if LOSS in r and _number(r[LOSS]) is None)
     caption = ("Training loss, averaged over each logging window; held-out loss at each "
                "evaluation." + (f" {bad} record(s) with a non-finite loss are not plotted."
                                 if bad else ""))
     plot = Plot(name="loss", title="Loss", caption=caption)
     if not steps and not esteps:
-        return _missing(plot, "loss")
+        return _missing(plot, LOSS)
 
     def draw(fig: Any) -> None:
         ax = fig.add_subplot()
@@ -188,13 +197,13 @@ def _loss_plot(run: RunData) -> Plot:
 
 
 def _throughput_plot(run: RunData) -> Plot:
-    steps, rate = series(run.records, "tokens_per_s")
+    steps, rate = series(run.records, TOKENS_PER_S)
     mean = _number(run.summary.get("tokens_per_s"))
     plot = Plot(name="throughput", title="Throughput", caption="Tokens per second over "
                 "all ranks, per logging window" + ("; dashed: the run's mean." if mean
                                                    is not None else "."))
     if not steps:
-        return _missing(plot, "tokens_per_s")
+        return _missing(plot, TOKENS_PER_S)
 
     def draw(fig: Any) -> None:
         from matplotlib.ticker import EngFormatter
@@ -211,11 +220,11 @@ def _throughput_plot(run: RunData) -> Plot:
 
 
 def _mfu_plot(run: RunData) -> Plot:
-    steps, mfu = series(run.records, "mfu")
+    steps, mfu = series(run.records, MFU)
     plot = Plot(name="mfu", title="Model FLOPs utilisation", caption="Model FLOP/s as a "
                 "share of the devices' peak, per logging window.")
     if not steps:
-        return _missing(plot, "mfu")
+        return _missing(plot, MFU)
 
     def draw(fig: Any) -> None:
         from matplotlib.ticker import PercentFormatter
@@ -231,16 +240,16 @@ def _mfu_plot(run: RunData) -> Plot:
     return _with_png(plot, draw)
 
 
-# (label, fields in order of preference); data_time_s is what older runs recorded.
-TIME_PARTS = [("compute", ("time_compute_s",)), ("exposed communication", ("time_comm_s",)),
-              ("data loading", ("time_data_s", "data_time_s")),
-              ("optimizer", ("time_optim_s",))]
+# (label, fields in order of preference)
+TIME_PARTS = [("compute", (TIME_COMPUTE_S,)), ("exposed communication", (TIME_COMM_S,)),
+              ("data loading", (TIME_DATA_S, OLD_DATA_TIME_S)),
+              ("optimizer", (TIME_OPTIM_S,))]
 
 
 def time_breakdown(records: list[Record]) -> tuple[list[float], dict[str, list[float]]]:
     """Per logged step: seconds per step in each recorded part, plus the rest of
     ``step_time_s`` ("other", or "other (not broken down)" when parts are missing)."""
-    rows = [r for r in records if _number(r.get("step_time_s")) is not None]
+    rows = [r for r in records if _number(r.get(STEP_TIME_S)) is not None]
     parts: dict[str, list[float]] = {}
     for label, keys in TIME_PARTS:
         key = next((k for k in keys if any(_number(r.get(k)) is not None for r in rows)), None)
@@ -248,8 +257,8 @@ def time_breakdown(records: list[Record]) -> tuple[list[float], dict[str, list[f
             parts[label] = [_number(r.get(key)) or 0.0 for r in rows]
     known = [sum(p[i] for p in parts.values()) for i in range(len(rows))]
     other = "other" if len(parts) == len(TIME_PARTS) else "other (not broken down)"
-    parts[other] = [max(r["step_time_s"] - k, 0.0) for r, k in zip(rows, known, strict=True)]
-    return [float(r["step"]) for r in rows], parts
+    parts[other] = [max(r[STEP_TIME_S] - k, 0.0) for r, k in zip(rows, known, strict=True)]
+    return [float(r[STEP]) for r in rows], parts
 
 
 def _time_plot(run: RunData) -> Plot:
@@ -257,7 +266,7 @@ def _time_plot(run: RunData) -> Plot:
     plot = Plot(name="time", title="Time per step", caption="Where each step's time went, "
                 "averaged over each logging window (stacked).")
     if not steps:
-        return _missing(plot, "step_time_s")
+        return _missing(plot, STEP_TIME_S)
     peak = max(sum(p[i] for p in parts.values()) for i in range(len(steps)))
     scale, unit = (1000.0, "ms") if peak < 1.0 else (1.0, "s")
     colors = [TIME_COLORS.get(label, TIME_COLORS["other"]) for label in parts]
@@ -281,8 +290,8 @@ def peak_memory_per_rank(records: list[Record]) -> dict[int, float]:
     """rank -> the highest ``mem_peak_mb`` it reported in any record's ``ranks``."""
     peaks: dict[int, float] = {}
     for r in records:
-        for entry in r.get("ranks") or []:
-            rank, mb = entry.get("rank"), _number(entry.get("mem_peak_mb"))
+        for entry in r.get(RANKS) or []:
+            rank, mb = entry.get(RANK), _number(entry.get(MEM_PEAK_MB))
             if isinstance(rank, int) and mb is not None:
                 peaks[rank] = max(peaks.get(rank, 0.0), mb)
     return dict(sorted(peaks.items()))
@@ -292,14 +301,14 @@ def straggler_counts(records: list[Record]) -> dict[int, int]:
     """rank -> in how many records it was listed in ``stragglers``."""
     counts: dict[int, int] = {}
     for r in records:
-        for rank in r.get("stragglers") or []:
+        for rank in r.get(STRAGGLERS) or []:
             if isinstance(rank, int):
                 counts[rank] = counts.get(rank, 0) + 1
     return counts
 
 
 def _memory_plot(run: RunData) -> Plot:
-    rss, peak = series(run.records, "mem_rss_mb"), series(run.records, "mem_peak_mb")
+    rss, peak = series(run.records, MEM_RSS_MB), series(run.records, MEM_PEAK_MB)
     per_rank, slow = peak_memory_per_rank(run.records), straggler_counts(run.records)
     plot = Plot(name="memory", title="Memory", caption="Resident and peak memory over the "
                 "run, as recorded; each rank's highest peak, red where the rank was flagged "
@@ -307,7 +316,7 @@ def _memory_plot(run: RunData) -> Plot:
     over_time = bool(rss[0] or peak[0])
     lines = [(rss, MEM_COLOR, "-", "resident (RSS)"), (peak, "#0b6e78", "--", "peak")]
     if not over_time and not per_rank:
-        return _missing(plot, "mem_rss_mb, mem_peak_mb or ranks[].mem_peak_mb")
+        return _missing(plot, f"{MEM_RSS_MB}, {MEM_PEAK_MB} or {RANKS}[].{MEM_PEAK_MB}")
 
     def draw(fig: Any) -> None:
         from matplotlib.ticker import MaxNLocator
@@ -354,7 +363,7 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         for k in keys:
             s.pop(k, None)
     rows += [(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in sorted(s.items())]
-    steps, mfu = [r["step"] for r in run.records], series(run.records, "mfu")[1]
+    steps, mfu = [r[STEP] for r in run.records], series(run.records, MFU)[1]
     if mfu:
         rows.append(("Mean MFU", f"{sum(mfu) / len(mfu):.1%}"))
     rows.append(("Logged records", f"{len(steps)} (steps {steps[0]:g} to {steps[-1]:g})"))
@@ -409,11 +418,11 @@ def _ms(x: float) -> str:
 
 # (fields in order of preference, heading, format); total_s is the telemetry's name.
 _RANK_COLUMNS: list[tuple[tuple[str, ...], str, Callable[[float], str]]] = [
-    (("step_time_s", "total_s"), "step time", _ms), (("compute_s",), "compute", _ms),
-    (("comm_s",), "exposed comm.", _ms), (("data_s",), "data", _ms),
-    (("tokens_per_s",), "tokens/s", lambda x: f"{x:,.0f}"),
-    (("samples",), "samples/step", lambda x: f"{x:,.4g}"),
-    (("mem_peak_mb",), "peak memory", lambda x: f"{x:,.0f} MB")]
+    ((STEP_TIME_S, RANK_TOTAL_S), "step time", _ms), ((RANK_COMPUTE_S,), "compute", _ms),
+    ((RANK_COMM_S,), "exposed comm.", _ms), ((RANK_DATA_S,), "data", _ms),
+    ((TOKENS_PER_S,), "tokens/s", lambda x: f"{x:,.0f}"),
+    ((RANK_SAMPLES,), "samples/step", lambda x: f"{x:,.4g}"),
+    ((MEM_PEAK_MB,), "peak memory", lambda x: f"{x:,.0f} MB")]
 
 
 def _first_number(entry: Record, keys: tuple[str, ...]) -> float | None:
@@ -429,32 +438,32 @@ def _ranks_shown(ranks: list[Record], slow: dict[int, int]) -> list[Record]:
     if len(ranks) <= MAX_RANK_ROWS:
         return ranks
     step_time = _RANK_COLUMNS[0][0]
-    worst = sorted(ranks, key=lambda e: (-slow.get(e["rank"], 0),
+    worst = sorted(ranks, key=lambda e: (-slow.get(e[RANK], 0),
                                          -(_first_number(e, step_time) or 0.0)))
-    return sorted(worst[:MAX_RANK_ROWS], key=lambda e: e["rank"])
+    return sorted(worst[:MAX_RANK_ROWS], key=lambda e: e[RANK])
 
 
 def _rank_row(e: Record, cols: list, flagged: int, n_records: int) -> str:
     cells = "".join(f"<td>{fmt(v) if (v := _first_number(e, keys)) is not None else '–'}"
                     "</td>" for keys, _, fmt in cols)
     mark = f'<td class="warn">{flagged} of {n_records}</td>' if flagged else "<td>–</td>"
-    return f"<tr><td>{html.escape(str(e.get('rank')))}</td>{cells}{mark}</tr>"
+    return f"<tr><td>{html.escape(str(e.get(RANK)))}</td>{cells}{mark}</tr>"
 
 
 def _ranks_table(records: list[Record]) -> str:
     """Per-rank figures of the last record that has them, with straggler counts."""
-    latest = next((r for r in reversed(records) if r.get("ranks")), None)
+    latest = next((r for r in reversed(records) if r.get(RANKS)), None)
     if latest is None:
         return ""
-    ranks = [e for e in latest["ranks"] if isinstance(e, dict) and isinstance(e.get("rank"), int)]
+    ranks = [e for e in latest[RANKS] if isinstance(e, dict) and isinstance(e.get(RANK), int)]
     cols = [c for c in _RANK_COLUMNS if any(_first_number(e, c[0]) is not None for e in ranks)]
     slow = straggler_counts(records)
     shown = _ranks_shown(ranks, slow)
-    rows = "".join(_rank_row(e, cols, slow.get(e.get("rank"), 0), len(records)) for e in shown)
+    rows = "".join(_rank_row(e, cols, slow.get(e.get(RANK), 0), len(records)) for e in shown)
     more = (f" Showing the {len(shown)} of {len(ranks)} ranks most often flagged as "
             "stragglers, then slowest." if len(shown) < len(ranks) else "")
     head = "".join(f"<th>{label}</th>" for _, label, _ in cols)
-    return (f'<section><h2>Ranks</h2><p class="note">At step {latest["step"]:g}, the last '
+    return (f'<section><h2>Ranks</h2><p class="note">At step {latest[STEP]:g}, the last '
             f"record with per-rank figures.{more}</p><table class=\"grid\"><tr><th>rank</th>"
             f"{head}<th>flagged as straggler</th></tr>{rows}</table></section>")
 

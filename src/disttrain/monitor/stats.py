@@ -8,7 +8,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-STAT_FIELDS = ("total_s", "compute_s", "comm_s", "data_s", "optim_s")
+from .record import RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S, RANK_OPTIM_S, RANK_TOTAL_S
+
+# the timings telemetry gathers from every rank, by StepStats field name
+STAT_FIELDS = (RANK_TOTAL_S, RANK_COMPUTE_S, RANK_COMM_S, RANK_DATA_S, RANK_OPTIM_S)
 
 
 @dataclass

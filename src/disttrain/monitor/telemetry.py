@@ -8,19 +8,25 @@ the dynamic batch splitter sees the same numbers everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
 from .metrics import MetricsWriter
+from .record import (MEM_PEAK_MB, RANK, RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S,
+                     RANK_FIELDS, RANK_OPTIM_S, RANK_SAMPLES, RANK_TOTAL_S, STEP,
+                     MetricsRecord, as_record)
 from .stats import STAT_FIELDS, StatsWindow, StragglerDetector, lower_median, memory_mb
 
-_GATHERED = (*STAT_FIELDS, "samples", "mem_mb", "mem_peak_mb")
+_GATHERED = (*STAT_FIELDS, RANK_SAMPLES, "mem_mb", MEM_PEAK_MB)
 
 
 class TensorBoardWriter:
-    """Scalars to ``run_dir/tensorboard`` when the tensorboard package is installed."""
+    """Scalars to ``run_dir/tensorboard`` when the tensorboard package is installed:
+    every number of the record, under its field name."""
 
     def __init__(self, directory: str | None) -> None:
         self.writer = None
@@ -32,12 +38,13 @@ class TensorBoardWriter:
             return
         self.writer = SummaryWriter(directory)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: MetricsRecord | Mapping[str, Any]) -> None:
         if self.writer is None:
             return
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step":
-                self.writer.add_scalar(key, value, record["step"])
+        values = as_record(record).to_dict()
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and key != STEP:
+                self.writer.add_scalar(key, value, values[STEP])
         self.writer.flush()
 
     def close(self) -> None:
@@ -59,38 +66,46 @@ class Telemetry:
         """Every rank's per-step averages over the current window (a collective)."""
         w = self.window
         current, peak = memory_mb(self.device)
-        mine = [w.per_step(f) for f in STAT_FIELDS] + [w.per_step("samples"), current, peak]
+        mine = [w.per_step(f) for f in STAT_FIELDS] + [w.per_step(RANK_SAMPLES), current, peak]
         rows = self.comm.all_gather(torch.tensor(mine, dtype=torch.float64,
                                                  device=self.device))
-        return [dict(zip(_GATHERED, row.tolist())) | {"rank": r} for r, row in
+        return [dict(zip(_GATHERED, row.tolist())) | {RANK: r} for r, row in
                 enumerate(rows)]
 
-    def log(self, record: dict[str, Any], flops_per_term: float | None
+    def log(self, record: MetricsRecord | Mapping[str, Any], flops_per_term: float | None
             ) -> list[dict[str, float]]:
-        """Complete ``record`` (step, lr, ... from the trainer) and write it on rank 0."""
+        """Complete ``record`` (step, lr, ... from the trainer) with the figures of
+        every rank and write it on rank 0; return those figures (on every rank)."""
         ranks = self.gather()
-        w = self.window
-        busy = [r["compute_s"] + r["data_s"] for r in ranks]
+        busy = [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks]
         stragglers = self.detector.update(busy)
-        record.update({
-            "loss": w.loss(), "tokens_per_s": w.terms_per_s(),
-            "step_time_s": w.per_step("total_s"),
-            **{f"time_{k.removesuffix('_s')}_s": sum(r[k] for r in ranks) / len(ranks)
-               for k in ("compute_s", "comm_s", "data_s", "optim_s")},
-            "mem_peak_mb": max(r["mem_peak_mb"] for r in ranks),
-            "ranks": [{k: r[k] for k in ("rank", "total_s", "compute_s", "comm_s",
-                                         "data_s", "samples", "mem_peak_mb")}
-                      for r in ranks],
-            "stragglers": stragglers,
-        })
-        if flops_per_term and self.peak_flops > 0:
-            record["mfu"] = (w.terms_per_s() * flops_per_term
-                             / (self.peak_flops * len(ranks)))
+        record = replace(as_record(record), **self._window_fields(ranks),
+                         stragglers=stragglers, mfu=self._mfu(flops_per_term, len(ranks)))
         self._announce(stragglers, busy)
         self.writer.write(record)
         self.tensorboard.write(record)
-        w.reset()
+        self.window.reset()
         return ranks
+
+    def _window_fields(self, ranks: list[dict[str, float]]) -> dict[str, Any]:
+        """The record's loss, throughput and time split over the window: per step,
+        averaged over ``ranks`` where each rank measured its own."""
+        w = self.window
+
+        def mean(key: str) -> float:
+            return sum(r[key] for r in ranks) / len(ranks)
+        return dict(loss=w.loss(), tokens_per_s=w.terms_per_s(),
+                    step_time_s=w.per_step(RANK_TOTAL_S),
+                    time_compute_s=mean(RANK_COMPUTE_S), time_comm_s=mean(RANK_COMM_S),
+                    time_data_s=mean(RANK_DATA_S), time_optim_s=mean(RANK_OPTIM_S),
+                    mem_peak_mb=max(r[MEM_PEAK_MB] for r in ranks),
+                    ranks=[{k: r[k] for k in RANK_FIELDS} for r in ranks])
+
+    def _mfu(self, flops_per_term: float | None, world: int) -> float | None:
+        """Model FLOPs utilisation of the window, or None when FLOPs or peak are unknown."""
+        if not flops_per_term or self.peak_flops <= 0:
+            return None
+        return self.window.terms_per_s() * flops_per_term / (self.peak_flops * world)
 
     def _announce(self, stragglers: list[int], busy: list[float]) -> None:
         median = lower_median(busy)

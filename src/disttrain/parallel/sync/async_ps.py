@@ -59,6 +59,7 @@ from torch import nn
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
 from ...faults import maybe_slow_down
+from ...monitor.record import MetricsRecord
 from ...names import SYNC_ASYNC
 from .base import SyncStrategy, flatten, unflatten_into
 
@@ -305,14 +306,15 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 
 def _record(report: AsyncReport, window: _ServerWindow, lr: float, workers: int,
             per_worker: int) -> dict[str, Any]:
-    """A metrics record written by server 0."""
+    """A metrics record written by server 0 (as a dict: the trainer's ``log`` callback
+    takes one)."""
     st = window.staleness
-    return {"step": report.pushes // workers, "lr": lr,
-            "loss": window.loss_sum / max(window.terms, 1.0),
-            "samples_seen": report.pushes * per_worker,
-            "updates": report.applied, "dropped": report.dropped,
-            "staleness_mean": sum(st) / len(st) if st else 0.0,
-            "staleness_max": max(st) if st else 0}
+    return MetricsRecord(step=report.pushes // workers, lr=lr,
+                         loss=window.loss_sum / max(window.terms, 1.0),
+                         samples_seen=report.pushes * per_worker,
+                         updates=report.applied, dropped=report.dropped,
+                         staleness_mean=sum(st) / len(st) if st else 0.0,
+                         staleness_max=max(st) if st else 0).to_dict()
 
 
 def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str, Any]:

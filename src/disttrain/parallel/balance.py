@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..config.schema import Config
 from ..errors import ConfigError
+from ..names import SYNC_EVERY_STEP
 from ..topology import Layout
 
 
@@ -23,7 +24,7 @@ def check_balance(config: Config, layout: Layout) -> None:
                           "tp > 1 (every stage and tp shard of a pipeline works on the "
                           "same micro-batches, so their shares cannot differ)",
                           "use parallel.balance=static")
-    if config.train.sync != "every_step":
+    if config.train.sync != SYNC_EVERY_STEP:
         raise ConfigError("parallel.balance", "dynamic",
                           f"is not supported with train.sync={config.train.sync} "
                           "(replicas train apart between rounds)",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..comm.codecs import build_codec
+from ..comm.codecs import CAST_DTYPES, build_codec
 from ..comm.collectives import Communicator
 from ..config.schema import CommConfig, Config, ParallelConfig
 from ..errors import ConfigError
@@ -117,7 +117,7 @@ def _build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
 
 
 def _build_zero(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
-    wire = WIRE_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
+    wire = CAST_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
     zero = ZeroDataParallel(ctx.units, ctx.dp_comm, ctx.parallel.zero, ctx.placement, wire)
     zero.broadcast_parameters()
     return zero, zero

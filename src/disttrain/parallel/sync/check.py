@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...config.schema import Config
 from ...errors import ConfigError
+from ...names import CODEC_NONE, CODEC_SYNC_MODES, SYNC_ASYNC, SYNC_EVERY_STEP
 from ...topology import Layout
 
 
@@ -12,7 +13,7 @@ def check_sync(config: Config, layout: Layout) -> None:
     no checkpoints; codecs compress only gradients and local updates."""
     mode = config.train.sync
     codec = config.comm.codec
-    if mode == "every_step":
+    if mode == SYNC_EVERY_STEP:
         return
     p = config.parallel
     for key, value, off in (("zero", p.zero, 0), ("pp", p.pp, 1), ("tp", p.tp, 1)):
@@ -21,13 +22,13 @@ def check_sync(config: Config, layout: Layout) -> None:
                               f"is not supported with train.sync={mode} (replicas keep "
                               "whole, unsharded models)",
                               f"set parallel.{key}={off}, or train.sync=every_step")
-    if codec != "none" and mode not in ("local_sgd", "diloco"):
+    if codec != CODEC_NONE and mode not in CODEC_SYNC_MODES:
         raise ConfigError("comm.codec", codec,
                           f"compresses the every_step gradients and the local_sgd / "
                           f"diloco updates; train.sync={mode} sends parameters, "
                           "uncompressed", "set comm.codec=none, or train.sync=every_step, "
                           "local_sgd or diloco")
-    if mode == "async":
+    if mode == SYNC_ASYNC:
         _check_async(config, layout)
 
 

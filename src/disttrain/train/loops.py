@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..faults import maybe_fail
+from ..monitor.record import MetricsRecord
 from ..monitor.stats import StatsWindow, StepStats
 from .optim import lr_at
 
@@ -88,6 +89,6 @@ class ParameterServerLoop:
                           time.perf_counter() - start)
 
     @staticmethod
-    def _log(trainer: Trainer, record: dict[str, Any]) -> None:
-        trainer.bar.update(record["step"], record["loss"], 0.0)
+    def _log(trainer: Trainer, record: MetricsRecord) -> None:
+        trainer.bar.update(record.step, record.loss, 0.0)
         trainer.telemetry.writer.write(record)

@@ -134,7 +134,7 @@ class AsyncParameterServer(SyncStrategy):
     def run(self, *, optimizer: torch.optim.Optimizer, steps: int,
             sampler: GlobalOrderSampler, per_worker: int, micro_batch: int,
             compute: ComputeGradients, lr_at: Callable[[int], float],
-            log: Callable[[dict[str, Any]], None], log_every: int) -> dict[str, Any]:
+            log: Callable[[MetricsRecord], None], log_every: int) -> dict[str, Any]:
         """Train for ``steps x W`` pushes per server; every rank returns the same
         summary (see :meth:`metrics`) and holds the final parameters."""
         start, bytes0 = time.perf_counter(), self.comm.ledger.payload_bytes
@@ -164,7 +164,7 @@ class AsyncParameterServer(SyncStrategy):
 
     # ----------------------------------------------------------------- server
     def _serve(self, optimizer: torch.optim.Optimizer, budget: int,
-               lr_at: Callable[[int], float], log: Callable[[dict[str, Any]], None],
+               lr_at: Callable[[int], float], log: Callable[[MetricsRecord], None],
                log_every: int, per_worker: int) -> AsyncReport:
         s = self.comm.rank
         shard = self.shards[s]
@@ -305,16 +305,15 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 
 
 def _record(report: AsyncReport, window: _ServerWindow, lr: float, workers: int,
-            per_worker: int) -> dict[str, Any]:
-    """A metrics record written by server 0 (as a dict: the trainer's ``log`` callback
-    takes one)."""
+            per_worker: int) -> MetricsRecord:
+    """A metrics record written by server 0."""
     st = window.staleness
     return MetricsRecord(step=report.pushes // workers, lr=lr,
                          loss=window.loss_sum / max(window.terms, 1.0),
                          samples_seen=report.pushes * per_worker,
                          updates=report.applied, dropped=report.dropped,
                          staleness_mean=sum(st) / len(st) if st else 0.0,
-                         staleness_max=max(st) if st else 0).to_dict()
+                         staleness_max=max(st) if st else 0)
 
 
 def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str, Any]:

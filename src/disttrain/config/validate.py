@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..names import CODEC_NONE, SYNC_ASYNC
 from .layout import Layout
 from .schema import Config, TrainConfig
 
@@ -115,14 +116,14 @@ def _check_data(config: Config) -> None:
 def data_parallel_degree(config: Config, layout: Layout) -> int:
     """Ranks that each take a share of the global batch: the dp ranks, except under
     ``train.sync=async`` where the parameter servers take none."""
-    if config.train.sync == "async":
+    if config.train.sync == SYNC_ASYNC:
         return layout.dp - config.train.ps_servers
     return layout.dp
 
 
 def _check_wire(config: Config) -> None:
     codec, p = config.comm.codec, config.parallel
-    if codec != "none" and p.grad_reduce_dtype != "fp32":
+    if codec != CODEC_NONE and p.grad_reduce_dtype != "fp32":
         raise ConfigError("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
                           f"conflicts with comm.codec={codec} (both set the gradient wire "
                           "format)", "leave parallel.grad_reduce_dtype=fp32 and let the "

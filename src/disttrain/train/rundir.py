@@ -12,10 +12,7 @@ from safetensors.torch import save_file
 import torch
 from torch import nn
 
-from ..names import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, WEIGHTS_FILE
-
-__all__ = ["CONFIG_FILE", "METRICS_FILE", "SUMMARY_FILE", "WEIGHTS_FILE",
-           "new_run_dir_name", "save_weights", "write_summary", "write_text_atomic"]
+from ..names import SUMMARY_FILE, WEIGHTS_FILE
 
 
 def new_run_dir_name() -> Path:

@@ -32,13 +32,15 @@ from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
-from ..monitor import MetricsWriter, ProgressBar
+from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
 from ..monitor.metrics import truncate_metrics
+from ..monitor.record import RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES
 from ..monitor.stats import StragglerDetector, StepStats, measure_peak_flops
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
+from ..names import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, TRACE_FILE, trace_rank_file
 from ..parallel.balance import BatchSplitter, micro_batch_sizes
 from ..parallel.compose import PARAMETER_SERVER, PIPELINE, PLAIN, Groups, compose
 from ..topology import Topology, build_topology
@@ -168,7 +170,7 @@ class Trainer:
         self.run_dir = Path(self.world.broadcast_object(str(chosen) if chosen else None))
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            rundir.write_text_atomic(self.run_dir / rundir.CONFIG_FILE,
+            rundir.write_text_atomic(self.run_dir / CONFIG_FILE,
                                      config_to_toml(self.config, self.plan))
         self.bar = ProgressBar(self.config.train.steps, enabled=main, show_bar=self.progress,
                                every=self.config.train.log_every)
@@ -176,8 +178,8 @@ class Trainer:
                 else measure_peak_flops(self.runtime.device))
         self.telemetry = Telemetry(
             self.world, self.runtime.device,
-            MetricsWriter(self.run_dir / rundir.METRICS_FILE if main else None),
-            TensorBoardWriter(str(self.run_dir / "tensorboard")
+            MetricsWriter(self.run_dir / METRICS_FILE if main else None),
+            TensorBoardWriter(str(self.run_dir / TENSORBOARD_DIR)
                               if main and mon.tensorboard else None),
             StragglerDetector(mon.straggler_threshold, mon.straggler_window), peak,
             self.bar.message)
@@ -190,7 +192,7 @@ class Trainer:
         if resumed is not None:
             self.start_step, self.position = resumed
             if self.runtime.is_main:  # records past the checkpoint are redone
-                truncate_metrics(self.run_dir / rundir.METRICS_FILE, self.start_step)
+                truncate_metrics(self.run_dir / METRICS_FILE, self.start_step)
 
     def _build_step(self) -> None:
         train = self.config.train
@@ -306,26 +308,24 @@ class Trainer:
 
     def log(self, step: int, eval_loss: float | None) -> None:
         """A metrics record for step ``step`` (a collective: every rank calls it)."""
-        record: dict[str, Any] = {
-            "step": step, "lr": self.current_lr, "grad_norm": self.stepper.grad_norm,
-            "samples_per_s": self.telemetry.window.steps * self.plan.batch.global_batch
-            / max(self.telemetry.window.sum.total_s, 1e-9),
-            "samples_seen": self.position, "shares": list(self.splitter.shares),
-            "checkpoint_stall_s": self.checkpoints.stall_s}
-        if self.stepper.scaler.enabled:
-            record |= {"loss_scale": self.stepper.scaler.scale,
-                       "skipped_steps": self.stepper.scaler.skipped}
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
-        record["memory_mb"] = {k: v / 2**20 for k, v in self._memory().items()}
-        record["comm_bytes_per_step"] = ((self.step_bytes - self.logged_bytes)
-                                         / max(self.telemetry.window.steps, 1))
+        window, scaler = self.telemetry.window, self.stepper.scaler
+        record = MetricsRecord(
+            step=step, lr=self.current_lr, grad_norm=self.stepper.grad_norm,
+            samples_per_s=window.steps * self.plan.batch.global_batch
+            / max(window.sum.total_s, 1e-9),
+            samples_seen=self.position, shares=list(self.splitter.shares),
+            checkpoint_stall_s=self.checkpoints.stall_s,
+            loss_scale=scaler.scale if scaler.enabled else None,
+            skipped_steps=scaler.skipped if scaler.enabled else None,
+            eval_loss=eval_loss,
+            memory_mb={k: v / 2**20 for k, v in self._memory().items()},
+            comm_bytes_per_step=(self.step_bytes - self.logged_bytes) / max(window.steps, 1),
+        ).with_figures({**self.parallel.sync.metrics(),
+                        **self.parallel.grads.comm_stats()})  # bytes sent, compression ratio
         self.logged_bytes = self.step_bytes
-        record |= self.parallel.sync.metrics()
-        record |= self.parallel.grads.comm_stats()  # bytes sent, compression ratio
         ranks = self.telemetry.log(record, self.stepper.flops_per_term)
-        self.splitter.update([r["samples"] for r in ranks],
-                             [r["compute_s"] + r["data_s"] for r in ranks],
+        self.splitter.update([r[RANK_SAMPLES] for r in ranks],
+                             [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],
                              self.plan.batch.micro_batch)
 
     def _finish(self, result: LoopResult) -> dict[str, Any]:
@@ -367,12 +367,12 @@ class Trainer:
     def _write_trace(self) -> None:
         """Each rank writes its spans; rank 0 merges them into ``trace.json``."""
         if self.tracer.enabled:
-            self.tracer.write(self.run_dir / f"trace-rank{self.runtime.rank}.json")
+            self.tracer.write(self.run_dir / trace_rank_file(self.runtime.rank))
         self.world.barrier()
         if self.tracer.enabled and self.runtime.is_main:
-            parts = [self.run_dir / f"trace-rank{r}.json"
+            parts = [self.run_dir / trace_rank_file(r)
                      for r in range(self.runtime.world_size)]
-            merge_traces(parts, self.run_dir / "trace.json")
+            merge_traces(parts, self.run_dir / TRACE_FILE)
 
     def _close(self) -> None:
         """Stop the watchdog and close the writers, whatever stage the run reached."""

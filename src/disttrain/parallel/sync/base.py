@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
+from ...names import SYNC_EVERY_STEP
 
 
 class SyncStrategy:
     """``every_step``: today's per-step gradient all-reduce; every hook is a no-op."""
 
-    name = "every_step"
+    name = SYNC_EVERY_STEP
     runs_own_loop = False  # the parameter server replaces the step loop with its own
 
     def select(self, step: int, indices: list[int]) -> list[int] | None:

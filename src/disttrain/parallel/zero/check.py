@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...config.layout import Layout
 from ...config.schema import Config
 from ...errors import ConfigError
+from ...names import CAST_CODECS, CODEC_NONE
 
 
 def check_zero(config: Config, layout: Layout) -> None:
@@ -14,7 +15,7 @@ def check_zero(config: Config, layout: Layout) -> None:
     if not p.zero:
         raise ConfigError("parallel.strategy", "zero", "needs a ZeRO stage",
                           "set parallel.zero=1, 2 or 3")
-    if codec not in ("none", "fp16", "bf16"):
+    if codec != CODEC_NONE and codec not in CAST_CODECS:
         raise ConfigError("comm.codec", codec, f"is not supported with parallel.zero="
                           f"{p.zero} (ZeRO reduce-scatters flat shards; only the fp16/bf16 "
                           "casts apply to a reduce-scatter)",

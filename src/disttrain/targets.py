@@ -9,3 +9,6 @@ from __future__ import annotations
 
 IGNORE_INDEX = -1
 """A target position with this id carries no loss and is not counted as a token."""
+
+LABEL_IGNORE_INDEX = -100
+"""The Hugging Face convention for ``labels``: positions with this id carry no loss."""

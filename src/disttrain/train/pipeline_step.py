@@ -18,7 +18,8 @@ from ..monitor.stats import StepStats
 from ..parallel.hybrid import ModelParallel
 from ..parallel.pipeline import FORWARD, run_pipeline
 from .precision import autocast
-from .step import StepRunner, loss_sum_and_terms
+from .batch import Batch, loss_sum_and_terms
+from .step import StepRunner
 
 
 @dataclass
@@ -40,7 +41,7 @@ class PipelineStepRunner(StepRunner):
         t0, waited0 = time.perf_counter(), self.ledger.wait_seconds
         self.grads.zero_grad()
         td = time.perf_counter()
-        loaded = [self.load(indices) for indices in micro_batches]
+        loaded = [_pair(self.load(indices)) for indices in micro_batches]
         stats.data_s = time.perf_counter() - td
         b, t = loaded[0][0].shape[:2]
         shape = (b, self.mp.activation_length(t), self.mp.spec.hidden_size)
@@ -58,14 +59,14 @@ class PipelineStepRunner(StepRunner):
         loss, count = totals.tolist()
         return self._reduce_and_step(stats, t0, waited0, loss, count)
 
-    def eval_totals(self, inputs: Any, targets: Any) -> tuple[float, float]:
+    def eval_totals(self, batch: Batch) -> tuple[float, float]:
         """(summed loss, terms) of one evaluation micro-batch through the pipeline,
         counted on one rank only (every tp rank of the last stage joins the
         vocab-parallel loss)."""
-        out = pipeline_logits(self.mp, inputs)
+        out = pipeline_logits(self.mp, batch.single_input())
         if out is None:
             return 0.0, 0.0
-        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, out, targets)
+        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, out, batch)
         return (float(loss_sum), float(count)) if self.mp.counts_loss else (0.0, 0.0)
 
     def _trace(self, timings: list) -> None:
@@ -80,6 +81,14 @@ class PipelineStepRunner(StepRunner):
                 self.tracer.complete(f"recv for {kind}", (t.start - t.wait) * 1e6,
                                      t.start * 1e6, "pipeline", **where)
             self.tracer.complete(kind, t.start * 1e6, t.end * 1e6, "pipeline", **where)
+
+
+def _pair(batch: Batch) -> tuple[Any, Any]:
+    """(input, targets) of a micro-batch, as the schedule's runner takes them."""
+    if batch.labels:
+        raise ValueError("pipeline stages take disttrain's shifted 'targets', not "
+                         "unshifted 'labels'; shift the labels in the dataset")
+    return batch.single_input(), batch.targets
 
 
 def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,41 +23,8 @@ from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
 from ..parallel.interfaces import GradSync
+from .batch import Batch, LossFn, loss_sum_and_terms
 from .precision import LossScaler, autocast
-
-LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
-
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """(inputs, targets) from a collated batch: a pair, or a mapping with
-    ``input_ids`` and ``targets``."""
-    if isinstance(batch, Mapping):
-        return batch["input_ids"], batch["targets"]
-    inputs, targets = batch
-    return inputs, targets
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, Mapping):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
-
-
-def loss_sum_and_terms(loss_fn: LossFn, outputs: Any, targets: Any
-                       ) -> tuple[torch.Tensor, int, bool]:
-    """(summed loss, loss terms, whether terms are samples) from a loss function that
-    returns a micro-batch mean or a (sum, count) pair."""
-    result = loss_fn(outputs, targets)
-    if isinstance(result, tuple):
-        loss_sum, count = result
-        return loss_sum, int(count), False
-    n = len(targets)
-    return result * n, n, True
-
 
 @dataclass
 class StepRunner:
@@ -72,8 +39,8 @@ class StepRunner:
     ledger: CollectiveLedger
     eval_comm: Communicator
     optimizer: torch.optim.Optimizer
-    loss_fn: LossFn
-    load: Callable[[list[int]], tuple[Any, Any]]
+    loss_fn: LossFn | None  # None: the batch's causal-LM loss
+    load: Callable[[list[int]], Batch]
     grad_clip: float
     device: torch.device
     tracer: Tracer
@@ -104,10 +71,10 @@ class StepRunner:
             last = i == len(micro_batches) - 1
             td = time.perf_counter()
             with self.tracer.span("data"):
-                inputs, targets = self.load(indices)
+                batch = self.load(indices)
             stats.data_s += time.perf_counter() - td
             with contextlib.nullcontext() if last else self.grads.no_sync():
-                handle = self._forward_backward(inputs, targets, totals, last)
+                handle = self._forward_backward(batch, totals, last)
         if not micro_batches:  # no samples: still join every collective
             handle = self.grads.reduce_loss_totals(totals)
         maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
@@ -145,24 +112,22 @@ class StepRunner:
         self.grads.zero_grad()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for indices in micro_batches:
-            inputs, targets = self.load(indices)
-            self._forward_backward(inputs, targets, totals, last=False)
+            self._forward_backward(self.load(indices), totals, last=False)
         loss, count = totals.tolist()
         self.grads.finish_gradient_sync(1.0 / max(count, 1.0))
         self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
         return loss, int(count)
 
-    def eval_totals(self, inputs: Any, targets: Any) -> tuple[float, float]:
+    def eval_totals(self, batch: Batch) -> tuple[float, float]:
         """(summed loss, loss terms) of one held-out micro-batch on this rank."""
-        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, self.model(inputs), targets)
+        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, batch.run(self.model), batch)
         return float(loss_sum), float(count)
 
     def reduce_eval(self, totals: torch.Tensor) -> None:
         """Sum the held-out totals over the ranks that evaluated different samples."""
         self.eval_comm.all_reduce(totals)
 
-    def _forward_backward(self, inputs: Any, targets: Any, totals: torch.Tensor,
-                          last: bool) -> Any:
+    def _forward_backward(self, batch: Batch, totals: torch.Tensor, last: bool) -> Any:
         counter = FlopCounterMode(display=False) if self.count_flops else None
         saved = None
         if self.activation_bytes is None:
@@ -170,7 +135,7 @@ class StepRunner:
         with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             with self.tracer.span("forward"), autocast(self.precision, self.device):
                 loss_sum, count, samples = loss_sum_and_terms(self.loss_fn,
-                                                              self.model(inputs), targets)
+                                                              batch.run(self.model), batch)
             loss_sum = loss_sum.float()
             self.terms_are_samples = samples
             totals[0] += loss_sum.detach().double()

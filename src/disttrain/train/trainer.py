@@ -1,14 +1,16 @@
-"""The training loop: any ``nn.Module``, any map-style dataset, one loss function.
+"""The training loop: any ``nn.Module``, any map-style dataset, an optional loss.
 
     trainer = disttrain.Trainer(model, dataset, loss_fn, {"train": {"steps": 100}})
     summary = trainer.fit()
 
-A batch is what ``collate_fn`` makes of a list of samples: a pair ``(inputs, targets)``
-or a mapping with ``input_ids`` and ``targets``. The model is called as
-``model(inputs)``; ``loss_fn(outputs, targets)`` returns either the mean loss over the
-micro-batch's samples or a pair ``(summed loss, number of loss terms)`` (e.g. target
-tokens). Gradients are normalised by the global number of loss terms in the step, so
-the update is the same on any number of ranks and with any accumulation split.
+A batch is what ``collate_fn`` (default: stacks mapping samples, else torch's
+``default_collate``) makes of a list of samples: a pair ``(inputs, targets)``, called as
+``model(inputs)``, or a mapping whose entries other than ``labels`` / ``targets`` are the
+model's keyword arguments (see :mod:`.batch`). ``loss_fn(outputs, targets)`` returns
+either the mean loss over the micro-batch's samples or a pair ``(summed loss, number of
+loss terms)`` (e.g. target tokens); without one, the causal-LM loss over the counted
+label tokens. Gradients are normalised by the global number of loss terms in the step,
+so the update is the same on any number of ranks and with any accumulation split.
 
 The Trainer builds the composition (:func:`disttrain.parallel.compose`: this rank's part
 of the model, its gradient synchronisation and training state), then runs the loop the
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, load_config
@@ -52,7 +54,8 @@ from .optim import build_optimizer, lr_at, set_lr
 from .pipeline_step import PipelineStepRunner
 from .precision import LossScaler, autocast
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
-from .step import LossFn, StepRunner, split_batch, to_device
+from .batch import Batch, LossFn, collate_samples, split_batch, to_device
+from .step import StepRunner
 
 # the step runner and the loop each kind of step (Parallelized.step) needs
 RUNNERS: dict[str, type[StepRunner]] = {PLAIN: StepRunner, PIPELINE: PipelineStepRunner,
@@ -78,7 +81,7 @@ class Trainer:
     environment that ``disttrain run`` / torchrun set, or as a world of one.
     """
 
-    def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn,
+    def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn | None = None,
                  config: Config | Mapping | None = None, *, eval_dataset: Dataset | None = None,
                  collate_fn: Callable[[list], Any] | None = None,
                  run_dir: str | Path | None = None, flops_per_token: int | None = None,
@@ -88,7 +91,7 @@ class Trainer:
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.eval_dataset = eval_dataset
-        self.collate_fn = collate_fn or default_collate
+        self.collate_fn = collate_fn or collate_samples
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.flops_per_token = flops_per_token
         self.progress = progress
@@ -253,7 +256,7 @@ class Trainer:
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, self.position)
 
-    def _load(self, indices: list[int]) -> tuple[Any, Any]:
+    def _load(self, indices: list[int]) -> Batch:
         batch = self.collate_fn([self.dataset[i] for i in indices])
         return split_batch(to_device(batch, self.runtime.device))
 
@@ -271,9 +274,9 @@ class Trainer:
         for start in range(0, len(indices), size):
             chunk = indices[start:start + size]
             batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
-            inputs, targets = split_batch(to_device(batch, self.runtime.device))
             with autocast(self.config.train.precision, self.runtime.device):
-                loss_sum, count = self.stepper.eval_totals(inputs, targets)
+                loss_sum, count = self.stepper.eval_totals(
+                    split_batch(to_device(batch, self.runtime.device)))
             totals[0] += loss_sum
             totals[1] += count
         self.stepper.reduce_eval(totals)

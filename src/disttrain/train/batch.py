@@ -1,0 +1,137 @@
+"""Batches and losses in the conventions users already have.
+
+A collated batch is one of:
+
+- a pair ``(inputs, targets)``: the model is called as ``model(inputs)`` and the loss as
+  ``loss_fn(outputs, targets)``;
+- a mapping: every entry except ``labels`` / ``targets`` is passed to the model as a
+  keyword argument (``input_ids``, ``attention_mask``, ...), and ``labels`` (or
+  ``targets``) go to the loss.
+
+Without a ``loss_fn`` the loss is the causal-LM loss, summed with its token count, so the
+trainer normalises by the global number of counted tokens: on ``labels`` (Hugging Face:
+unshifted, ``-100`` ignored) it shifts inside; on ``targets`` (disttrain's token
+windows: already shifted, ``-1`` ignored) it does not. The model's output may be the
+logits, a tuple starting with them, or a mapping / model output with ``logits``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+from ..targets import IGNORE_INDEX, LABEL_IGNORE_INDEX
+
+LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
+LABELS, TARGETS = "labels", "targets"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch: what the model takes and what the loss takes.
+
+    ``labels``: the targets follow the Hugging Face convention (unshifted, -100)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    targets: Any = None
+    labels: bool = False
+
+    def run(self, model: Callable[..., Any]) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def single_input(self) -> Any:
+        """The one model input of a batch that has only one (pipeline stages pass a
+        single tensor between them)."""
+        inputs = [*self.args, *self.kwargs.values()]
+        if len(inputs) != 1:
+            raise ValueError(f"this batch has {len(inputs)} model inputs "
+                             f"({', '.join(self.kwargs) or 'positional'}); a pipeline "
+                             "passes one tensor between stages")
+        return inputs[0]
+
+    def default_loss(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal-LM loss (summed) and its token count for these targets."""
+        if self.labels:
+            return causal_lm_loss(outputs, self.targets)
+        return token_loss_on(model_logits(outputs), self.targets, IGNORE_INDEX)
+
+
+def split_batch(batch: Any) -> Batch:
+    """A collated batch (a pair, or a mapping) as a :class:`Batch`."""
+    if isinstance(batch, Mapping):
+        key = LABELS if LABELS in batch else TARGETS if TARGETS in batch else None
+        if key is None:
+            raise ValueError(f"a mapping batch needs '{LABELS}' (or '{TARGETS}') for the "
+                             f"loss; it has {', '.join(batch)}")
+        kwargs = {k: v for k, v in batch.items() if k not in (LABELS, TARGETS)}
+        return Batch((), kwargs, batch[key], labels=key == LABELS)
+    inputs, targets = batch
+    return Batch((inputs,), {}, targets)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def collate_samples(samples: Sequence[Any]) -> Any:
+    """Samples that are mappings (e.g. rows of a ``datasets.Dataset``, whose columns
+    may be lists of ints) become a mapping of stacked tensors; anything else goes
+    through torch's ``default_collate``."""
+    if samples and isinstance(samples[0], Mapping):
+        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+                for k in samples[0]}
+    return default_collate(samples)
+
+
+def model_logits(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, the first of a tuple, or the
+    ``logits`` entry of a mapping (a Hugging Face model output is one)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return outputs["logits"]
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0]
+    raise TypeError(f"cannot find logits in a {type(outputs).__name__}; return a tensor, "
+                    "a tuple, or an object with 'logits', or pass loss_fn")
+
+
+def token_loss_on(logits: torch.Tensor, targets: torch.Tensor, ignore: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of logits [B, T, V] against targets [B, T] and the number
+    of positions counted (those != ``ignore``)."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=ignore, reduction="sum")
+    return loss, (targets != ignore).sum()
+
+
+def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss on Hugging Face labels [B, T] (unshifted; -100 ignored): position
+    t's logits predict labels[t + 1]; summed, with the number of counted tokens."""
+    logits = model_logits(outputs)
+    return token_loss_on(logits[:, :-1], labels[:, 1:], LABEL_IGNORE_INDEX)
+
+
+def loss_sum_and_terms(loss_fn: LossFn | None, outputs: Any, batch: Batch
+                       ) -> tuple[torch.Tensor, int, bool]:
+    """(summed loss, loss terms, whether terms are samples): ``loss_fn`` returns a
+    micro-batch mean or a (sum, count) pair; None is the batch's default loss."""
+    result = batch.default_loss(outputs) if loss_fn is None else loss_fn(outputs,
+                                                                        batch.targets)
+    if isinstance(result, tuple):
+        loss_sum, count = result
+        return loss_sum, int(count), False
+    n = len(batch.targets)
+    return result * n, n, True

@@ -1,0 +1,154 @@
+"""Hugging Face transformers models in their own conventions: dict batches with
+``labels`` (unshifted, -100 ignored) and ``attention_mask``, no ``loss_fn``, the output's
+``logits``. Tiny GPT-2 and Llama built from configs (random init, nothing downloaded).
+
+Each disttrain run (one rank; dp=2 with data parallelism and ZeRO-1/2/3) must follow a
+plain single-process PyTorch loop on the same samples per step (AdamW, constant LR,
+clipping) over 8 steps, atol 1e-4: the layouts sum the same per-token terms in other
+orders (~1e-7 per step in fp32, far below 1e-4 after AdamW's lr-sized steps), while a
+dropped attention mask (the left-padded samples attend to padding), a loss counting
+padding, or per-rank normalisation moves weights by more than 1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disttrain.testing import run_distributed
+from disttrain.train.batch import causal_lm_loss, collate_samples
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, N, STEPS, BATCH = 64, 12, 48, 8, 8
+TRAIN = {"steps": STEPS, "global_batch": BATCH, "lr": 3e-3, "schedule": "constant",
+         "warmup_steps": 0, "grad_clip": 1.0, "weight_decay": 0.1, "log_every": 4,
+         "eval_samples": 8}
+
+
+def _model(family: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _rows() -> list[dict[str, list[int]]]:
+    """Rows as a datasets.Dataset yields them (lists of ints): every third left-padded
+    by a different amount, padding masked out and labelled -100."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(N):
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+        mask = torch.ones(SEQ, dtype=torch.long)
+        labels = ids.clone()
+        pad = (i % 5) + 1 if i % 3 == 0 else 0
+        ids[:pad], mask[:pad], labels[:pad] = 0, 0, -100
+        rows.append({"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
+                     "labels": labels.tolist()})
+    return rows
+
+
+def _reference(family: str) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch, loss = sum over counted label tokens /
+    their number, plain AdamW with decay on matrices only."""
+    from disttrain.data import GlobalOrderSampler
+
+    model, rows = _model(family), _rows()
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2],
+                              "weight_decay": TRAIN["weight_decay"]},
+                             {"params": [p for p in params if p.dim() < 2],
+                              "weight_decay": 0.0}], lr=TRAIN["lr"], betas=(0.9, 0.95))
+    sampler = GlobalOrderSampler(N, 1234)
+    for step in range(STEPS):
+        batch = collate_samples([rows[i] for i in sampler.indices(step * BATCH, BATCH)])
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100,
+            reduction="sum") / (labels != -100).sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, TRAIN["grad_clip"])
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit_all(root: str, cases: list[tuple[str, int]]) -> dict:
+    from disttrain import Trainer
+
+    out = {}
+    for family, zero in cases:
+        model = _model(family)
+        summary = Trainer(model, _rows(), config={
+            "train": TRAIN, "parallel": {"zero": zero}, "checkpoint": {"every": 0},
+            "monitor": {"peak_tflops": 1.0}}, run_dir=f"{root}/{family}-z{zero}",
+            progress=False).fit()
+        out[(family, zero)] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                               summary)
+    return out
+
+
+FAMILIES = ("gpt2", "llama")
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, torch.Tensor]]:
+    return {family: _reference(family) for family in FAMILIES}
+
+
+def _close(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0,
+                                   msg=lambda m, k=k: f"{what}: {k}: {m}")
+
+
+def test_one_rank_follows_a_plain_loop(references, tmp_path):
+    cases = [(f, 0) for f in FAMILIES]
+    got = run_distributed(_fit_all, 1, args=(str(tmp_path), cases), timeout=180)[0]
+    for family, zero in cases:
+        _close(got[(family, zero)][0], references[family], f"{family} one rank")
+
+
+def test_dp2_and_every_zero_stage_follow_a_plain_loop(references, tmp_path):
+    cases = [(f, z) for f in FAMILIES for z in (0, 1, 2, 3)]
+    got = run_distributed(_fit_all, 2, args=(str(tmp_path), cases), timeout=300)
+    for family, zero in cases:
+        _close(got[0][(family, zero)][0], references[family], f"{family} dp=2 zero={zero}")
+        _close(got[1][(family, zero)][0], got[0][(family, zero)][0], "ranks agree")
+    # throughput counts label tokens: more loss terms per second than samples
+    summary = got[0][("llama", 0)][1]
+    assert summary["tokens_per_s"] > 5 * summary["samples_seen"] / summary["train_time_s"]
+
+
+def test_the_loss_counts_label_tokens_only():
+    """Shifted inside, -100 skipped: the count is the labels after the first position
+    that are not -100, and the loss is their cross-entropy."""
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[-100, -100, 3, 4, 5], [1, 2, 3, -100, 6]])
+    loss, count = causal_lm_loss({"logits": logits}, labels)
+    assert int(count) == 3 + 3
+    want = sum(torch.nn.functional.cross_entropy(logits[b, t - 1], labels[b, t],
+                                                 reduction="sum")
+               for b in range(2) for t in range(1, 5) if labels[b, t] != -100)
+    torch.testing.assert_close(loss, want)
+    loss_tuple, _ = causal_lm_loss((logits,), labels)
+    torch.testing.assert_close(loss_tuple, loss)
+
+
+def test_a_mapping_batch_without_labels_or_targets_is_refused():
+    from disttrain.train.batch import split_batch
+
+    with pytest.raises(ValueError, match="labels"):
+        split_batch({"input_ids": torch.zeros(2, 3)})

@@ -15,6 +15,7 @@ from .config.schema import Config
 from .config.validate import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
                               scaled_lr)
 from .models.gpt import gpt_spec
+from .models.hf import hf_config_spec, is_hf
 from .spec import ModelSpec
 from .parallel.balance import check_balance
 from .parallel.pipeline.check import check_pipeline
@@ -25,10 +26,11 @@ from .parallel.tensor.check import check_tensor
 
 def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> RunPlan:
     """Validate the whole config for a job of ``world_size`` ranks training a model with
-    ``spec`` (default: the built-in GPT of ``config.model``); raises ConfigError (one
-    line: the field, the value, the fix)."""
+    ``spec`` (default: the model ``config.model`` names); raises ConfigError (one line:
+    the field, the value, the fix)."""
     check_sections(config)
-    spec = spec or gpt_spec(config.model)
+    spec = spec or (hf_config_spec(config.model) if is_hf(config.model)
+                    else gpt_spec(config.model))
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
     check_sync(config, layout)

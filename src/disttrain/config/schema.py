@@ -31,9 +31,16 @@ def config_key(f: Any) -> str:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The default decoder-only transformer (byte-level GPT)."""
+    """The model the command line trains: disttrain's byte-level GPT, or a Hugging Face
+    GPT-2 / Llama built with the same dimensions (random init, the `hf` extra)."""
 
-    name: str = _f("gpt", "model family", choices=("gpt",))
+    name: str = _f("gpt", "model family: gpt (disttrain's), gpt2 or llama (transformers "
+                   "models with these dimensions; pip install 'disttrain[hf]')",
+                   choices=("gpt", "gpt2", "llama"))
+    hf_config: str = _f("", "path to a transformers config.json: trains that model "
+                        "(random init) instead of model.name")
+    n_kv_head: int = _f(0, "llama: key/value heads (grouped-query attention); 0 = n_head",
+                        ge=0)
     vocab_size: int = _f(256, "vocabulary size (256 for byte-level tokens)", ge=2)
     seq_len: int = _f(128, "context length in tokens", ge=1)
     n_layer: int = _f(4, "number of transformer blocks", ge=1)

@@ -7,6 +7,7 @@ format) and :func:`resolve_batch` (the batch triple with its third member derive
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,19 @@ def _check_model(config: Config) -> None:
         raise ConfigError("model.d_model", m.d_model,
                           f"is not divisible by model.n_head={m.n_head}",
                           f"use a multiple of {m.n_head}")
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        raise ConfigError("model.n_kv_head", m.n_kv_head,
+                          f"does not divide model.n_head={m.n_head}",
+                          "use a divisor of n_head, or 0 for n_head")
+    hf = m.name != "gpt" or m.hf_config
+    if hf and importlib.util.find_spec("transformers") is None:
+        field, value = ("model.hf_config", m.hf_config) if m.hf_config else ("model.name",
+                                                                            m.name)
+        raise ConfigError(field, value, "needs the transformers package",
+                          "pip install 'disttrain[hf]' (or model.name=gpt)")
+    if m.hf_config and not Path(m.hf_config).expanduser().is_file():
+        raise ConfigError("model.hf_config", m.hf_config, "no such file",
+                          "point it at a transformers config.json")
 
 
 def _check_data(config: Config) -> None:

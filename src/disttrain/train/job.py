@@ -1,4 +1,5 @@
-"""The default job: the byte-level GPT on the prepared corpus."""
+"""The default job: the byte-level GPT (or a transformers GPT-2 / Llama of the same
+dimensions) on the prepared corpus."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from torch import nn
 from ..config import Config
 from ..data import TokenWindowDataset, collate_token_batch, corpus_from_config
 from ..models import GPT, flops_per_token, token_loss
+from ..models.hf import build_hf_model, hf_dimensions, is_hf, matmul_flops_per_token
+from .batch import LossFn
 from .trainer import Trainer
 
 
@@ -21,6 +24,7 @@ class DefaultJob:
     train_data: TokenWindowDataset
     eval_data: TokenWindowDataset
     flops_per_token: int
+    loss_fn: LossFn | None  # None: the causal-LM loss on the output's logits
 
 
 def build_default_job(config: Config) -> DefaultJob:
@@ -28,18 +32,24 @@ def build_default_job(config: Config) -> DefaultJob:
     corpus = corpus_from_config(config.data)
     seq_len = config.model.seq_len
     torch.manual_seed(config.train.seed)
-    model = GPT(config.model)
+    if is_hf(config.model):
+        model = build_hf_model(config.model)
+        flops = matmul_flops_per_token(model, *hf_dimensions(model, config.model))
+        loss_fn = None
+    else:
+        model = GPT(config.model)
+        flops, loss_fn = flops_per_token(config.model), token_loss
     return DefaultJob(model=model,
                       train_data=TokenWindowDataset(corpus.train_shards, seq_len),
                       eval_data=TokenWindowDataset(corpus.val_shards, seq_len),
-                      flops_per_token=flops_per_token(config.model))
+                      flops_per_token=flops, loss_fn=loss_fn)
 
 
 def train_default(config: Config, run_dir: str | Path | None = None,
                   progress: bool = True) -> dict[str, Any]:
     """Train the default model on the default data; return the summary."""
     job = build_default_job(config)
-    trainer = Trainer(job.model, job.train_data, token_loss, config,
+    trainer = Trainer(job.model, job.train_data, job.loss_fn, config,
                       eval_dataset=job.eval_data, collate_fn=collate_token_batch,
                       run_dir=run_dir, flops_per_token=job.flops_per_token,
                       progress=progress)

@@ -20,19 +20,19 @@ import copy
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from dp_vs_ddp import WARMUP_STEPS, _time_steps  # the same timing as the GPT bench
+
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.parallel.data import apply_data_parallel
 from disttrain.testing import run_distributed
 from disttrain.train.batch import loss_sum_and_terms, split_batch
 
-WARMUP_STEPS = 3
 Step = Callable[[dict], None]
 
 
@@ -51,13 +51,14 @@ def _model(family: str, hidden: int, layers: int, vocab: int, seq: int) -> torch
                                         bos_token_id=0, eos_token_id=0))
 
 
-def _batches(vocab: int, seq: int, micro_batch: int, n: int = 4) -> list[dict]:
+def _batches(vocab: int, seq: int, micro_batch: int, n: int = 4) -> list[tuple[dict]]:
+    """``n`` HF batches per rank, each a 1-tuple (the timing loop unpacks it)."""
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (micro_batch, seq), generator=g)
-        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                    "labels": ids.clone()})
+        out.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                     "labels": ids.clone()},))
     return out
 
 
@@ -86,18 +87,6 @@ def _ddp_step(model: torch.nn.Module, bucket_mb: float) -> Step:
         ddp(**raw).loss.backward()
         opt.step()
     return step
-
-
-def _time_steps(step: Step, batches: list, n: int) -> list[float]:
-    times = []
-    for i in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(batches[i % len(batches)])
-        elapsed = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return times
 
 
 def _bench(args: argparse.Namespace) -> dict:

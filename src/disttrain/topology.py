@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config.layout import AVAILABLE, Layout, resolve_layout
+from .config.layout import Layout
 from .errors import ConfigError
 
 MESH_AXES = ("pp", "dp", "tp")

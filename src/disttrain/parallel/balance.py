@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
-from ..topology import Layout
+from ..config.layout import Layout
 
 
 def check_balance(config: Config, layout: Layout) -> None:

@@ -25,7 +25,7 @@ from ..comm.collectives import Communicator
 from ..config.schema import CommConfig, Config, ParallelConfig
 from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
-from ..topology import Layout
+from ..config.layout import Layout
 from .data import DataParallel
 from .interfaces import GradSync, ShardedState
 from .placement import Placement

@@ -20,7 +20,6 @@ declared interfaces.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any

@@ -7,7 +7,7 @@ from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
 from ...names import SCHEDULE_INTERLEAVED
 from ...spec import ModelSpec
-from ...topology import Layout
+from ...config.layout import Layout
 from .schedules import validate_schedule
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...config.schema import Config
 from ...errors import ConfigError
 from ...names import CODEC_NONE, CODEC_SYNC_MODES, SYNC_ASYNC, SYNC_EVERY_STEP
-from ...topology import Layout
+from ...config.layout import Layout
 
 
 def check_sync(config: Config, layout: Layout) -> None:

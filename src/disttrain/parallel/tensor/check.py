@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...config.schema import Config
 from ...errors import ConfigError
 from ...spec import ModelSpec
-from ...topology import Layout
+from ...config.layout import Layout
 from .apply import check_divisible
 
 

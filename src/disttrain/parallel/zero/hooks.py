@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from ...comm.collectives import Communicator, TrackedWork
 from .flat import FlatParam, Unit, free, is_freed, materialize

@@ -2,7 +2,7 @@
 
     disttrain train [CONFIG] [--nproc N] [--set section.key=value ...] [--run-dir DIR]
     disttrain run [--nproc N] script.py [args ...]
-    disttrain export RUN_DIR --out model.safetensors
+    disttrain export RUN_DIR --out model.safetensors [--format hf]
     disttrain report RUN_DIR [--out DIR]
 
 Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
@@ -85,11 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(train)
 
     export = sub.add_parser(
-        "export", help="write a run's weights as one unsharded safetensors file",
+        "export", help="write a run's weights unsharded (safetensors, or a Hugging Face "
+        "directory)",
         description="Assemble the newest intact checkpoint of RUN_DIR into one safetensors "
-        "file, loadable with safetensors.torch.load_model into the plain model.")
+        "file, loadable with safetensors.torch.load_model into the plain model; with "
+        "--format hf (runs of transformers models), into a directory that "
+        "AutoModelForCausalLM.from_pretrained loads.")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
-    export.add_argument("--out", required=True, metavar="FILE", help="output .safetensors")
+    export.add_argument("--out", required=True, metavar="PATH",
+                        help="output .safetensors file (hf: output directory)")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors (default) or hf (config.json + model.safetensors)")
 
     run = sub.add_parser(
         "run", help="launch your own script on N workers, as torchrun does",
@@ -141,12 +147,13 @@ def _train(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
-    from .checkpoint.export import export_weights
+    from .checkpoint.export import export_hf, export_weights
 
     def warn(text: str) -> None:
         print(f"disttrain: warning: {text}", file=sys.stderr)
 
-    out, step = export_weights(Path(ns.run_dir), Path(ns.out), warn)
+    write = export_hf if ns.format == "hf" else export_weights
+    out, step = write(Path(ns.run_dir), Path(ns.out), warn)
     print(f"wrote {out} (step {step})")
     return 0
 

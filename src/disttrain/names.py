@@ -49,6 +49,7 @@ CONFIG_FILE = "config.toml"          # the resolved config; a resumed run starts
 METRICS_FILE = "metrics.jsonl"       # one MetricsRecord per logged step
 SUMMARY_FILE = "summary.json"        # written once, when the run finishes
 WEIGHTS_FILE = "model.safetensors"   # the final, unsharded weights
+MODEL_CONFIG_FILE = "model_config.json"  # the model's own config (transformers), for export
 TENSORBOARD_DIR = "tensorboard"      # event files, when tensorboard is installed
 TRACE_FILE = "trace.json"            # the merged Chrome-trace timeline of every rank
 REPORT_DIR = "report"                # `disttrain report`: PNGs and REPORT_FILE

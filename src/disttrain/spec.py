@@ -54,6 +54,9 @@ class ModelSpec:
     projection's parent that count heads (each tp rank then holds 1/tp of them). ``embedding_cost`` / ``block_costs`` / ``head_cost``:
     relative forward cost per token of each piece (any unit), for balanced pipeline
     cuts. ``flops_per_token``: training FLOPs per token (None: counted at run time).
+    ``sequence_divisor``: the dimension sequence parallelism splits. ``config_json``:
+    the model's own configuration (a transformers ``config.json``), kept in the run
+    directory so the weights can be exported in the model's own format.
     """
 
     blocks: str | None
@@ -71,6 +74,7 @@ class ModelSpec:
     head_cost: float = 0.0
     flops_per_token: int | None = None
     sequence_divisor: Divisor | None = None
+    config_json: str | None = None
 
     @property
     def can_pipeline(self) -> bool:

@@ -152,3 +152,52 @@ def test_a_mapping_batch_without_labels_or_targets_is_refused():
 
     with pytest.raises(ValueError, match="labels"):
         split_batch({"input_ids": torch.zeros(2, 3)})
+
+
+def _fit_and_logits(root: str) -> dict:
+    """Train each family on one rank with a checkpoint at the end; its final logits."""
+    from disttrain import Trainer
+
+    ids = torch.tensor(_rows()[0]["input_ids"]).unsqueeze(0)
+    out = {}
+    for family in FAMILIES:
+        model = _model(family)
+        Trainer(model, _rows(), config={
+            "train": {**TRAIN, "steps": 3}, "checkpoint": {"every": 3, "async": False},
+            "monitor": {"peak_tflops": 1.0}}, run_dir=f"{root}/{family}",
+            progress=False).fit()
+        with torch.no_grad():
+            out[family] = model.eval()(input_ids=ids).logits
+    return out
+
+
+def test_export_hf_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
+    """config.json + safetensors under the model's own names; GPT-2's tied head is
+    stored once and tied again by from_pretrained."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.cli import main
+
+    got = run_distributed(_fit_and_logits, 1, args=(str(tmp_path),), timeout=180)[0]
+    ids = torch.tensor(_rows()[0]["input_ids"]).unsqueeze(0)
+    for family in FAMILIES:
+        out = tmp_path / f"{family}-hf"
+        assert main(["export", str(tmp_path / family), "--format", "hf",
+                     "--out", str(out)]) == 0
+        loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, got[family],
+                                       atol=0, rtol=0)
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+        if family == "gpt2":
+            assert "lm_head.weight" not in keys and "transformer.wte.weight" in keys
+
+
+def test_export_hf_of_a_run_without_a_model_config_is_refused(tmp_path, capsys):
+    from disttrain.cli import main
+
+    assert main(["export", str(tmp_path), "--format", "hf", "--out",
+                 str(tmp_path / "out")]) == 2
+    assert "--format hf" in capsys.readouterr().err

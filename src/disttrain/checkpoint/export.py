@@ -1,4 +1,5 @@
-"""One consolidated, unsharded safetensors file of a run's model weights."""
+"""A run's model weights, unsharded: one safetensors file, or a Hugging Face directory
+(``config.json`` + ``model.safetensors``) that ``from_pretrained`` loads."""
 
 from __future__ import annotations
 
@@ -8,26 +9,56 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ..errors import UserError
-from .manager import find_checkpoint, open_checkpoint
+from ..names import MODEL_CONFIG_FILE
+from .manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
 from .state import MODEL
+
+
+def _newest(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
+    if not Path(run_dir).is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} does not exist")
+    directory = find_checkpoint(Path(run_dir), warn)
+    if directory is None:
+        raise UserError(f"{run_dir} holds no checkpoint (train with checkpoint.every > 0)")
+    return open_checkpoint(directory)
+
+
+def _write(tensors: dict, out: Path, metadata: dict[str, str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(out)
+
+
+def _model_tensors(ckpt: LoadedCheckpoint) -> dict:
+    """Every ``model/...`` tensor under its plain parameter name (a tied weight once,
+    under its first name)."""
+    return {name[len(MODEL):]: ckpt.reader.tensor(name).contiguous()
+            for name in ckpt.reader.names(MODEL)}
 
 
 def export_weights(run_dir: Path, out: Path, warn: Callable[[str], None]) -> tuple[Path, int]:
     """Assemble every ``model/...`` tensor of the newest intact checkpoint of ``run_dir``
     into ``out`` under its plain parameter name (load it with
     ``safetensors.torch.load_model(model, out)``). Returns (out, step)."""
-    if not Path(run_dir).is_dir():
-        raise UserError(f"run directory {str(run_dir)!r} does not exist")
-    directory = find_checkpoint(Path(run_dir), warn)
-    if directory is None:
-        raise UserError(f"{run_dir} holds no checkpoint (train with checkpoint.every > 0)")
-    ckpt = open_checkpoint(directory)
-    tensors = {name[len(MODEL):]: ckpt.reader.tensor(name).contiguous()
-               for name in ckpt.reader.names(MODEL)}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".part")
-    save_file(tensors, str(tmp), metadata={"format": "disttrain-export",
-                                           "step": str(ckpt.step)})
-    tmp.replace(out)
-    return out, ckpt.step
+    ckpt = _newest(run_dir, warn)
+    _write(_model_tensors(ckpt), Path(out), {"format": "disttrain-export",
+                                             "step": str(ckpt.step)})
+    return Path(out), ckpt.step
+
+
+def export_hf(run_dir: Path, out_dir: Path, warn: Callable[[str], None]) -> tuple[Path, int]:
+    """``out_dir/config.json`` (the model's own config, kept by the run) and
+    ``out_dir/model.safetensors`` (the newest checkpoint's weights under the model's own
+    parameter names, tied weights stored once): what
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Returns (out_dir, step)."""
+    config = Path(run_dir) / MODEL_CONFIG_FILE
+    if Path(run_dir).is_dir() and not config.is_file():
+        raise UserError(f"{run_dir} has no {MODEL_CONFIG_FILE}: --format hf exports runs "
+                        "of transformers models (use the default format for others)")
+    ckpt = _newest(run_dir, warn)
+    out_dir = Path(out_dir)
+    _write(_model_tensors(ckpt), out_dir / "model.safetensors", {"format": "pt"})
+    (out_dir / "config.json").write_text(config.read_text(encoding="utf-8"),
+                                         encoding="utf-8")
+    return out_dir, ckpt.step

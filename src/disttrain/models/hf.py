@@ -10,10 +10,13 @@ stage apply (ZeRO's units are the model's block list); ``parallel.tp`` / ``paral
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 from torch import nn
 
 from ..config.schema import ModelConfig
-from ..spec import ModelSpec
+from ..spec import ModelSpec, generic_spec, register_spec
 
 
 def is_hf(cfg: ModelConfig) -> bool:
@@ -65,6 +68,18 @@ def hf_dimensions(model: nn.Module, cfg: ModelConfig) -> tuple[int, int, int]:
     c = model.config
     return cfg.seq_len, int(c.num_hidden_layers), int(c.hidden_size)
 
+
+def _recognise(model: nn.Module) -> ModelSpec | None:
+    """A transformers model (only if transformers is already imported: a model of it
+    cannot exist otherwise): its block list for ZeRO and checkpointing, its config."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    return dataclasses.replace(generic_spec(model),
+                               config_json=model.config.to_json_string())
+
+
+register_spec(_recognise)
 
 __all__ = ["build_hf_model", "hf_config_spec", "hf_dimensions", "is_hf",
            "matmul_flops_per_token"]

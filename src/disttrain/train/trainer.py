@@ -41,7 +41,8 @@ from ..monitor.stats import StragglerDetector, StepStats, measure_peak_flops
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
-from ..names import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, TRACE_FILE, trace_rank_file
+from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, TENSORBOARD_DIR,
+                     TRACE_FILE, trace_rank_file)
 from ..parallel.balance import BatchSplitter, micro_batch_sizes
 from ..parallel.compose import PARAMETER_SERVER, PIPELINE, PLAIN, Groups, compose
 from ..topology import Topology, build_topology
@@ -174,6 +175,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             rundir.write_text_atomic(self.run_dir / CONFIG_FILE,
                                      config_to_toml(self.config, self.plan))
+            if self.spec.config_json is not None:
+                rundir.write_text_atomic(self.run_dir / MODEL_CONFIG_FILE,
+                                         self.spec.config_json)
         self.bar = ProgressBar(self.config.train.steps, enabled=main, show_bar=self.progress,
                                every=self.config.train.log_every)
         peak = (mon.peak_tflops * 1e12 if mon.peak_tflops

@@ -29,17 +29,8 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def buffer_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent buffers only (ZeRO saves parameters as shards)."""
-    persistent = set(model.state_dict().keys())
-    return {MODEL + canonical_name(n): b.detach() for n, b in model.named_buffers()
-            if canonical_name(n) in persistent}
 
 
-def restore_buffers(reader: ShardReader, model: nn.Module) -> None:
-    with torch.no_grad():
-        for name, t in buffer_tensors(model).items():
-            t.copy_(reader.tensor(name))
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -79,8 +70,6 @@ def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     return owners
 
 
-def restore_model(reader: ShardReader, model: nn.Module) -> None:
-    restore_named(reader, model_tensors(model))
 
 
 def restore_named(reader: ShardReader, tensors: dict[str, torch.Tensor],

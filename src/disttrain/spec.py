@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,11 +48,19 @@ class ModelSpec:
     runs before the blocks (embeddings) and after them (final norm, head); with
     ``embed`` and ``finish`` they let a pipeline cut the model: ``embed(m, inputs)``
     and ``finish(m, hidden)`` are called on a module that holds those submodules under
-    the same paths. ``hidden_size``: the last dimension of the activations between
+    the same paths. Without ``embed`` / ``finish``, a pipeline runs the model's own
+    forward on each stage with stand-ins (see :mod:`disttrain.parallel.pipeline.stages`):
+    ``inject`` names the ``before`` module whose output is the first hidden state
+    (later stages substitute the activation they receive for it), and ``probe`` holds
+    example keyword inputs used to check, once, that such a cut computes what the whole
+    model computes. ``hidden_size``: the last dimension of the activations between
     blocks. ``tied``: (owner, copy) parameter names of tied weights.
     ``tp_plan``: module-name pattern -> tensor-parallel style. ``tp_divisors``: the
-    dimensions tp must divide. ``tp_head_attrs``: integer attributes of a fused qkv
-    projection's parent that count heads (each tp rank then holds 1/tp of them). ``embedding_cost`` / ``block_costs`` / ``head_cost``:
+    dimensions tp must divide. ``tp_head_attrs``: ``"module-pattern.attribute"``
+    entries naming integer attributes of attention modules that count heads or their
+    total width (each tp rank then holds 1/tp of them). ``tp_transposed``: module-name patterns of modules that store their weight
+    as [in, out] and compute x @ W + b (GPT-2's ``Conv1D``); their shards keep that
+    layout. ``embedding_cost`` / ``block_costs`` / ``head_cost``:
     relative forward cost per token of each piece (any unit), for balanced pipeline
     cuts. ``flops_per_token``: training FLOPs per token (None: counted at run time).
     ``sequence_divisor``: the dimension sequence parallelism splits. ``config_json``:
@@ -64,11 +73,15 @@ class ModelSpec:
     after: tuple[str, ...] = ()
     embed: Piece | None = None
     finish: Piece | None = None
+    inject: str | None = None
+    probe: Mapping[str, Any] | None = None
+    call_kwargs: Mapping[str, Any] | None = None
     hidden_size: int = 0
     tied: tuple[tuple[str, str], ...] = ()
     tp_plan: Mapping[str, str] | None = None
     tp_divisors: tuple[Divisor, ...] = ()
     tp_head_attrs: tuple[str, ...] = ()
+    tp_transposed: tuple[str, ...] = ()
     embedding_cost: float = 0.0
     block_costs: tuple[float, ...] = ()
     head_cost: float = 0.0
@@ -78,8 +91,8 @@ class ModelSpec:
 
     @property
     def can_pipeline(self) -> bool:
-        return (self.blocks is not None and self.embed is not None
-                and self.finish is not None and self.hidden_size > 0)
+        pieces = (self.embed is not None and self.finish is not None) or self.inject
+        return self.blocks is not None and bool(pieces) and self.hidden_size > 0
 
     @property
     def n_blocks(self) -> int:
@@ -104,6 +117,19 @@ def generic_spec(model: nn.Module) -> ModelSpec:
                 None)
     blocks = model.get_submodule(name) if name is not None else None
     return ModelSpec(blocks=name, block_costs=(1.0,) * (len(blocks) if blocks else 0))
+
+
+def output_logits(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, the first of a tuple, or the
+    ``logits`` entry of a mapping (a Hugging Face model output is one)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return outputs["logits"]
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0]
+    raise TypeError(f"cannot find logits in a {type(outputs).__name__}; return a tensor, "
+                    "a tuple, or an object with 'logits', or pass loss_fn")
 
 
 _RECOGNISERS: list[Callable[[nn.Module], ModelSpec | None]] = []

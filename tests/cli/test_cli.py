@@ -54,11 +54,12 @@ BAD = [
     (["train", "--set", "noequals"], "noequals"),
     (["train", "--bogus-flag"], "--bogus-flag"),
     (["run", "no_such_script.py"], "no_such_script.py"),
-    # a transformers model has no tensor plan / pipeline cut yet: refused before launch
-    (["train", "--nproc", "2", "--set", "model.name=gpt2", "--set", "parallel.tp=2"],
-     "parallel.tp"),
-    (["train", "--nproc", "2", "--set", "model.name=llama", "--set", "parallel.pp=2"],
-     "parallel.pp"),
+    # grouped-query attention: tp must divide the key/value heads
+    (["train", "--nproc", "4", "--set", "model.name=llama", "--set", "model.n_head=4",
+      "--set", "model.n_kv_head=2", "--set", "parallel.tp=4"], "model.n_kv_head"),
+    # a transformers model's forward reshapes by the full sequence: no sequence parallelism
+    (["train", "--nproc", "2", "--set", "model.name=gpt2", "--set", "parallel.tp=2",
+      "--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["train", "--set", "model.hf_config=/no/such/config.json"], "model.hf_config"),
 ]
 
@@ -87,6 +88,51 @@ def test_a_transformers_model_trains_from_the_command_line(cache_env, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["model_flops_per_s"] > 0  # FLOPs per token from the model's shapes
+
+
+def test_a_model_without_a_tensor_plan_is_refused_before_launch(cache_env, tmp_path):
+    """An OPT config (attention out_proj, MLP fc1 / fc2: neither known block shape)
+    with tp=2: exit 2, one line naming parallel.tp and what to pass, no worker."""
+    transformers = pytest.importorskip("transformers")
+    transformers.OPTConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                           ffn_dim=64, num_attention_heads=2, max_position_embeddings=32,
+                           word_embed_proj_dim=32).save_pretrained(tmp_path / "opt")
+    proc = run_cli(["train", "--nproc", "2", "--set",
+                    f"model.hf_config={tmp_path / 'opt' / 'config.json'}",
+                    "--set", "parallel.tp=2"], cache_env, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallel.tp" in lines[0] and "plan" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gpt2_trained_with_tensor_parallelism_exports_for_from_pretrained(cache_env,
+                                                                          tmp_path):
+    """model.name=gpt2 with tp=2 from the command line (its Conv1D weights sharded in
+    their own layout, the tied head on vocabulary shards), then export --format hf: the
+    weights load with from_pretrained and the held-out loss fell."""
+    transformers = pytest.importorskip("transformers")
+    run_dir = tmp_path / "gpt2"
+    proc = run_cli(["train", "--nproc", "2", *TINY, "--set", "model.name=gpt2",
+                    "--set", "parallel.tp=2", "--set", "train.steps=12",
+                    "--set", "checkpoint.every=12", "--run-dir", str(run_dir), "--quiet"],
+                   cache_env)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    out = tmp_path / "hf"
+    proc = run_cli(["export", str(run_dir), "--format", "hf", "--out", str(out)], cache_env)
+    assert proc.returncode == 0, proc.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    final = load_file_tensors(run_dir / "model.safetensors")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), final[name], atol=0, rtol=0)
+
+
+def load_file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
 
 
 def test_without_transformers_the_setting_names_the_extra(monkeypatch):

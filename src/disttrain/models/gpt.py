@@ -149,7 +149,7 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
         blocks="blocks", before=("tok_emb", "pos_emb", "drop"), after=("ln_f", "head"),
         embed=gpt_embed, finish=gpt_finish, hidden_size=d,
         tied=(("tok_emb.weight", "head.weight"),), tp_plan=GPT_TP_PLAN,
-        tp_head_attrs=("n_head",),
+        tp_head_attrs=("blocks.*.attn.n_head",),
         tp_divisors=(Divisor("model.n_head", cfg.n_head, cfg.n_head, "attention heads"),
                      Divisor("model.d_model", d, 4 * d, "MLP width 4 x d_model"),
                      Divisor("model.vocab_size", vocab, vocab, "vocabulary rows")),

@@ -1,22 +1,43 @@
-"""Hugging Face ``transformers`` causal-LM models built from ``[model]`` (random init,
-nothing downloaded), for the command line's ``model.name = gpt2 | llama`` and
-``model.hf_config``. ``transformers`` is imported only when one is built (the ``hf``
-extra); validation refuses these settings without it.
+"""Hugging Face ``transformers`` causal-LM models: built from ``[model]`` (random init,
+nothing downloaded) for the command line's ``model.name = gpt2 | llama`` and
+``model.hf_config``, and recognised (any of them, however built) by their module
+structure, so every strategy applies to them. ``transformers`` is imported only when
+one is built (the ``hf`` extra); validation refuses these settings without it.
 
-Their spec has no tensor plan and no pipeline cut yet: data parallelism and every ZeRO
-stage apply (ZeRO's units are the model's block list); ``parallel.tp`` / ``parallel.pp``
-> 1 are refused before launch.
+:func:`hf_spec` reads a model's structure, never its class name:
+
+- the block list is the model's first ``nn.ModuleList``; what its parent registers
+  before it (embeddings, their dropout) runs before the blocks, what comes after it
+  (final norm) and the output head after them; modules without parameters (a rotary
+  embedding) stay with every stage. A pipeline runs the model's own forward on each
+  stage (see :class:`~disttrain.parallel.pipeline.PipelineChunk`), checked once
+  against the whole model;
+- a tensor-parallel plan when the blocks have one of two known shapes: separate
+  ``q_proj / k_proj / v_proj / o_proj`` and ``gate_proj / up_proj / down_proj`` (or
+  ``up_proj / down_proj``) linear layers, as in the Llama family (Mistral, Qwen2, ...;
+  grouped-query attention: tp must divide the key/value heads), or a fused ``c_attn``
+  with ``c_proj``, ``c_fc`` / ``c_proj`` stored as [in, out] (GPT-2's ``Conv1D``), cut
+  per head. The token embedding and the output head are sharded over the vocabulary
+  and the loss is computed on the shards. Sequence parallelism does not apply (their
+  forward reshapes activations by the full sequence length).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
+from typing import Any
 
+import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
-from ..spec import ModelSpec, generic_spec, register_spec
+from ..spec import Divisor, ModelSpec, generic_spec, register_spec
+
+# dimension -> the [model] key that sets it, for messages (model.name = gpt2 | llama)
+_MODEL_FIELDS = {"heads": "model.n_head", "kv_heads": "model.n_kv_head",
+                 "mlp": "model.d_model", "vocab": "model.vocab_size"}
 
 
 def is_hf(cfg: ModelConfig) -> bool:
@@ -45,9 +66,13 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
 
 
 def hf_config_spec(cfg: ModelConfig) -> ModelSpec:
-    """What validation knows of such a model before building it: no tensor plan, no
-    pipeline cut (so tp / pp > 1 are refused with the fix)."""
-    return ModelSpec(blocks=None, block_costs=(1.0,) * cfg.n_layer)
+    """What validation knows of such a model before any worker starts: the spec of the
+    model built on the meta device (no memory, no initialisation)."""
+    with torch.device("meta"):
+        model = build_hf_model(cfg)
+    fields = (dict.fromkeys(_MODEL_FIELDS, "model.hf_config") if cfg.hf_config
+              else _MODEL_FIELDS)
+    return hf_spec(model, fields=fields)
 
 
 def matmul_flops_per_token(model: nn.Module, seq_len: int, n_layer: int,
@@ -69,17 +94,221 @@ def hf_dimensions(model: nn.Module, cfg: ModelConfig) -> tuple[int, int, int]:
     return cfg.seq_len, int(c.num_hidden_layers), int(c.hidden_size)
 
 
+def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelSpec:
+    """The spec of a transformers causal LM, from its module structure (see the module
+    docstring). ``fields``: the config keys named in tp refusals."""
+    spec = dataclasses.replace(generic_spec(model),
+                               config_json=model.config.to_json_string(),
+                               call_kwargs=_no_cache(model))
+    if spec.blocks is None:
+        return spec
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if id(embedding) not in names or (head is not None and id(head) not in names):
+        return spec
+    before, after = _around_blocks(model, spec.blocks)
+    emb_path = names[id(embedding)]
+    if emb_path not in before:
+        return spec
+    hidden = int(embedding.embedding_dim)
+    vocab = int(embedding.num_embeddings)
+    blocks = model.get_submodule(spec.blocks)
+    seq = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    block_costs = tuple(float(2 * _matmul_params(b) + 4 * seq * hidden) for b in blocks)
+    spec = dataclasses.replace(
+        spec, before=before, after=after, inject=emb_path, hidden_size=hidden,
+        tied=_tied(model, before, after),
+        probe={"input_ids": (torch.arange(8) % vocab).unsqueeze(0),
+               **(spec.call_kwargs or {})},
+        embedding_cost=float(hidden), block_costs=block_costs,
+        head_cost=float(2 * hidden * vocab + 5 * vocab))
+    if not _covers(model, spec):
+        spec = dataclasses.replace(spec, inject=None)  # parameters outside the cut
+    tp = _tp_layout(model, spec, names.get(id(head)) if head is not None else None,
+                    emb_path, fields or {})
+    return dataclasses.replace(spec, **tp) if tp else spec
+
+
+def _no_cache(model: nn.Module) -> dict[str, Any]:
+    """``use_cache=False`` for a model whose forward takes it: training builds no
+    key/value cache (which recomputation would otherwise write twice)."""
+    params = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
+def _around_blocks(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Modules run before / after the block list: the children of each container on
+    the path to it, split by whether they are registered before or after that path;
+    modules without parameters other than dropout are left out (they stay, shared, on
+    every stage)."""
+    before: list[str] = []
+    after: list[str] = []
+    parts = blocks.split(".")
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        node = model.get_submodule(prefix)
+        on_path, seen = parts[depth], False
+        for name, child in node.named_children():
+            if name == on_path:
+                seen = True
+                continue
+            if not _has_params(child) and not isinstance(child, nn.Dropout):
+                continue
+            path = f"{prefix}.{name}" if prefix else name
+            (after if seen else before).append(path)
+    # outer containers' "before" come first, their "after" last
+    inner_first = sorted(after, key=lambda p: -p.count("."))
+    return tuple(sorted(before, key=lambda p: p.count("."))), tuple(inner_first)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _matmul_params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters() if p.dim() == 2)
+
+
+def _tied(model: nn.Module, before: tuple[str, ...], after: tuple[str, ...]
+          ) -> tuple[tuple[str, str], ...]:
+    """(owner, copy) names of parameters shared by a module before the blocks and one
+    after them (an output head tied to the token embedding)."""
+    first: dict[int, str] = {}
+    for path in before:
+        for n, p in model.get_submodule(path).named_parameters():
+            first.setdefault(id(p), f"{path}.{n}")
+    pairs = []
+    for path in after:
+        for n, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                pairs.append((first[id(p)], f"{path}.{n}"))
+    return tuple(pairs)
+
+
+def _covers(model: nn.Module, spec: ModelSpec) -> bool:
+    """Every parameter lies in the blocks or in a module before / after them."""
+    held = {id(p) for path in (*spec.before, *spec.after, spec.blocks)
+            for p in model.get_submodule(path).parameters()}
+    return all(id(p) in held for p in model.parameters())
+
+
+def _tp_layout(model: nn.Module, spec: ModelSpec, head: str | None, embedding: str,
+               fields: dict[str, str]) -> dict[str, Any] | None:
+    """The plan, divisors and head attributes for a Llama-like or GPT-2-like block
+    structure (None for any other)."""
+    blocks = list(model.get_submodule(spec.blocks))
+    first = {n: m for n, m in blocks[0].named_modules()}
+    if any({n for n, _ in b.named_modules()} != set(first) for b in blocks[1:]):
+        return None
+    config = model.config
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
+    if heads <= 0:
+        return None
+    layout = _llama_like(first, heads) or _gpt2_like(first, heads)
+    if layout is None:
+        return None
+    plan, transposed, attrs, mlp_width = layout
+    prefix = f"{spec.blocks}.*."
+    full_plan = {embedding: "vocab", **{prefix + n: s for n, s in plan.items()}}
+    if head is not None:
+        full_plan[head] = "vocab_head"
+    vocab = int(model.get_submodule(embedding).num_embeddings)
+    divisors = [Divisor(fields.get("heads", "num_attention_heads"), heads, heads,
+                        "attention heads"),
+                Divisor(fields.get("mlp", "intermediate_size"), mlp_width, mlp_width,
+                        "MLP width"),
+                Divisor(fields.get("vocab", "vocab_size"), vocab, vocab, "vocabulary rows")]
+    if kv_heads != heads:
+        divisors.insert(1, Divisor(fields.get("kv_heads", "num_key_value_heads"),
+                                   kv_heads, kv_heads, "key/value heads"))
+    return {"tp_plan": full_plan, "tp_divisors": tuple(divisors),
+            "tp_transposed": tuple(prefix + n for n in transposed),
+            "tp_head_attrs": tuple(prefix + a for a in attrs)}
+
+
+def _linear(m: nn.Module | None) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def _sibling(modules: dict[str, nn.Module], suffix: str) -> list[str]:
+    return [n for n in modules if n.rpartition(".")[2] == suffix]
+
+
+def _llama_like(modules: dict[str, nn.Module], heads: int
+                ) -> tuple[dict[str, str], list[str], list[str], int] | None:
+    """q/k/v/o projections under one parent, gate/up/down (or up/down) under another,
+    all ``nn.Linear``."""
+    q = _sibling(modules, "q_proj")
+    up = _sibling(modules, "up_proj")
+    if len(q) != 1 or len(up) != 1:
+        return None
+    attn, mlp = q[0].rpartition(".")[0], up[0].rpartition(".")[0]
+    join = (lambda parent, leaf: f"{parent}.{leaf}" if parent else leaf)
+    attn_names = {s: join(attn, s) for s in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    mlp_names = {s: join(mlp, s) for s in ("gate_proj", "up_proj", "down_proj")}
+    if not all(_linear(modules.get(n)) for n in attn_names.values()):
+        return None
+    if not (_linear(modules.get(mlp_names["up_proj"]))
+            and _linear(modules.get(mlp_names["down_proj"]))):
+        return None
+    plan = {attn_names["q_proj"]: "colwise", attn_names["k_proj"]: "colwise",
+            attn_names["v_proj"]: "colwise", attn_names["o_proj"]: "rowwise",
+            mlp_names["up_proj"]: "colwise", mlp_names["down_proj"]: "rowwise"}
+    if mlp_names["gate_proj"] in modules:
+        if not _linear(modules[mlp_names["gate_proj"]]):
+            return None
+        plan[mlp_names["gate_proj"]] = "colwise"
+    parent = modules[attn] if attn else None
+    # older transformers versions reshape by these counts; newer ones by -1
+    attrs = [join(attn, a) for a in ("num_heads", "num_key_value_heads", "hidden_size")
+             if isinstance(getattr(parent, a, None), int)]
+    return plan, [], attrs, int(modules[mlp_names["up_proj"]].out_features)
+
+
+def _gpt2_like(modules: dict[str, nn.Module], heads: int
+               ) -> tuple[dict[str, str], list[str], list[str], int] | None:
+    """A fused ``c_attn`` (q | k | v) and ``c_proj`` under one parent, ``c_fc`` and
+    ``c_proj`` under another; weights [in, out] (or [out, in] when ``nn.Linear``)."""
+    qkv = _sibling(modules, "c_attn")
+    fc = _sibling(modules, "c_fc")
+    if len(qkv) != 1 or len(fc) != 1:
+        return None
+    attn, mlp = qkv[0].rpartition(".")[0], fc[0].rpartition(".")[0]
+    names = [qkv[0], f"{attn}.c_proj", fc[0], f"{mlp}.c_proj"]
+    mods = [modules.get(n) for n in names]
+    weights = [getattr(m, "weight", None) for m in mods]
+    if any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        return None
+    linear = [_linear(m) for m in mods]
+    if any(linear) and not all(linear):
+        return None
+    transposed = [] if all(linear) else names
+    out_dim = 0 if all(linear) else 1
+    width = int(weights[0].shape[1 - out_dim])
+    if int(weights[0].shape[out_dim]) != 3 * width:
+        return None
+    parent = modules[attn]
+    attrs = [f"{attn}.{a}" for a in ("num_heads", "split_size")
+             if isinstance(getattr(parent, a, None), int)]
+    if not any(a.endswith("split_size") for a in attrs):
+        return None  # nothing says how the fused output splits into q, k, v
+    plan = {names[0]: "colwise_qkv", names[1]: "rowwise", names[2]: "colwise",
+            names[3]: "rowwise"}
+    return plan, transposed, attrs, int(weights[2].shape[out_dim])
+
+
 def _recognise(model: nn.Module) -> ModelSpec | None:
     """A transformers model (only if transformers is already imported: a model of it
-    cannot exist otherwise): its block list for ZeRO and checkpointing, its config."""
+    cannot exist otherwise)."""
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
-    return dataclasses.replace(generic_spec(model),
-                               config_json=model.config.to_json_string())
+    return hf_spec(model)
 
 
 register_spec(_recognise)
 
-__all__ = ["build_hf_model", "hf_config_spec", "hf_dimensions", "is_hf",
+__all__ = ["build_hf_model", "hf_config_spec", "hf_dimensions", "hf_spec", "is_hf",
            "matmul_flops_per_token"]

@@ -59,8 +59,9 @@ class Parallelized:
     between steps (``train.sync``); ``step``: the kind of step (:data:`PLAIN`,
     :data:`PIPELINE`, :data:`PARAMETER_SERVER`); ``mp``: the pipeline / tensor layout
     (None when pp = tp = 1); ``strategy``: the data-parallel strategy's name;
-    ``loss_fn``: the loss the module's outputs need instead of the user's (the
-    vocabulary-parallel loss on tp-sharded logits), or None.
+    ``token_loss``: the per-token loss the module's outputs need (the
+    vocabulary-parallel cross-entropy when the output head is sharded over tp), or None
+    for the ordinary one.
     """
 
     module: nn.Module
@@ -73,7 +74,7 @@ class Parallelized:
     strategy: str
     groups: Groups
     zero_stage: int = 0
-    loss_fn: Callable[[Any, Any], Any] | None = None  # what the module's outputs need
+    token_loss: Callable[..., Any] | None = None  # what the module's outputs need
 
     def describe(self) -> str:
         """This rank's part, in one line (for the start-up banner)."""
@@ -138,7 +139,8 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     return Parallelized(module=module, grads=grads, state=state, sync=sync, step=step,
                         mp=mp, placement=placement, strategy=strategy.name, groups=groups,
                         zero_stage=lay.zero,
-                        loss_fn=mp.tp.loss_fn if mp is not None and mp.tp else None)
+                        token_loss=(mp.tp.token_loss if mp is not None and mp.tp
+                                    and mp.tp.vocab_sharded else None))
 
 
 def _units(model: nn.Module, spec: ModelSpec, mp: ModelParallel | None) -> list[Unit]:
@@ -148,6 +150,6 @@ def _units(model: nn.Module, spec: ModelSpec, mp: ModelParallel | None) -> list[
     if mp is None or not mp.chunks:
         blocks = block_list(model, spec)
         return build_units([(0, model, list(blocks) if blocks is not None else [])])
-    scopes = [(c.index, c, list(c.get_submodule(spec.blocks).values())) for c in mp.chunks]
+    scopes = [(c.index, c, c.chunk_blocks()) for c in mp.chunks]
     tied = {id(w) for c in mp.chunks for w, _ in c.tied_weights()}
     return build_units(scopes, separate=tied)

@@ -25,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from ..spec import output_logits as model_logits
 from ..targets import IGNORE_INDEX, LABEL_IGNORE_INDEX
 
 LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
+# (logits [B, T, V], targets [B, T], ignored id) -> (summed loss, counted positions)
+TokenLoss = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 LABELS, TARGETS = "labels", "targets"
 
 
@@ -55,24 +58,30 @@ class Batch:
                              "passes one tensor between stages")
         return inputs[0]
 
-    def default_loss(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The causal-LM loss (summed) and its token count for these targets."""
+    def default_loss(self, outputs: Any, token_loss: TokenLoss | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal-LM loss (summed) and its token count for these targets;
+        ``token_loss`` computes it from the logits (default :func:`token_loss_on`; the
+        vocabulary-parallel loss when the logits are sharded)."""
         if self.labels:
-            return causal_lm_loss(outputs, self.targets)
-        return token_loss_on(model_logits(outputs), self.targets, IGNORE_INDEX)
+            return causal_lm_loss(outputs, self.targets, token_loss)
+        return (token_loss or token_loss_on)(model_logits(outputs), self.targets,
+                                             IGNORE_INDEX)
 
 
-def split_batch(batch: Any) -> Batch:
-    """A collated batch (a pair, or a mapping) as a :class:`Batch`."""
+def split_batch(batch: Any, extra: Mapping[str, Any] | None = None) -> Batch:
+    """A collated batch (a pair, or a mapping) as a :class:`Batch`; ``extra``: keyword
+    arguments added to the model's (the spec's ``call_kwargs``)."""
+    extra = dict(extra or {})
     if isinstance(batch, Mapping):
         key = LABELS if LABELS in batch else TARGETS if TARGETS in batch else None
         if key is None:
             raise ValueError(f"a mapping batch needs '{LABELS}' (or '{TARGETS}') for the "
                              f"loss; it has {', '.join(batch)}")
         kwargs = {k: v for k, v in batch.items() if k not in (LABELS, TARGETS)}
-        return Batch((), kwargs, batch[key], labels=key == LABELS)
+        return Batch((), {**kwargs, **extra}, batch[key], labels=key == LABELS)
     inputs, targets = batch
-    return Batch((inputs,), {}, targets)
+    return Batch((inputs,), extra, targets)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -95,19 +104,6 @@ def collate_samples(samples: Sequence[Any]) -> Any:
     return default_collate(samples)
 
 
-def model_logits(outputs: Any) -> torch.Tensor:
-    """The logits in a model's output: the tensor itself, the first of a tuple, or the
-    ``logits`` entry of a mapping (a Hugging Face model output is one)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):
-        return outputs["logits"]
-    if isinstance(outputs, (tuple, list)):
-        return outputs[0]
-    raise TypeError(f"cannot find logits in a {type(outputs).__name__}; return a tensor, "
-                    "a tuple, or an object with 'logits', or pass loss_fn")
-
-
 def token_loss_on(logits: torch.Tensor, targets: torch.Tensor, ignore: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of logits [B, T, V] against targets [B, T] and the number
@@ -117,19 +113,23 @@ def token_loss_on(logits: torch.Tensor, targets: torch.Tensor, ignore: int
     return loss, (targets != ignore).sum()
 
 
-def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss(outputs: Any, labels: torch.Tensor, token_loss: TokenLoss | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss on Hugging Face labels [B, T] (unshifted; -100 ignored): position
     t's logits predict labels[t + 1]; summed, with the number of counted tokens."""
     logits = model_logits(outputs)
-    return token_loss_on(logits[:, :-1], labels[:, 1:], LABEL_IGNORE_INDEX)
+    return (token_loss or token_loss_on)(logits[:, :-1], labels[:, 1:],
+                                         LABEL_IGNORE_INDEX)
 
 
-def loss_sum_and_terms(loss_fn: LossFn | None, outputs: Any, batch: Batch
+def loss_sum_and_terms(loss_fn: LossFn | None, outputs: Any, batch: Batch,
+                       token_loss: TokenLoss | None = None
                        ) -> tuple[torch.Tensor, int, bool]:
     """(summed loss, loss terms, whether terms are samples): ``loss_fn`` returns a
-    micro-batch mean or a (sum, count) pair; None is the batch's default loss."""
-    result = batch.default_loss(outputs) if loss_fn is None else loss_fn(outputs,
-                                                                        batch.targets)
+    micro-batch mean or a (sum, count) pair; None is the batch's default loss (computed
+    by ``token_loss``)."""
+    result = (batch.default_loss(outputs, token_loss) if loss_fn is None
+              else loss_fn(outputs, batch.targets))
     if isinstance(result, tuple):
         loss_sum, count = result
         return loss_sum, int(count), False

@@ -18,7 +18,7 @@ from ..monitor.stats import StepStats
 from ..parallel.hybrid import ModelParallel
 from ..parallel.pipeline import FORWARD, run_pipeline
 from .precision import autocast
-from .batch import Batch, loss_sum_and_terms
+from .batch import Batch
 from .step import StepRunner
 
 
@@ -41,12 +41,14 @@ class PipelineStepRunner(StepRunner):
         t0, waited0 = time.perf_counter(), self.ledger.wait_seconds
         self.grads.zero_grad()
         td = time.perf_counter()
-        loaded = [_pair(self.load(indices)) for indices in micro_batches]
+        loaded = [self.load(indices) for indices in micro_batches]
         stats.data_s = time.perf_counter() - td
-        b, t = loaded[0][0].shape[:2]
+        b, t = _tokens_shape(loaded[0])
         shape = (b, self.mp.activation_length(t), self.mp.spec.hidden_size)
         with autocast(self.precision, self.device):
-            result = run_pipeline(self.mp.chunks, loaded, self.loss_fn, self.mp.pp_comm,
+            result = run_pipeline(self.mp.chunks, [(m, m) for m in loaded],
+                                  lambda out, batch: self.loss(out, batch)[:2],
+                                  self.mp.pp_comm,
                                   self.mp.schedule, activation_shape=shape,
                                   loss_scale=self.scaler.scale if self.scaler.enabled else 1.0,
                                   grad_sync=self.grads.backward, clock=time.time)
@@ -63,10 +65,10 @@ class PipelineStepRunner(StepRunner):
         """(summed loss, terms) of one evaluation micro-batch through the pipeline,
         counted on one rank only (every tp rank of the last stage joins the
         vocab-parallel loss)."""
-        out = pipeline_logits(self.mp, batch.single_input())
+        out = pipeline_logits(self.mp, batch)
         if out is None:
             return 0.0, 0.0
-        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, out, batch)
+        loss_sum, count, _ = self.loss(out, batch)
         return (float(loss_sum), float(count)) if self.mp.counts_loss else (0.0, 0.0)
 
     def _trace(self, timings: list) -> None:
@@ -83,30 +85,38 @@ class PipelineStepRunner(StepRunner):
             self.tracer.complete(kind, t.start * 1e6, t.end * 1e6, "pipeline", **where)
 
 
-def _pair(batch: Batch) -> tuple[Any, Any]:
-    """(input, targets) of a micro-batch, as the schedule's runner takes them."""
-    if batch.labels:
-        raise ValueError("pipeline stages take disttrain's shifted 'targets', not "
-                         "unshifted 'labels'; shift the labels in the dataset")
-    return batch.single_input(), batch.targets
+def _tokens_shape(batch: Batch) -> tuple[int, int]:
+    """(micro-batch size, sequence length) of a batch's token inputs: its positional
+    input, else ``input_ids``, else its first tensor."""
+    if batch.args:
+        first = batch.args[0]
+    else:
+        first = batch.kwargs.get("input_ids")
+        if first is None:
+            first = next(v for v in batch.kwargs.values() if isinstance(v, torch.Tensor))
+    return int(first.shape[0]), int(first.shape[1])
 
 
-def pipeline_logits(mp: ModelParallel, inputs: torch.Tensor) -> torch.Tensor | None:
+def pipeline_logits(mp: ModelParallel, inputs: Batch | torch.Tensor
+                    ) -> torch.Tensor | None:
     """Forward only, chunk after chunk (no schedule needed): the last stage gets the
-    output [B, T, V(/tp)], the other stages None."""
+    output [B, T, V(/tp)], the other stages None. ``inputs``: a micro-batch (or its
+    token ids)."""
     comm, stages = mp.pp_comm, mp.stages
     mine = {c.index: c for c in mp.chunks}
-    b, t = inputs.shape[0], mp.activation_length(inputs.shape[1])
+    b, t = inputs.shape[:2] if isinstance(inputs, torch.Tensor) else _tokens_shape(inputs)
+    t = mp.activation_length(t)
+    device = next(mp.module.parameters()).device
     x: torch.Tensor | None = None
     for c in range(stages.n_chunks):
         if stages.rank_of(c) != comm.rank:
             continue
         if c == 0:
-            x = mine[c](inputs)
+            x = mine[c](None, inputs)
         else:
-            x = torch.empty(b, t, mp.spec.hidden_size, device=inputs.device)
+            x = torch.empty(b, t, mp.spec.hidden_size, device=device)
             comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
-            x = mine[c](x)
+            x = mine[c](x, inputs)
         if c < stages.n_chunks - 1:
             comm.isend(x.contiguous(), stages.rank_of(c + 1), tag=c + 1).wait()
     return x if mp.is_last_stage else None

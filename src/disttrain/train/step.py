@@ -23,7 +23,7 @@ from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
 from ..parallel.interfaces import GradSync
-from .batch import Batch, LossFn, loss_sum_and_terms
+from .batch import Batch, LossFn, TokenLoss, loss_sum_and_terms
 from .precision import LossScaler, autocast
 
 @dataclass
@@ -53,6 +53,11 @@ class StepRunner:
     terms_are_samples: bool = False
     grad_norm: float = 0.0
     before_update: Callable[[], Any] = lambda: None  # e.g. an async checkpoint's snapshot
+    token_loss: TokenLoss | None = None  # the default loss's per-token loss (None: full)
+
+    def loss(self, outputs: Any, batch: Batch) -> tuple[torch.Tensor, int, bool]:
+        """(summed loss, loss terms, whether the terms are samples) of a micro-batch."""
+        return loss_sum_and_terms(self.loss_fn, outputs, batch, self.token_loss)
 
     @classmethod
     def from_parallel(cls, parallel: Any, **common: Any) -> StepRunner:
@@ -120,7 +125,7 @@ class StepRunner:
 
     def eval_totals(self, batch: Batch) -> tuple[float, float]:
         """(summed loss, loss terms) of one held-out micro-batch on this rank."""
-        loss_sum, count, _ = loss_sum_and_terms(self.loss_fn, batch.run(self.model), batch)
+        loss_sum, count, _ = self.loss(batch.run(self.model), batch)
         return float(loss_sum), float(count)
 
     def reduce_eval(self, totals: torch.Tensor) -> None:
@@ -134,8 +139,8 @@ class StepRunner:
             saved = _SavedBytes(list(self.model.parameters()))
         with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
             with self.tracer.span("forward"), autocast(self.precision, self.device):
-                loss_sum, count, samples = loss_sum_and_terms(self.loss_fn,
-                                                              batch.run(self.model), batch)
+                loss_sum, count, samples = self.loss(batch.run(self.model),
+                                                                   batch)
             loss_sum = loss_sum.float()
             self.terms_are_samples = samples
             totals[0] += loss_sum.detach().double()

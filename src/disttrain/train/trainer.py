@@ -155,7 +155,10 @@ class Trainer:
         self.parallel = compose(self.model, self.spec, self.config, self.topology,
                                 self.groups, micro_batches=self.plan.batch.grad_accum,
                                 num_samples=len(self.dataset), tracer=self.tracer)
-        self.loss_fn = self.parallel.loss_fn or self.loss_fn
+        if self.parallel.token_loss is not None:
+            # the head's logits are sharded over the vocabulary: the loss is the batch's
+            # causal-LM loss computed on the shards, not a loss_fn that would see them
+            self.loss_fn = None
         self.optimizer = build_optimizer(
             self.parallel.module, train, self.plan.lr,
             self.parallel.state.optimizer_groups(train.weight_decay))
@@ -209,7 +212,8 @@ class Trainer:
             precision=train.precision, scaler=LossScaler(train.precision == "fp16"),
             count_flops=self._flops_per_term() is None,
             flops_per_term=self._flops_per_term(),
-            before_update=self.checkpoints.before_update)
+            before_update=self.checkpoints.before_update,
+            token_loss=self.parallel.token_loss)
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
 
     def _flops_per_term(self) -> float | None:
@@ -261,7 +265,7 @@ class Trainer:
 
     def _load(self, indices: list[int]) -> Batch:
         batch = self.collate_fn([self.dataset[i] for i in indices])
-        return split_batch(to_device(batch, self.runtime.device))
+        return split_batch(to_device(batch, self.runtime.device), self.spec.call_kwargs)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -279,7 +283,8 @@ class Trainer:
             batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
             with autocast(self.config.train.precision, self.runtime.device):
                 loss_sum, count = self.stepper.eval_totals(
-                    split_batch(to_device(batch, self.runtime.device)))
+                    split_batch(to_device(batch, self.runtime.device),
+                                self.spec.call_kwargs))
             totals[0] += loss_sum
             totals[1] += count
         self.stepper.reduce_eval(totals)

@@ -24,9 +24,10 @@ def check_pipeline(config: Config, layout: Layout, micro_batches: int,
     p = config.parallel
     if not spec.can_pipeline:
         raise ConfigError("parallel.pp", layout.pp, "this model cannot be cut into "
-                          "pipeline stages (its spec names no block list and no "
-                          "embed / finish pieces)", "pass a ModelSpec that does, or "
-                          "set parallel.pp=1")
+                          "pipeline stages (its spec names no block list with the "
+                          "modules before and after it)", "pass a ModelSpec with blocks, "
+                          "before, after and inject (or embed / finish), or set "
+                          "parallel.pp=1")
     v = virtual_stages(p)
     try:
         validate_schedule(p.pp_schedule, layout.pp, micro_batches, v, spec.n_blocks)

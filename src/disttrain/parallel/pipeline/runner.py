@@ -73,8 +73,10 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
     """Run pp rank ``comm.rank``'s actions of ``schedule`` over ``chunks`` (the chunks
     :func:`~.stages.build_chunks` gave this rank).
 
-    ``micro_batches[i]`` = (input_ids [b, T], targets [b, T]): the first stage reads the
-    inputs, the last the targets; other entries may be None. ``activation_shape`` is
+    ``micro_batches[i]`` = (inputs, targets): every chunk gets the inputs (input_ids
+    [b, T], or an object with ``args`` / ``kwargs``; chunks after the first use them
+    only for what the model derives from them, e.g. attention masks), the last chunk's
+    ``loss_fn`` the targets. ``activation_shape`` is
     [b, T, d], the shape of every message. ``grad_sync(chunk, last)`` returns the
     context each backward runs in; ``last`` is True for the chunk's final backward of
     the step (data parallelism runs the others under ``no_sync()``).
@@ -173,16 +175,16 @@ class _Runner:
 
     # compute --------------------------------------------------------------------
 
-    def _forward_input(self, action: Action) -> torch.Tensor:
+    def _forward_input(self, action: Action) -> torch.Tensor | None:
         if action.chunk == 0:
-            return self.micro_batches[action.micro][0]
+            return None
         return self._take_recv(action).requires_grad_()
 
-    def _forward(self, action: Action, x: torch.Tensor) -> None:
+    def _forward(self, action: Action, x: torch.Tensor | None) -> None:
         chunk, key = self.chunks[action.chunk], (action.chunk, action.micro)
         self.inputs[key] = x
         with self.meter.counting():
-            y = chunk(x)
+            y = chunk(x, self.micro_batches[action.micro][0])
             if chunk.is_last:
                 loss, count = self.loss_fn(y, self.micro_batches[action.micro][1])
                 self.loss_sum = self.loss_sum + loss.detach().float()

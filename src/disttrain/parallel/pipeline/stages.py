@@ -20,14 +20,15 @@ checkpoint writer saves it from chunk 0 and skips the names in
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ...spec import ModelSpec, block_list
+from ...spec import ModelSpec, block_list, output_logits
 
 # Above any tag the runner uses, so the exchange never matches an activation message.
 _TIED_TAG = 1 << 24
@@ -133,9 +134,26 @@ class PipelineChunk(nn.Module):
     """Chunk ``index`` of a model: blocks ``bounds[index] : bounds[index + 1]``, plus
     ``spec.before`` on the first chunk and ``spec.after`` on the last.
 
-    Input: the first chunk takes the model's input (e.g. input_ids [B, T]), the others
-    activations [B, T, hidden]. Output: the last chunk returns the model's output (e.g.
-    logits [B, T, V]), the others [B, T, hidden].
+    ``chunk(x, inputs)``: ``inputs`` are the micro-batch's model inputs (a tensor, or an
+    object with ``args`` / ``kwargs``); ``x`` the activation [B, T, hidden] received
+    from the previous chunk (None on the first). The last chunk returns the model's
+    logits, the others [B, T, hidden].
+
+    Two ways to run a chunk, by the spec:
+
+    - ``spec.embed`` / ``spec.finish`` (the built-in GPT): the first chunk embeds the
+      inputs, every chunk runs its blocks on a single tensor, the last one finishes;
+    - ``spec.inject`` (any model whose forward is embeddings -> the block list -> final
+      pieces, e.g. a transformers causal LM): the chunk runs the model's *own* forward
+      on a shell, a shallow copy of the model whose block list holds only this chunk's
+      blocks, whose ``before`` modules are replaced on later chunks by stand-ins (the
+      ``inject`` module returns the received activation, other embeddings return zeros,
+      the rest pass their input through) and whose ``after`` modules pass through on
+      earlier chunks. So everything the model computes for its blocks from the inputs
+      (attention masks, rotary position embeddings, position ids) is computed again on
+      every stage from the micro-batch's own inputs, which every stage has: only the
+      hidden state travels between stages. :func:`check_cut` verifies once that the
+      stand-ins reproduce the whole model.
     """
 
     def __init__(self, model: nn.Module, spec: ModelSpec, plan: StagePlan,
@@ -146,14 +164,10 @@ class PipelineChunk(nn.Module):
         self.tied_copies: tuple[str, ...] = ()
         self.tied_pairs: list[tuple[str, int]] = []  # (local name, peer pp rank)
         start, stop = plan.bounds[index], plan.bounds[index + 1]
-        for path in spec.before if self.is_first else ():
-            _attach(self, path, model.get_submodule(path))
         blocks = block_list(model, spec)
-        # Named by the block's index in the full model, so parameter names are kept.
-        _attach(self, spec.blocks, nn.ModuleDict({str(i): blocks[i]
-                                                  for i in range(start, stop)}))
-        for path in spec.after if self.is_last else ():
-            _attach(self, path, model.get_submodule(path))
+        # Keyed by the block's index in the full model, so parameter names are kept.
+        mine = BlockSlice({i: blocks[i] for i in range(start, stop)})
+        subs: dict[str, nn.Module] = {spec.blocks: mine}
         split = plan.pp > 1 and not (self.is_first and self.is_last)
         for owner, copy_name in spec.tied if split else ():
             if model.get_parameter(owner) is not model.get_parameter(copy_name):
@@ -162,19 +176,55 @@ class PipelineChunk(nn.Module):
                 self.tied_pairs.append((owner, plan.rank_of(plan.n_chunks - 1)))
             elif self.is_last:  # own module and Parameter, same values
                 holder = copy_name.rpartition(".")[0]
-                _attach(self, holder, copy.deepcopy(model.get_submodule(holder)))
-                self.get_parameter(copy_name).grad = None
+                subs[holder] = copy.deepcopy(model.get_submodule(holder))
+                subs[holder].get_parameter(copy_name.rpartition(".")[2]).grad = None
                 self.tied_copies += (copy_name,)
                 self.tied_pairs.append((copy_name, plan.rank_of(0)))
+        self._received = _Received()
+        if spec.inject is None:  # spec.embed / spec.finish on a holder of the pieces
+            for path in spec.before if self.is_first else ():
+                _attach(self, path, model.get_submodule(path))
+            _attach(self, spec.blocks, mine)
+            for path in spec.after if self.is_last else ():
+                _attach(self, path, subs[path] if path in subs else model.get_submodule(path))
+            self._nodes: list[nn.Module] = []
+            self.__dict__["_shell"] = None
+            return
+        for path in () if self.is_first else spec.before:
+            subs[path] = (self._received if path == spec.inject
+                          else _stand_in(model.get_submodule(path)))
+        for path in () if self.is_last else spec.after:
+            subs[path] = _PassThrough()
+        shell, self._nodes = _shell(model, subs)
+        self.__dict__["_shell"] = shell  # not a submodule: its children are ours
+        for name, child in shell.named_children():
+            self.add_module(name, child)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.spec.embed(self, x)
-        for block in self.get_submodule(self.spec.blocks).values():
-            x = block(x)
-        if self.is_last:
-            x = self.spec.finish(self, x)
-        return x
+    def forward(self, x: torch.Tensor | None, inputs: Any = None) -> torch.Tensor:
+        if inputs is None and self.is_first:
+            x, inputs = None, x
+        shell = self.__dict__["_shell"]
+        if shell is None:
+            if self.is_first:
+                x = self.spec.embed(self, _single_input(inputs))
+            for block in self.get_submodule(self.spec.blocks):
+                x = block(x)
+            return self.spec.finish(self, x) if self.is_last else x
+        self._received.value = x
+        try:
+            return output_logits(_call(shell, inputs))
+        finally:
+            self._received.value = None
+
+    def train(self, mode: bool = True) -> PipelineChunk:
+        super().train(mode)
+        for node in self._nodes:  # the shell's own copies of the model's containers
+            node.training = mode
+        return self
+
+    def chunk_blocks(self) -> list[nn.Module]:
+        """This chunk's blocks, in order."""
+        return list(self.get_submodule(self.spec.blocks))
 
     @property
     def tie_peer(self) -> int | None:
@@ -185,6 +235,54 @@ class PipelineChunk(nn.Module):
         """This chunk's copies of tied weights whose other copy lives on another pp
         rank, with that rank."""
         return [(self.get_parameter(name), peer) for name, peer in self.tied_pairs]
+
+
+class BlockSlice(nn.ModuleList):
+    """Some of a model's blocks, registered under their indices in the full block list
+    (``layers.5``, ``layers.6``), iterated in order like the full list."""
+
+    def __init__(self, blocks: Mapping[int, nn.Module] | Iterable[nn.Module] = ()) -> None:
+        super().__init__()
+        items = blocks.items() if isinstance(blocks, Mapping) else enumerate(blocks)
+        for i, block in items:
+            self.add_module(str(i), block)
+
+    def __getitem__(self, idx: int | slice) -> nn.Module | BlockSlice:
+        values = list(self._modules.values())
+        return BlockSlice(values[idx]) if isinstance(idx, slice) else values[idx]
+
+
+class _Received(nn.Module):
+    """Stands in for the module whose output is the first hidden state: returns the
+    activation the chunk received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.value is None:
+            raise RuntimeError("a later pipeline chunk ran without a received activation")
+        return self.value
+
+
+class _Zeros(nn.Module):
+    """Stands in for another embedding (positions, token types) on later chunks: adds
+    nothing to the received activation."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a module the chunk does not run: returns its first input."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -199,6 +297,128 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     node.add_module(leaf, module)
 
 
+def _stand_in(module: nn.Module) -> nn.Module:
+    if isinstance(module, nn.Embedding):
+        return _Zeros(module.embedding_dim, module.weight.dtype)
+    return _PassThrough()
+
+
+def _shell(model: nn.Module, subs: Mapping[str, nn.Module]
+           ) -> tuple[nn.Module, list[nn.Module]]:
+    """A shallow copy of ``model`` with the submodules at ``subs``' paths replaced
+    (every container on a path copied, every other submodule shared); returns it and
+    the copied containers."""
+    copies = {"": _shallow(model)}
+    for path, new in subs.items():
+        *parents, leaf = path.split(".")
+        node, prefix = copies[""], ""
+        for name in parents:
+            prefix = f"{prefix}.{name}" if prefix else name
+            if prefix not in copies:
+                copies[prefix] = _shallow(node._modules[name])
+                node._modules[name] = copies[prefix]
+            node = copies[prefix]
+        node._modules[leaf] = new
+    return copies[""], list(copies.values())
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    clone = copy.copy(module)
+    for table in ("_modules", "_parameters", "_buffers"):
+        setattr(clone, table, dict(getattr(module, table)))
+    return clone
+
+
+def _call(fn: Callable[..., Any], inputs: Any) -> Any:
+    """``fn`` on a micro-batch's model inputs (a tensor, or ``args`` / ``kwargs``)."""
+    if isinstance(inputs, torch.Tensor):
+        return fn(inputs)
+    return fn(*inputs.args, **inputs.kwargs)
+
+
+def _single_input(inputs: Any) -> torch.Tensor:
+    if isinstance(inputs, torch.Tensor):
+        return inputs
+    values = [*inputs.args, *inputs.kwargs.values()]
+    if len(values) != 1:
+        raise ValueError(f"this model's first stage takes one input tensor; the batch has "
+                         f"{len(values)} ({', '.join(inputs.kwargs) or 'positional'})")
+    return values[0]
+
+
+def check_cut(model: nn.Module, spec: ModelSpec) -> None:
+    """Refuse (ValueError) a ``spec.inject`` cut whose stand-ins change what the model
+    computes, checked on ``spec.probe`` in eval mode: the first chunk's part before
+    the blocks must yield what the first block receives; later chunks' stand-ins must
+    hand the received activation to their first block unchanged; the last chunk's part
+    after the blocks must turn the last block's output into the model's logits. (A
+    model that rescales its embeddings inside its forward, for instance, fails here.)
+    Call it on every rank of a tp group together (the model may hold tp shards)."""
+    if spec.inject is None or spec.probe is None:
+        return
+    blocks = block_list(model, spec)
+    device = next(model.parameters()).device
+    probe = _Inputs({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                     for k, v in spec.probe.items()})
+    seen: dict[str, torch.Tensor] = {}
+
+    def first_in(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault("first", _hidden(args, kwargs))
+
+    def last_out(_m: nn.Module, _args: tuple, out: Any) -> None:
+        seen.setdefault("last", output_logits(out))
+
+    hooks = [blocks[0].register_forward_pre_hook(first_in, with_kwargs=True),
+             blocks[-1].register_forward_hook(last_out)]
+    training = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            full = output_logits(_call(model, probe))
+            pieces = {}
+            for first, last in ((True, False), (False, False), (False, True)):
+                received = _Received()
+                subs: dict[str, nn.Module] = {spec.blocks: BlockSlice()}
+                for path in () if first else spec.before:
+                    subs[path] = (received if path == spec.inject
+                                  else _stand_in(model.get_submodule(path)))
+                for path in () if last else spec.after:
+                    subs[path] = _PassThrough()
+                shell, _ = _shell(model, subs)
+                received.value = seen["last"] if last else seen["first"]
+                pieces[first, last] = output_logits(_call(shell, probe))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, mode in training:
+            m.training = mode
+    where = {(True, False): "the modules before the blocks on the first stage",
+             (False, False): "the stand-ins on a middle stage",
+             (False, True): "the modules after the blocks on the last stage"}
+    want = {(True, False): seen["first"], (False, False): seen["first"],
+            (False, True): full}
+    for key, got in pieces.items():
+        if got.shape != want[key].shape or not torch.allclose(got, want[key], rtol=1e-5,
+                                                                  atol=1e-6):
+            raise ValueError(f"this model cannot be cut for pipeline parallelism as its "
+                             f"spec says: {where[key]} do not reproduce the whole model "
+                             "(its forward does more between the embeddings, the blocks "
+                             "and the head); pass a ModelSpec with embed/finish functions")
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    kwargs: Mapping[str, Any]
+    args: tuple[Any, ...] = ()
+
+
+def _hidden(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """The hidden state a block is called with (first positional, or by keyword)."""
+    if args:
+        return args[0]
+    return kwargs["hidden_states"]
+
+
 def build_chunks(model: nn.Module, spec: ModelSpec, plan: StagePlan,
                  rank: int) -> list[PipelineChunk]:
     """The chunks living on pp rank ``rank`` (global indices ``plan.chunks_of(rank)``)."""
@@ -209,6 +429,7 @@ def build_chunks(model: nn.Module, spec: ModelSpec, plan: StagePlan,
     if len(blocks) != plan.bounds[-1]:
         raise ValueError(f"the plan cuts {plan.bounds[-1]} blocks but the model has "
                          f"{len(blocks)}; plan with the model's own spec")
+    check_cut(model, spec)
     return [PipelineChunk(model, spec, plan, c) for c in plan.chunks_of(rank)]
 
 

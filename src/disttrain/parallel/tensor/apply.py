@@ -80,9 +80,10 @@ class TensorParallel:
 
     def __init__(self, comm: Communicator, boxes: dict[str, list[Box]],
                  sharded: set[int], partial: list[nn.Parameter],
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, vocab_sharded: bool = True) -> None:
         self.comm = comm
         self.sequence_parallel = sequence_parallel
+        self.vocab_sharded = vocab_sharded
         self._boxes, self._sharded, self._partial = boxes, sharded, partial
 
     @property
@@ -97,6 +98,15 @@ class TensorParallel:
         """(summed loss, target count) from local logits [B, T, V/tp]; use instead of
         :func:`disttrain.models.token_loss`. Same value on every tp rank."""
         return vocab_parallel_token_loss(outputs, targets, self.comm)
+
+    def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy, counted positions) of local logits [B, T, V/tp]
+        against global ids [B, T], positions equal to ``ignore`` left out: what a
+        batch's default loss uses in place of the full-vocabulary one."""
+        loss, count = vocab_parallel_token_loss(logits, targets, self.comm,
+                                                ignore_index=ignore)
+        return loss, torch.tensor(count)
 
     def boxes(self, name: str) -> list[Box]:
         """Where this rank's tensor for parameter ``name`` lies in the global tensor."""
@@ -160,6 +170,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
     check_divisible(spec, comm.size, sequence_parallel=sequence_parallel)
     targets = _match(model, plan)
     _check_ties(model, targets)
+    transposed = {n for n, _ in targets
+                  if any(fnmatchcase(n, p) for p in spec.tp_transposed)}
     if sequence_parallel and "split_sequence" not in plan.values():
         raise ValueError("sequence_parallel=True needs a 'split_sequence' entry in the "
                          "plan: the module whose output enters the sequence-parallel region")
@@ -168,15 +180,16 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
     for name, style in targets:
         module = model.get_submodule(name)
         if style in _SWAPPED:
-            _swap(model, name, _build(style, module, comm, sequence_parallel, shards))
+            _swap(model, name, _build(style, module, comm, sequence_parallel, shards,
+                                      transposed=name in transposed))
         elif sequence_parallel and style == "sequence":
             partial.extend(p for p in module.parameters() if p.requires_grad)
         elif sequence_parallel and style == "split_sequence":
             module.register_forward_hook(
                 lambda _m, _inp, out: scatter_to_sequence_region(out, comm))
-        if style == "colwise_qkv":
-            _set_local_heads(model, name, comm.size, spec.tp_head_attrs)
-    return _handle(model, comm, partial, sequence_parallel)
+    _set_local_heads(model, comm.size, spec.tp_head_attrs)
+    vocab_sharded = any(style == "vocab_head" for _, style in targets)
+    return _handle(model, comm, partial, sequence_parallel, vocab_sharded)
 
 
 def _match(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
@@ -218,8 +231,13 @@ _EXPECTED = {"colwise": nn.Linear, "colwise_qkv": nn.Linear, "rowwise": nn.Linea
 
 
 def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel: bool,
-           shards: dict[int, nn.Parameter]) -> nn.Module:
-    if type(module) is not _EXPECTED[style]:
+           shards: dict[int, nn.Parameter], *, transposed: bool = False) -> nn.Module:
+    if transposed and style in ("colwise", "colwise_qkv", "rowwise"):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"style {style!r} on a transposed module needs a 2-D "
+                             f"'weight' [in, out], got a {type(module).__name__}")
+    elif type(module) is not _EXPECTED[style]:
         raise ValueError(f"style {style!r} needs a {_EXPECTED[style].__name__} module, "
                          f"got a {type(module).__name__}")
     full_weight = module.weight
@@ -233,10 +251,10 @@ def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel:
     elif style == "vocab_head":
         new = VocabParallelHead(module, comm, tied=tied, **sp)
     elif style == "rowwise":
-        new = RowParallelLinear(module, comm, **sp)
+        new = RowParallelLinear(module, comm, transposed=transposed, **sp)
     else:
         new = ColumnParallelLinear(module, comm, parts=3 if style == "colwise_qkv" else 1,
-                                   **sp)
+                                   transposed=transposed, **sp)
     shards[id(full_weight)] = new.weight
     return new
 
@@ -246,17 +264,26 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _set_local_heads(model: nn.Module, qkv_name: str, tp: int,
-                     attrs: tuple[str, ...]) -> None:
-    """The fused projection's parent counts heads in ``attrs`` (the spec's
-    ``tp_head_attrs``): each rank now runs 1/tp of them."""
-    parent = model.get_submodule(qkv_name.rpartition(".")[0])
-    for attr in attrs:
-        setattr(parent, attr, getattr(parent, attr) // tp)
+def _set_local_heads(model: nn.Module, tp: int, attrs: tuple[str, ...]) -> None:
+    """Each ``"module-pattern.attribute"`` of the spec's ``tp_head_attrs`` counts heads
+    (or their total width) in an attention module whose projections are now sharded:
+    each rank runs 1/tp of them."""
+    for entry in attrs:
+        pattern, _, attr = entry.rpartition(".")
+        found = [m for n, m in model.named_modules() if fnmatchcase(n, pattern)]
+        if not found:
+            raise ValueError(f"tp_head_attrs entry {entry!r} matches no module")
+        for m in found:
+            value = getattr(m, attr)
+            if value % tp:
+                raise TensorParallelLayoutError(
+                    attr, value, f"cannot be split over tp={tp} ranks",
+                    f"use a parallel.tp that divides {value}")
+            setattr(m, attr, value // tp)
 
 
 def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
-            sequence_parallel: bool) -> TensorParallel:
+            sequence_parallel: bool, vocab_sharded: bool) -> TensorParallel:
     """Collect every parameter's boxes (tied aliases too) once the swaps are done."""
     boxes: dict[str, list[Box]] = {}
     sharded: set[int] = set()
@@ -271,5 +298,6 @@ def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
             boxes[f"{mod_name}.{p_name}" if mod_name else p_name] = box
             if p.numel() < math.prod(box[0].global_shape):
                 sharded.add(id(p))
-    return TensorParallel(comm, boxes, sharded, partial, sequence_parallel)
+    return TensorParallel(comm, boxes, sharded, partial, sequence_parallel,
+                          vocab_sharded)
 

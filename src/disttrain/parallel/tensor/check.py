@@ -18,4 +18,9 @@ def check_tensor(config: Config, layout: Layout, spec: ModelSpec) -> None:
         raise ConfigError("parallel.tp", layout.tp, "this model has no tensor-parallel "
                           "plan", "pass a plan (module-name pattern -> style) in its "
                           "ModelSpec, or set parallel.tp=1")
+    if config.parallel.sequence_parallel and spec.sequence_divisor is None:
+        raise ConfigError("parallel.sequence_parallel", True, "this model's plan has no "
+                          "sequence-parallel region (its forward reshapes activations "
+                          "by the full sequence length)", "set "
+                          "parallel.sequence_parallel=false; tp still applies")
     check_divisible(spec, layout.tp, sequence_parallel=config.parallel.sequence_parallel)

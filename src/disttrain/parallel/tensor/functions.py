@@ -214,7 +214,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local_logits: torch.Tensor, targets: torch.Tensor,
-                comm: Communicator) -> torch.Tensor:
+                comm: Communicator, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         logits = local_logits.float()
         n_local = logits.shape[-1]
         # the max only stabilises exp(); it carries no gradient
@@ -222,13 +222,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         comm.all_reduce(row_max, op=ReduceOp.MAX)
         shifted = logits - row_max.unsqueeze(-1)
         local_t = targets - comm.rank * n_local
-        mine = (local_t >= 0) & (local_t < n_local)  # IGNORE_INDEX is never mine
+        valid = targets != ignore_index
+        mine = (local_t >= 0) & (local_t < n_local) & valid
         local_t = local_t.clamp(0, n_local - 1)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine
         exp = shifted.exp()
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # one collective, not two
         comm.all_reduce(sums)
-        valid = targets != IGNORE_INDEX
         loss = (sums[0].log() - sums[1]) * valid
         exp.div_(sums[0].unsqueeze(-1))
         ctx.save_for_backward(exp, local_t, mine, valid)
@@ -236,18 +236,19 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, local_t, mine, valid = ctx.saved_tensors
         grad_logits = softmax.clone()
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_t] -= mine.to(grad_logits.dtype)
         grad_logits.mul_((grad.float() * valid).unsqueeze(-1))
-        return grad_logits.to(ctx.logits_dtype), None, None
+        return grad_logits.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_token_loss(local_logits: torch.Tensor, targets: torch.Tensor,
-                              comm: Communicator) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over targets != IGNORE_INDEX, and their count, like
+                              comm: Communicator, *, ignore_index: int = IGNORE_INDEX
+                              ) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over targets != ``ignore_index``, and their count, like
     :func:`disttrain.models.token_loss`, from vocab-sharded logits.
 
     local_logits: [B, T, V/tp] (this rank's vocabulary block); targets: [B, T] global
@@ -255,5 +256,5 @@ def vocab_parallel_token_loss(local_logits: torch.Tensor, targets: torch.Tensor,
     """
     flat = local_logits.flatten(0, -2)
     tgt = targets.flatten()
-    losses = VocabParallelCrossEntropy.apply(flat, tgt, comm)
-    return losses.sum(), int((tgt != IGNORE_INDEX).sum())
+    losses = VocabParallelCrossEntropy.apply(flat, tgt, comm, ignore_index)
+    return losses.sum(), int((tgt != ignore_index).sum())

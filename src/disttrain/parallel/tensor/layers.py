@@ -115,17 +115,25 @@ class ColumnParallelLinear(ShardedModule):
     rows are [q_r; k_r; v_r]. Input [B, T, in] replicated (identity forward,
     all-reduce backward), or [B, T/tp, in] under sequence parallelism (all-gathered
     along T forward, reduce-scattered backward). Output [B, T, out/tp].
+
+    ``transposed``: the full module stores its weight as [in, out] and computes
+    x @ W + b (GPT-2's ``Conv1D``); the shard keeps that layout ([in, out/tp], sharded
+    on dim 1), so checkpoints hold the module's own shapes.
     """
 
-    def __init__(self, full: nn.Linear, comm: Communicator, *, parts: int = 1,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(self, full: nn.Module, comm: Communicator, *, parts: int = 1,
+                 sequence_parallel: bool = False, transposed: bool = False) -> None:
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.transposed = transposed
         shape = tuple(full.weight.shape)
-        self._boxes = {"weight": dim_boxes(shape, 0, comm.rank, comm.size, parts)}
+        out_dim = 1 if transposed else 0
+        self._boxes = {"weight": dim_boxes(shape, out_dim, comm.rank, comm.size, parts)}
         if full.bias is not None:
-            self._boxes["bias"] = dim_boxes(shape[:1], 0, comm.rank, comm.size, parts)
-        self.in_features, self.out_features = full.in_features, shape[0] // comm.size
+            self._boxes["bias"] = dim_boxes(shape[out_dim:out_dim + 1], 0, comm.rank,
+                                            comm.size, parts)
+        self.in_features = shape[1 - out_dim]
+        self.out_features = shape[out_dim] // comm.size
         self.weight = _shard_param(full.weight, self._boxes["weight"])
         self.bias = _shard_param(full.bias, self._boxes.get("bias", []))
 
@@ -134,7 +142,7 @@ class ColumnParallelLinear(ShardedModule):
             x = gather_from_sequence_region(x, self.comm)
         else:
             x = copy_to_tp_region(x, self.comm)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, _as_linear(self.weight, self.transposed), self.bias)
 
     def param_boxes(self) -> dict[str, list[Box]]:
         return dict(self._boxes)
@@ -144,7 +152,12 @@ class ColumnParallelLinear(ShardedModule):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out_local={self.out_features}, tp={self.comm.size}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, transposed={self.transposed}")
+
+
+def _as_linear(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The [out, in] weight F.linear takes (a view when stored [in, out])."""
+    return weight.t() if transposed else weight
 
 
 class RowParallelLinear(ShardedModule):
@@ -155,22 +168,26 @@ class RowParallelLinear(ShardedModule):
     layer leaves it). Output [B, T, out] all-reduced, or [B, T/tp, out]
     reduce-scattered along T under sequence parallelism (then each rank adds the bias
     to its own positions only, so the bias gradient is partial per rank).
+    ``transposed``: as for :class:`ColumnParallelLinear` (weight [in/tp, out], dim 0).
     """
 
-    def __init__(self, full: nn.Linear, comm: Communicator, *,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(self, full: nn.Module, comm: Communicator, *,
+                 sequence_parallel: bool = False, transposed: bool = False) -> None:
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.transposed = transposed
         shape = tuple(full.weight.shape)
-        self._boxes = {"weight": dim_boxes(shape, 1, comm.rank, comm.size)}
+        in_dim = 0 if transposed else 1
+        self._boxes = {"weight": dim_boxes(shape, in_dim, comm.rank, comm.size)}
         if full.bias is not None:
-            self._boxes["bias"] = whole_box(shape[:1])
-        self.in_features, self.out_features = shape[1] // comm.size, full.out_features
+            self._boxes["bias"] = whole_box(tuple(full.bias.shape))
+        self.in_features = shape[in_dim] // comm.size
+        self.out_features = shape[1 - in_dim]
         self.weight = _shard_param(full.weight, self._boxes["weight"])
         self.bias = _shard_param(full.bias, self._boxes.get("bias", []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, _as_linear(self.weight, self.transposed))
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.comm)
         else:
@@ -185,7 +202,7 @@ class RowParallelLinear(ShardedModule):
 
     def extra_repr(self) -> str:
         return (f"in_local={self.in_features}, out={self.out_features}, tp={self.comm.size}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, transposed={self.transposed}")
 
 
 class VocabParallelEmbedding(ShardedModule):
@@ -193,25 +210,32 @@ class VocabParallelEmbedding(ShardedModule):
 
     weight: [V/tp, d], rows [r*V/tp, (r+1)*V/tp) of the full table on rank r. Ids
     outside this rank's rows look up zeros; the partial outputs are all-reduced
-    (identity backward: each rank's rows get their own tokens' gradient).
+    (identity backward: each rank's rows get their own tokens' gradient). A
+    ``padding_idx`` row gets no gradient, as in the full embedding (on the rank that
+    holds it).
     """
 
     def __init__(self, full: nn.Embedding, comm: Communicator) -> None:
         super().__init__()
-        if full.padding_idx is not None or full.max_norm is not None:
-            raise ValueError("VocabParallelEmbedding supports neither padding_idx nor "
-                             "max_norm: build the embedding without them")
+        if full.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding does not support max_norm: build "
+                             "the embedding without it")
         self.comm = comm
         shape = tuple(full.weight.shape)
         self._boxes = {"weight": dim_boxes(shape, 0, comm.rank, comm.size)}
         self.num_local = shape[0] // comm.size
         self.vocab_start = comm.rank * self.num_local
+        pad = full.padding_idx
+        local_pad = None if pad is None else pad - self.vocab_start
+        self.padding_idx = (local_pad if local_pad is not None
+                            and 0 <= local_pad < self.num_local else None)
         self.weight = _shard_param(full.weight, self._boxes["weight"])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_local)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight,
+                          padding_idx=self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp_region(out, self.comm)
 

@@ -88,8 +88,9 @@ def _reference(family: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
 
 
 def _fit(root: str, family: str, name: str, parallel: dict, train: dict | None = None,
-         ) -> dict[str, torch.Tensor] | None:
-    """Train one layout; the full model's weights (gathered) on global rank 0."""
+         ) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """Train one layout: the full model's weights (gathered) on global rank 0, and the
+    step it started from."""
     from disttrain import Trainer
 
     trainer = Trainer(_model(family), _rows(), config={
@@ -99,14 +100,22 @@ def _fit(root: str, family: str, name: str, parallel: dict, train: dict | None =
     trainer.fit()
     full = trainer.parallel.full_state()
     if full is None:
-        return None
+        return None, trainer.start_step
     names = {n for n, _ in _model(family).named_parameters()}  # buffers left out
-    return {k: v.clone() for k, v in full.items() if k in names}
+    return {k: v.clone() for k, v in full.items() if k in names}, trainer.start_step
 
 
 def _fit_cases(root: str, cases: list[tuple[str, str, dict, dict]]) -> dict:
-    return {(family, name): _fit(root, family, name, parallel, train)
-            for family, name, parallel, train in cases}
+    """Each case in turn; a case whose train settings name ``resume_from`` first trains
+    4 steps under that layout, then resumes its checkpoint under its own."""
+    out = {}
+    for family, name, parallel, train in cases:
+        train = dict(train)
+        first = train.pop("resume_from", None)
+        if first is not None:
+            _fit(root, family, name, first, {"steps": 4})
+        out[(family, name)] = _fit(root, family, name, parallel, train)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +132,10 @@ def _close(got: dict, want: dict, what: str) -> None:
 
 
 def _check(got: dict, references: dict, cases: list) -> None:
-    for family, name, _, _ in cases:
-        _close(got[(family, name)], references[family], f"{family} {name}")
+    for family, name, _, train in cases:
+        weights, start = got[(family, name)]
+        _close(weights, references[family], f"{family} {name}")
+        assert start == (4 if "resume_from" in train else 0), (family, name, start)
 
 
 WORLD2 = [(f, name, par, {}) for f in FAMILIES for name, par in (
@@ -136,7 +147,10 @@ WORLD4 = [(f, name, par, tr) for f in FAMILIES for name, par, tr in (
     ("dp2-pp2-z3", {"dp": 2, "pp": 2, "zero": 3}, {}),
     ("dp2-tp2-z2", {"dp": 2, "tp": 2, "zero": 2}, {}),
     ("pp2-tp2-ckpt", {"pp": 2, "tp": 2, "pp_schedule": "1f1b"},
-     {"activation_checkpointing": "full"}))]
+     {"activation_checkpointing": "full"}),
+    # saved at step 4 under (dp 1, pp 2, tp 2), resumed under (dp 2, pp 1, tp 2) ZeRO-3
+    ("resharded", {"dp": 2, "tp": 2, "zero": 3},
+     {"resume_from": {"pp": 2, "tp": 2, "pp_schedule": "gpipe"}}))]
 WORLD8 = [(f, "dp2-pp2-tp2-z1", {"dp": 2, "pp": 2, "tp": 2, "zero": 1}, {})
           for f in FAMILIES]
 

@@ -4,13 +4,15 @@
     summary = trainer.fit()
 
 A batch is what ``collate_fn`` (default: stacks mapping samples, else torch's
-``default_collate``) makes of a list of samples: a pair ``(inputs, targets)``, called as
-``model(inputs)``, or a mapping whose entries other than ``labels`` / ``targets`` are the
-model's keyword arguments (see :mod:`.batch`). ``loss_fn(outputs, targets)`` returns
-either the mean loss over the micro-batch's samples or a pair ``(summed loss, number of
-loss terms)`` (e.g. target tokens); without one, the causal-LM loss over the counted
-label tokens. Gradients are normalised by the global number of loss terms in the step,
-so the update is the same on any number of ranks and with any accumulation split.
+``default_collate``) makes of a micro-batch's samples (fetched in one ``__getitems__``
+call where the dataset has one, as a Hugging Face ``datasets.Dataset`` does): a pair
+``(inputs, targets)``, called as ``model(inputs)``, or a mapping whose entries other
+than ``labels`` / ``targets`` are the model's keyword arguments (see :mod:`.batch`).
+``loss_fn(outputs, targets)`` returns either the mean loss over the micro-batch's
+samples or a pair ``(summed loss, number of loss terms)`` (e.g. target tokens); without
+one, the causal-LM loss over the counted label tokens. Gradients are normalised by the
+global number of loss terms in the step, so the update is the same on any number of
+ranks and with any accumulation split.
 
 The Trainer builds the composition (:func:`disttrain.parallel.compose`: this rank's part
 of the model, its gradient synchronisation and training state), then runs the loop the
@@ -31,6 +33,7 @@ from torch.utils.data import Dataset
 from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
+from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
@@ -89,6 +92,9 @@ class Trainer:
         self.config = _as_config(config)
         self.spec = spec or spec_for(model)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
+        if collate_fn is None:  # the default collation takes a datasets.Dataset's rows
+            dataset = tensor_rows(dataset)  # as tensors
+            eval_dataset = None if eval_dataset is None else tensor_rows(eval_dataset)
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.eval_dataset = eval_dataset
         self.collate_fn = collate_fn or collate_samples
@@ -260,7 +266,7 @@ class Trainer:
                 self.checkpoints.save(done, self.position)
 
     def _load(self, indices: list[int]) -> Batch:
-        batch = self.collate_fn([self.dataset[i] for i in indices])
+        batch = self.collate_fn(fetch_samples(self.dataset, indices))
         return split_batch(to_device(batch, self.runtime.device))
 
     @torch.no_grad()
@@ -276,7 +282,7 @@ class Trainer:
         size = self.plan.batch.micro_batch
         for start in range(0, len(indices), size):
             chunk = indices[start:start + size]
-            batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
+            batch = self.collate_fn(fetch_samples(self.eval_dataset, chunk))
             with autocast(self.config.train.precision, self.runtime.device):
                 loss_sum, count = self.stepper.eval_totals(
                     split_batch(to_device(batch, self.runtime.device)))

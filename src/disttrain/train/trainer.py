@@ -52,6 +52,7 @@ from ..topology import Topology, build_topology
 from ..validation import resolve
 from . import rundir
 from .checkpointing import RunCheckpoints
+from .flops import count_flops_per_term
 from .loops import LoopResult, ParameterServerLoop, StepLoop, TrainingLoop
 from .optim import build_optimizer, lr_at, set_lr
 from .pipeline_step import PipelineStepRunner
@@ -140,8 +141,8 @@ class Trainer:
             for axis in ("dp", "pp", "tp")})
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, runtime.rank)
-        self._build_model()
         self._build_data()
+        self._build_model()
         self._build_outputs()
         self._build_checkpoints()
         self._build_step()
@@ -158,6 +159,7 @@ class Trainer:
         self.total_params = sum(p.numel() for p in self.model.parameters())
         check_agreement(self.world, self.config, self.model)  # before any sized collective
         self.model.to(self.runtime.device)
+        self.flops_per_term = self._flops_per_term()  # on the model as the user gave it
         self.parallel = compose(self.model, self.spec, self.config, self.topology,
                                 self.groups, micro_batches=self.plan.batch.grad_accum,
                                 num_samples=len(self.dataset), tracer=self.tracer)
@@ -213,14 +215,19 @@ class Trainer:
             loss_fn=self.loss_fn, load=self._load, grad_clip=train.grad_clip,
             device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
             precision=train.precision, scaler=LossScaler(train.precision == "fp16"),
-            count_flops=self._flops_per_term() is None,
-            flops_per_term=self._flops_per_term(),
             before_update=self.checkpoints.before_update)
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
 
-    def _flops_per_term(self) -> float | None:
-        """Training FLOPs per loss term: given, or from the spec, else counted once."""
-        return self.flops_per_token or self.spec.flops_per_token
+    def _flops_per_term(self) -> float:
+        """Training FLOPs per loss term: given, or from the spec, else counted on the
+        first micro-batch of the sample order, on a pass apart from training (see
+        :mod:`.flops`)."""
+        known = self.flops_per_token or self.spec.flops_per_token
+        if known:
+            return known
+        batch = self._load(self.sampler.indices(0, self.plan.batch.micro_batch))
+        return count_flops_per_term(self.model, batch, self.loss_fn,
+                                    self.config.train.precision, self.runtime.device)
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> StepStats:
@@ -335,7 +342,7 @@ class Trainer:
         ).with_figures({**self.parallel.sync.metrics(),
                         **self.parallel.grads.comm_stats()})  # bytes sent, compression ratio
         self.logged_bytes = self.step_bytes
-        ranks = self.telemetry.log(record, self.stepper.flops_per_term)
+        ranks = self.telemetry.log(record, self.flops_per_term)
         self.splitter.update([r[RANK_SAMPLES] for r in ranks],
                              [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],
                              self.plan.batch.micro_batch)
@@ -357,9 +364,8 @@ class Trainer:
                                                          - self.start_step, 1),
             "collectives": self.ledger.seq,
         }
-        if self.stepper.flops_per_term:
-            summary["model_flops_per_s"] = (summary["tokens_per_s"]
-                                            * self.stepper.flops_per_term)
+        if self.flops_per_term:
+            summary["model_flops_per_s"] = summary["tokens_per_s"] * self.flops_per_term
         summary["memory_bytes"] = self._memory()
         summary |= self.parallel.sync.metrics()
         self.parallel.grads.finalize()  # the model keeps its full parameters

@@ -132,6 +132,50 @@ def test_dp2_and_every_zero_stage_follow_a_plain_loop(references, tmp_path):
     assert summary["tokens_per_s"] > 5 * summary["samples_seen"] / summary["train_time_s"]
 
 
+def _fit_hf_dataset(root: str, family: str) -> dict:
+    """The same rows as a plain list of dicts, as a ``datasets.Dataset`` (read as
+    tensors by the default collation), and as one read as Python lists (``collate_fn``
+    given); each trained and held out on one rank: final weights, losses."""
+    import json
+
+    from datasets import Dataset
+
+    from disttrain import Trainer
+
+    rows = _rows()
+    table = Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]})
+    out = {}
+    for kind, data, collate in (("list", rows, None), ("dataset", table, None),
+                                ("dataset-lists", table, collate_samples)):
+        model = _model(family)
+        summary = Trainer(model, data, config={
+            "train": {**TRAIN, "log_every": 1}, "checkpoint": {"every": 0},
+            "monitor": {"peak_tflops": 1.0}}, eval_dataset=data, collate_fn=collate,
+            run_dir=f"{root}/{kind}", progress=False).fit()
+        losses = [json.loads(line)["loss"]
+                  for line in open(f"{root}/{kind}/metrics.jsonl", encoding="utf-8")]
+        out[kind] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                     losses, summary["final_eval_loss"])
+    return out
+
+
+def test_a_hf_datasets_dataset_trains_as_the_same_rows_in_a_list(references, tmp_path):
+    """Its micro-batches are the same rows in the same order (one batched read of the
+    table per micro-batch): every loss and weight bitwise equal, and the plain loop
+    followed."""
+    pytest.importorskip("datasets", reason="the datasets library is not installed")
+    got = run_distributed(_fit_hf_dataset, 1, args=(str(tmp_path), "llama"),
+                          timeout=240)[0]
+    want_state, want_losses, want_eval = got["list"]
+    assert len(want_losses) == STEPS
+    for kind in ("dataset", "dataset-lists"):
+        state, losses, eval_loss = got[kind]
+        assert losses == want_losses and eval_loss == want_eval, kind
+        for k in want_state:
+            assert torch.equal(state[k], want_state[k]), f"{kind}: {k}"
+    _close(want_state, references["llama"], "llama from a list")
+
+
 def test_the_loss_counts_label_tokens_only():
     """Shifted inside, -100 skipped: the count is the labels after the first position
     that are not -100, and the loss is their cross-entropy."""

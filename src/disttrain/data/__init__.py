@@ -9,9 +9,11 @@ from disttrain.data.corpus import (
     stdlib_source_dir,
 )
 from disttrain.data.dataset import TokenWindowDataset, collate_token_batch
+from disttrain.data.samples import BatchFetchDataset, fetch_samples, tensor_rows
 from disttrain.data.sampler import GlobalOrderSampler, eval_indices
 
 __all__ = [
+    "BatchFetchDataset",
     "GlobalOrderSampler",
     "PreparedCorpus",
     "TokenWindowDataset",
@@ -20,6 +22,8 @@ __all__ = [
     "corpus_from_config",
     "default_cache_dir",
     "eval_indices",
+    "fetch_samples",
     "prepare_corpus",
     "stdlib_source_dir",
+    "tensor_rows",
 ]

@@ -99,9 +99,19 @@ def collate_samples(samples: Sequence[Any]) -> Any:
     may be lists of ints) become a mapping of stacked tensors; anything else goes
     through torch's ``default_collate``."""
     if samples and isinstance(samples[0], Mapping):
-        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples])
-                for k in samples[0]}
+        return {k: _stack_entry(k, [s[k] for s in samples]) for k in samples[0]}
     return default_collate(samples)
+
+
+def _stack_entry(key: str, values: list[Any]) -> torch.Tensor:
+    """The samples' ``key`` entries stacked on a new dim 0: [B, *entry shape]."""
+    try:
+        return torch.stack([torch.as_tensor(v) for v in values])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"cannot stack the samples' '{key}' into one tensor ({e}): the "
+                         "default collation needs numbers or equal-length sequences; pad "
+                         "the samples to one length, drop other columns (a datasets."
+                         "Dataset: remove_columns), or pass collate_fn") from e
 
 
 def token_loss_on(logits: torch.Tensor, targets: torch.Tensor, ignore: int

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..comm import CollectiveLedger, Communicator
 from ..faults import maybe_slow_down
@@ -47,8 +46,6 @@ class StepRunner:
     rank: int = 0
     precision: str = "fp32"
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
-    count_flops: bool = False
-    flops_per_term: float | None = None
     activation_bytes: int | None = None  # saved for backward, measured on the first pass
     terms_are_samples: bool = False
     grad_norm: float = 0.0
@@ -133,11 +130,10 @@ class StepRunner:
         self.eval_comm.all_reduce(totals)
 
     def _forward_backward(self, batch: Batch, totals: torch.Tensor, last: bool) -> Any:
-        counter = FlopCounterMode(display=False) if self.count_flops else None
         saved = None
         if self.activation_bytes is None:
             saved = _SavedBytes(list(self.model.parameters()))
-        with counter or contextlib.nullcontext(), saved or contextlib.nullcontext():
+        with saved or contextlib.nullcontext():
             with self.tracer.span("forward"), autocast(self.precision, self.device):
                 loss_sum, count, samples = self.loss(batch.run(self.model),
                                                                    batch)
@@ -151,9 +147,6 @@ class StepRunner:
                 (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
         if saved is not None:
             self.activation_bytes = saved.peak
-        if counter is not None:  # a user's model: FLOPs counted once, per loss term
-            self.flops_per_term = counter.get_total_flops() / max(count, 1)
-            self.count_flops = False
         return handle
 
 

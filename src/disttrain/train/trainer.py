@@ -4,13 +4,15 @@
     summary = trainer.fit()
 
 A batch is what ``collate_fn`` (default: stacks mapping samples, else torch's
-``default_collate``) makes of a list of samples: a pair ``(inputs, targets)``, called as
-``model(inputs)``, or a mapping whose entries other than ``labels`` / ``targets`` are the
-model's keyword arguments (see :mod:`.batch`). ``loss_fn(outputs, targets)`` returns
-either the mean loss over the micro-batch's samples or a pair ``(summed loss, number of
-loss terms)`` (e.g. target tokens); without one, the causal-LM loss over the counted
-label tokens. Gradients are normalised by the global number of loss terms in the step,
-so the update is the same on any number of ranks and with any accumulation split.
+``default_collate``) makes of a micro-batch's samples (fetched in one ``__getitems__``
+call where the dataset has one, as a Hugging Face ``datasets.Dataset`` does): a pair
+``(inputs, targets)``, called as ``model(inputs)``, or a mapping whose entries other
+than ``labels`` / ``targets`` are the model's keyword arguments (see :mod:`.batch`).
+``loss_fn(outputs, targets)`` returns either the mean loss over the micro-batch's
+samples or a pair ``(summed loss, number of loss terms)`` (e.g. target tokens); without
+one, the causal-LM loss over the counted label tokens. Gradients are normalised by the
+global number of loss terms in the step, so the update is the same on any number of
+ranks and with any accumulation split.
 
 The Trainer builds the composition (:func:`disttrain.parallel.compose`: this rank's part
 of the model, its gradient synchronisation and training state), then runs the loop the
@@ -31,6 +33,7 @@ from torch.utils.data import Dataset
 from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
+from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
@@ -49,6 +52,7 @@ from ..topology import Topology, build_topology
 from ..validation import resolve
 from . import rundir
 from .checkpointing import RunCheckpoints
+from .flops import count_flops_per_term
 from .loops import LoopResult, ParameterServerLoop, StepLoop, TrainingLoop
 from .optim import build_optimizer, lr_at, set_lr
 from .pipeline_step import PipelineStepRunner
@@ -89,6 +93,9 @@ class Trainer:
         self.config = _as_config(config)
         self.spec = spec or spec_for(model)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
+        if collate_fn is None:  # the default collation takes a datasets.Dataset's rows
+            dataset = tensor_rows(dataset)  # as tensors
+            eval_dataset = None if eval_dataset is None else tensor_rows(eval_dataset)
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.eval_dataset = eval_dataset
         self.collate_fn = collate_fn or collate_samples
@@ -134,8 +141,8 @@ class Trainer:
             for axis in ("dp", "pp", "tp")})
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, runtime.rank)
-        self._build_model()
         self._build_data()
+        self._build_model()
         self._build_outputs()
         self._build_checkpoints()
         self._build_step()
@@ -152,6 +159,7 @@ class Trainer:
         self.total_params = sum(p.numel() for p in self.model.parameters())
         check_agreement(self.world, self.config, self.model)  # before any sized collective
         self.model.to(self.runtime.device)
+        self.flops_per_term = self._flops_per_term()  # on the model as the user gave it
         self.parallel = compose(self.model, self.spec, self.config, self.topology,
                                 self.groups, micro_batches=self.plan.batch.grad_accum,
                                 num_samples=len(self.dataset), tracer=self.tracer)
@@ -210,15 +218,20 @@ class Trainer:
             loss_fn=self.loss_fn, load=self._load, grad_clip=train.grad_clip,
             device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
             precision=train.precision, scaler=LossScaler(train.precision == "fp16"),
-            count_flops=self._flops_per_term() is None,
-            flops_per_term=self._flops_per_term(),
             before_update=self.checkpoints.before_update,
             token_loss=self.parallel.token_loss)
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
 
-    def _flops_per_term(self) -> float | None:
-        """Training FLOPs per loss term: given, or from the spec, else counted once."""
-        return self.flops_per_token or self.spec.flops_per_token
+    def _flops_per_term(self) -> float:
+        """Training FLOPs per loss term: given, or from the spec, else counted on the
+        first micro-batch of the sample order, on a pass apart from training (see
+        :mod:`.flops`)."""
+        known = self.flops_per_token or self.spec.flops_per_token
+        if known:
+            return known
+        batch = self._load(self.sampler.indices(0, self.plan.batch.micro_batch))
+        return count_flops_per_term(self.model, batch, self.loss_fn,
+                                    self.config.train.precision, self.runtime.device)
 
     # ----------------------------------------------------------------- one step
     def train_step(self, step: int) -> StepStats:
@@ -264,7 +277,7 @@ class Trainer:
                 self.checkpoints.save(done, self.position)
 
     def _load(self, indices: list[int]) -> Batch:
-        batch = self.collate_fn([self.dataset[i] for i in indices])
+        batch = self.collate_fn(fetch_samples(self.dataset, indices))
         return split_batch(to_device(batch, self.runtime.device), self.spec.call_kwargs)
 
     @torch.no_grad()
@@ -280,7 +293,7 @@ class Trainer:
         size = self.plan.batch.micro_batch
         for start in range(0, len(indices), size):
             chunk = indices[start:start + size]
-            batch = self.collate_fn([self.eval_dataset[i] for i in chunk])
+            batch = self.collate_fn(fetch_samples(self.eval_dataset, chunk))
             with autocast(self.config.train.precision, self.runtime.device):
                 loss_sum, count = self.stepper.eval_totals(
                     split_batch(to_device(batch, self.runtime.device),
@@ -334,7 +347,7 @@ class Trainer:
         ).with_figures({**self.parallel.sync.metrics(),
                         **self.parallel.grads.comm_stats()})  # bytes sent, compression ratio
         self.logged_bytes = self.step_bytes
-        ranks = self.telemetry.log(record, self.stepper.flops_per_term)
+        ranks = self.telemetry.log(record, self.flops_per_term)
         self.splitter.update([r[RANK_SAMPLES] for r in ranks],
                              [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],
                              self.plan.batch.micro_batch)
@@ -356,9 +369,8 @@ class Trainer:
                                                          - self.start_step, 1),
             "collectives": self.ledger.seq,
         }
-        if self.stepper.flops_per_term:
-            summary["model_flops_per_s"] = (summary["tokens_per_s"]
-                                            * self.stepper.flops_per_term)
+        if self.flops_per_term:
+            summary["model_flops_per_s"] = summary["tokens_per_s"] * self.flops_per_term
         summary["memory_bytes"] = self._memory()
         summary |= self.parallel.sync.metrics()
         self.parallel.grads.finalize()  # the model keeps its full parameters

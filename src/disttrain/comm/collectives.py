@@ -3,11 +3,25 @@
 A :class:`Communicator` wraps one process group. Every call is recorded in the rank's
 :class:`CollectiveLedger` (sequence number, op, group, shape, call site) and its payload
 bytes are counted, so diagnostics and byte accounting see all traffic.
+
+Device discipline: a group has one device (``Communicator.device``: the current CUDA
+device for NCCL, the CPU for Gloo); buffers that travel are made with
+:meth:`Communicator.empty` / :meth:`Communicator.zeros`, and every op refuses a tensor on
+another device, or a non-contiguous one, naming the op and the call site.
+
+NCCL's rules, applied to any backend when ``nccl_rules`` is on (the environment
+variable ``DISTTRAIN_NCCL_RULES=1``; the test suite sets it): no receive-from-any on a
+data group (a *control* group, Gloo on the CPU beside the device group, may), and
+point-to-point messages between two ranks are matched in the order they were posted,
+whatever their tags: every message is sent under one tag, preceded by a small header
+carrying the tag the caller gave and the payload's size, and the receiver checks that
+the message it got is the one it asked for (:class:`MessageOrderError` otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections import deque
@@ -78,21 +92,40 @@ class CollectiveLedger:
             self.waiting = None
 
 
+NCCL_RULES_ENV = "DISTTRAIN_NCCL_RULES"
+_HEADER_TAG = 0  # the one tag every message uses under NCCL's rules
+
+
+class MessageOrderError(RuntimeError):
+    """A point-to-point message was consumed out of the order it was posted in (NCCL
+    matches the messages between two ranks by posting order only, not by tag)."""
+
+
 class TrackedWork:
-    """An async collective's handle; waiting on it is recorded in the ledger."""
+    """An async collective's handle; waiting on it is recorded in the ledger.
+    ``check`` (if any) runs once the work is done (a received message's header)."""
 
     def __init__(self, work: dist.Work | None, ledger: CollectiveLedger,
-                 record: CollectiveRecord) -> None:
+                 record: CollectiveRecord,
+                 extra: list[dist.Work] | None = None,
+                 check: Callable[[], None] | None = None) -> None:
         self.work, self.ledger, self.record = work, ledger, record
+        self.extra, self.check = extra or [], check
 
     def wait(self) -> bool:
         if self.work is None:
             return True
         with self.ledger.blocked_on(self.record):
+            for work in self.extra:  # a message's header first, then its check
+                work.wait()
+            if self.check is not None:
+                check, self.check = self.check, None
+                check()
             return self.work.wait()
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return self.work is None or (self.work.is_completed()
+                                     and all(w.is_completed() for w in self.extra))
 
     def get_future(self) -> torch.futures.Future | None:
         return None if self.work is None else self.work.get_future()
@@ -105,19 +138,64 @@ def _call_site(depth: int) -> str:
     return f"{path}:{frame.f_lineno}"
 
 
+def nccl_rules_default() -> bool:
+    """Whether NCCL's rules apply to every Communicator (``DISTTRAIN_NCCL_RULES=1``)."""
+    return os.environ.get(NCCL_RULES_ENV, "") not in ("", "0")
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a process group's tensors live on: the current CUDA device for NCCL,
+    the CPU otherwise (Gloo)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Communicator:
     """Collectives over one process group, recorded in a ledger.
 
-    Ranks passed to ``broadcast`` are ranks *within the group*.
+    Ranks passed to ``broadcast`` are ranks *within the group*. ``control``: a Gloo
+    group on the CPU carrying control messages beside a device group (receive-from-any
+    allowed under NCCL's rules). ``nccl_rules``: see the module docstring (default: the
+    environment's).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CollectiveLedger,
-                 name: str = "world") -> None:
+                 name: str = "world", *, control: bool = False,
+                 nccl_rules: bool | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.ledger = ledger
         self.name = name
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self.device = group_device(self.group)
+        self.control = control
+        self.nccl_rules = nccl_rules_default() if nccl_rules is None else nccl_rules
+        if control and self.device.type != "cpu":
+            raise ValueError(f"a control communicator must be a Gloo (CPU) group; "
+                             f"{name!r} is on {self.device}")
+
+    def empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised buffer on this group's device (to receive into)."""
+        return torch.empty(*shape, dtype=dtype, device=self.device)
+
+    def zeros(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed buffer on this group's device."""
+        return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        """Refuse a tensor this group cannot move: on another device, or not
+        contiguous (NCCL moves contiguous device memory only)."""
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(f"{op} on the {self.name!r} group ({self.device}) was "
+                                 f"given a tensor on {t.device} at {_call_site(3)}; "
+                                 f"create it with the communicator's empty()/zeros() or "
+                                 f"move it to {self.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{op} on the {self.name!r} group was given a "
+                                 f"non-contiguous tensor {tuple(t.shape)} at "
+                                 f"{_call_site(3)}; pass .contiguous()")
 
     def __deepcopy__(self, memo: dict) -> Communicator:
         """A handle on a shared process group: copies of a module share it."""
@@ -137,11 +215,13 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                    async_op: bool = False) -> TrackedWork | None:
+        self._check("all_reduce", tensor)
         return self._run("all_reduce", tensor, lambda a: dist.all_reduce(
             tensor, op=op, group=self.group, async_op=a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0,
                   async_op: bool = False) -> TrackedWork | None:
+        self._check("broadcast", tensor)
         src = dist.get_global_rank(self.group, src) if self.size > 1 else src
         return self._run("broadcast", tensor, lambda a: dist.broadcast(
             tensor, src=src, group=self.group, async_op=a), async_op)
@@ -149,6 +229,7 @@ class Communicator:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> TrackedWork | None:
         """Sum ``input`` [size * n] over ranks; rank r receives block r in ``output`` [n]."""
+        self._check("reduce_scatter", output, input)
         if self.size == 1:
             output.copy_(input)
         return self._run("reduce_scatter", input, lambda a: _REDUCE_SCATTER(
@@ -157,6 +238,7 @@ class Communicator:
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor,
                         async_op: bool = False) -> TrackedWork | None:
         """Concatenate every rank's ``input`` [n] into ``output`` [size * n]."""
+        self._check("all_gather", output, input)
         if self.size == 1:
             output.copy_(input)
         return self._run("all_gather", input, lambda a: _ALL_GATHER(
@@ -164,6 +246,7 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Each rank's ``tensor`` (same shape everywhere), in group-rank order."""
+        self._check("all_gather", tensor)
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         if self.size == 1:
             out[0].copy_(tensor)
@@ -188,24 +271,62 @@ class Communicator:
     def barrier(self) -> None:
         self._run("barrier", None, lambda a: dist.barrier(group=self.group), False)
 
-    # Point-to-point (pipeline parallelism). Peers are ranks within the group; a
-    # message is matched by (sender, tag), so distinct tags never cross.
+    # Point-to-point. Peers are ranks within the group. Without NCCL's rules a message
+    # is matched by (sender, tag), so distinct tags never cross; with them, by posting
+    # order between the two ranks only (the tag is checked, not used for matching).
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> TrackedWork:
         """Start sending ``tensor`` (contiguous, kept alive by the caller until the
         returned work completes) to group rank ``dst``."""
-        return self._run("send", tensor, lambda a: dist.isend(
-            tensor, group=self.group, tag=tag, group_dst=dst), True)
+        self._check("send", tensor)
+        if not self.nccl_rules or self.control:
+            return self._run("send", tensor, lambda a: dist.isend(
+                tensor, group=self.group, tag=tag, group_dst=dst), True)
+        header = torch.tensor([tag, tensor.numel()], dtype=torch.int64, device=self.device)
+        first = dist.isend(header, group=self.group, tag=_HEADER_TAG, group_dst=dst)
+        work = self._run("send", tensor, lambda a: dist.isend(
+            tensor, group=self.group, tag=_HEADER_TAG, group_dst=dst), True)
+        if work.work is not None:
+            work.extra, work.header = [first], header  # kept alive until done
+        return work
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> TrackedWork:
         """Start receiving into ``tensor`` (preallocated, the sender's shape and dtype)
         from group rank ``src``."""
-        return self._run("recv", tensor, lambda a: dist.irecv(
-            tensor, group=self.group, tag=tag, group_src=src), True)
+        self._check("recv", tensor)
+        if not self.nccl_rules or self.control:
+            return self._run("recv", tensor, lambda a: dist.irecv(
+                tensor, group=self.group, tag=tag, group_src=src), True)
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        first = dist.irecv(header, group=self.group, tag=_HEADER_TAG, group_src=src)
+        site = _call_site(2)
+
+        def check() -> None:
+            got_tag, numel = header.tolist()
+            if got_tag != tag or numel != tensor.numel():
+                raise MessageOrderError(
+                    f"rank {self.rank} of {self.name!r} asked rank {src} for message "
+                    f"tag {tag} ({tensor.numel()} elements) at {site} but the next one "
+                    f"rank {src} posted is tag {got_tag} ({numel} elements): under NCCL "
+                    "messages between two ranks match in posting order only; post "
+                    "receives in the order the peer sends")
+
+        work = self._run("recv", tensor, lambda a: dist.irecv(
+            tensor, group=self.group, tag=_HEADER_TAG, group_src=src), True)
+        if work.work is not None:
+            work.extra, work.check = [first], check
+        return work
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Receive into ``tensor`` from whichever group rank's message comes first
-        (blocking; the parameter servers' inbox); returns that sender's group rank."""
+        (blocking); returns that sender's group rank. Only on a control group under
+        NCCL's rules (NCCL has no receive-from-any)."""
+        self._check("recv_any", tensor)
+        if self.nccl_rules and not self.control:
+            raise ValueError(f"recv_any on the {self.name!r} group at {_call_site(2)}: "
+                             "NCCL has no receive-from-any; receive control messages on "
+                             "a Gloo control group (Communicator(control=True)) and the "
+                             "data from the sender it names")
         work = self._run("recv_any", tensor, lambda a: dist.irecv(
             tensor, group=self.group, tag=tag), True)
         work.wait()

@@ -184,10 +184,10 @@ class ModelParallelGrads:
         """Global gradient norm over every stage, tp shard and dp rank; clip the pieces
         this rank holds if ``max_norm > 0``."""
         pieces = self.inner.gradient_pieces()
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = self.world.zeros(1, dtype=torch.float64)
         weight = self.mp.placement.norm_weight
         for p, g in pieces:
-            sq += weight(p) / self.grad_replicas * g.detach().double().pow(2).sum().cpu()
+            sq += weight(p) / self.grad_replicas * g.detach().double().pow(2).sum()
         self.world.all_reduce(sq)
         norm = float(sq.sqrt())
         if max_norm > 0 and norm > max_norm:

@@ -56,7 +56,7 @@ class PipelineStepRunner(StepRunner):
         if self.activation_bytes is None:
             self.activation_bytes = result.peak_activation_bytes
         totals = torch.tensor([float(result.loss_sum), float(result.count)],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.device)
         self.grads.reduce_loss_totals(totals).wait()
         loss, count = totals.tolist()
         return self._reduce_and_step(stats, t0, waited0, loss, count)

@@ -99,6 +99,25 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
     return runner.run(want)
 
 
+def _incoming(schedule: Schedule, rank: int, tag: Callable[[int, bool, int], int]
+              ) -> dict[int, list[int]]:
+    """For each pp rank that sends to ``rank``: the tags of its messages to ``rank``, in
+    the order it posts them (its actions' order; every rank knows the schedule)."""
+    channels: dict[int, list[int]] = {}
+    last = schedule.n_chunks - 1
+    for peer, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.kind == FORWARD and a.chunk < last:
+                dst, t = schedule.rank_of(a.chunk + 1), tag(a.chunk, False, a.micro)
+            elif a.kind != FORWARD and a.chunk > 0:
+                dst, t = schedule.rank_of(a.chunk - 1), tag(a.chunk - 1, True, a.micro)
+            else:
+                continue
+            if dst == rank:
+                channels.setdefault(peer, []).append(t)
+    return channels
+
+
 class _Runner:
     def __init__(self, chunks: Sequence[PipelineChunk], micro_batches: Sequence,
                  loss_fn: LossFn, comm: Communicator, schedule: Schedule,
@@ -112,7 +131,10 @@ class _Runner:
         self.meter = SavedActivationMeter(p for ch in chunks for p in ch.parameters())
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.recvs: dict[Action, tuple[torch.Tensor, TrackedWork]] = {}
+        self.recvs: dict[tuple[int, int], tuple[torch.Tensor, TrackedWork]] = {}
+        # per peer: the tags of the messages it sends this rank, in its posting order
+        self.channels = _incoming(schedule, comm.rank, self._tag)
+        self.posted = dict.fromkeys(self.channels, 0)
         self.sends: list[tuple[torch.Tensor, TrackedWork]] = []
         self.loss_sum = torch.zeros(())
         self.count = 0
@@ -121,6 +143,7 @@ class _Runner:
         last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind != FORWARD}
         timings = []
         for k, action in enumerate(actions):
+            self._post_recv(action)
             if k + 1 < len(actions):
                 self._post_recv(actions[k + 1])
             t0 = self.clock()
@@ -144,20 +167,38 @@ class _Runner:
     def _tag(self, boundary: int, backward: bool, micro: int) -> int:
         return (2 * boundary + int(backward)) * self.schedule.m + micro
 
-    def _post_recv(self, action: Action) -> None:
-        """Start receiving ``action``'s input (activation or output gradient)."""
+    def _source(self, action: Action) -> tuple[int, int] | None:
+        """(peer, tag) of the message ``action`` needs, or None (first chunk's forward,
+        last chunk's backward)."""
         c, i = action.chunk, action.micro
-        forward = action.kind == FORWARD
-        if action in self.recvs or (c == 0 if forward else c == self.schedule.n_chunks - 1):
+        if action.kind == FORWARD:
+            return None if c == 0 else (self.schedule.rank_of(c - 1),
+                                        self._tag(c - 1, False, i))
+        if c == self.schedule.n_chunks - 1:
+            return None
+        return self.schedule.rank_of(c + 1), self._tag(c, True, i)
+
+    def _post_recv(self, action: Action) -> None:
+        """Start receiving ``action``'s input (activation or output gradient), and
+        before it every message its sender posts to this rank earlier: receives are
+        posted in the order the peer sends, so they match in posting order (NCCL's
+        rule), whatever the tags."""
+        source = self._source(action)
+        if source is None or source in self.recvs:
             return
-        peer = self.schedule.rank_of(c - 1 if forward else c + 1)
-        tag = self._tag(c - 1, False, i) if forward else self._tag(c, True, i)
-        buf = torch.empty(self.shape, dtype=self.dtype)
-        self.recvs[action] = (buf, self.comm.irecv(buf, peer, tag))
+        peer, tag = source
+        order = self.channels[peer]
+        while True:
+            next_tag = order[self.posted[peer]]
+            self.posted[peer] += 1
+            buf = self.comm.empty(*self.shape, dtype=self.dtype)
+            self.recvs[peer, next_tag] = (buf, self.comm.irecv(buf, peer, next_tag))
+            if next_tag == tag:
+                return
 
     def _take_recv(self, action: Action) -> torch.Tensor:
         self._post_recv(action)
-        buf, work = self.recvs.pop(action)
+        buf, work = self.recvs.pop(self._source(action))
         work.wait()
         return buf
 

@@ -9,11 +9,17 @@ A worker repeats, with no barrier with the other workers:
 
 1. compute a gradient on its next batch (normalised by its own loss-term count, clipped
    to ``train.grad_clip`` by its own norm);
-2. send shard ``s`` of it to server ``s`` as ``[PUSH, version, loss_sum, terms,
-   grad_s...]`` (fp32, [4 + numel_s]), where ``version`` is the version of shard ``s``
-   the gradient was computed on;
-3. receive ``[PARAMS, new version, applied, staleness, params_s...]`` from every server
-   and load the parameters.
+2. send server ``s`` the control message ``[PUSH, version, loss_sum, terms]`` (fp32,
+   where ``version`` is the version of shard ``s`` the gradient was computed on), then
+   shard ``s`` of the gradient;
+3. receive ``[PARAMS, new version, applied, staleness]`` from every server, then that
+   server's parameters, and load them.
+
+Control messages travel on a Gloo group on the CPU (``control``), created beside the
+data group: a server takes the next push from whichever worker sent one (a
+receive-from-any, which NCCL does not have), then receives that worker's gradient on
+the data group from that worker by name, so gradients and parameters move as device
+tensors under NCCL's rules (between two ranks, in posting order).
 
 A server takes pushes in arrival order from any worker. The push's staleness is the
 number of updates the shard received since the worker's version. If it is at most
@@ -54,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...comm.collectives import Communicator
@@ -117,11 +124,17 @@ class AsyncParameterServer(SyncStrategy):
     runs_own_loop = True
 
     def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
-                 staleness_bound: int, accumulate: int = 0) -> None:
+                 staleness_bound: int, accumulate: int = 0,
+                 control: Communicator | None = None) -> None:
         if comm.size <= servers:
             raise ValueError(f"async training needs more than {servers} rank(s)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.comm, self.servers, self.bound = comm, servers, staleness_bound
+        # every rank of the job builds this at the same point, so the group is created
+        # collectively
+        self.control = control or Communicator(
+            dist.new_group(dist.get_process_group_ranks(comm.group), backend="gloo"),
+            comm.ledger, f"{comm.name}-control", control=True)
         self.workers = comm.size - servers
         self.accumulate = accumulate or self.workers
         self.shards = [[self.params[i] for i in shard] for shard in
@@ -166,22 +179,24 @@ class AsyncParameterServer(SyncStrategy):
     def _serve(self, optimizer: torch.optim.Optimizer, budget: int,
                lr_at: Callable[[int], float], log: Callable[[MetricsRecord], None],
                log_every: int, per_worker: int) -> AsyncReport:
-        s = self.comm.rank
+        s, data = self.comm.rank, self.comm
         shard = self.shards[s]
         opt = shard_optimizer(optimizer, shard)
-        inbox = torch.empty(HEADER + self.sizes[s])
-        replies = {w: torch.empty(HEADER + self.sizes[s])
-                   for w in range(self.servers, self.comm.size)}
-        sending: dict[int, Any] = {}
+        inbox = torch.empty(HEADER)  # control messages: CPU
+        grad = data.empty(self.sizes[s])
+        replies = {w: (torch.empty(HEADER), data.empty(self.sizes[s]))
+                   for w in range(self.servers, data.size)}
+        sending: dict[int, list[Any]] = {}
         report, window = AsyncReport(role="server", rank=s), _ServerWindow()
         finished: set[int] = set()
         version = 0
-        acc, waiting = torch.zeros(self.sizes[s]), 0  # accepted pushes not yet applied
+        acc, waiting = data.zeros(self.sizes[s]), 0  # accepted pushes not yet applied
         while len(finished) < self.workers:
-            src = self.comm.recv_any(inbox)
+            src = self.control.recv_any(inbox)
             if inbox[0].item() == BYE:
                 finished.add(src)
                 continue
+            data.irecv(grad, src).wait()  # every push carries its gradient
             if report.pushes >= budget:
                 self._reply(src, replies, sending, STOP, version, 0, 0, shard)
                 finished.add(src)
@@ -191,7 +206,7 @@ class AsyncParameterServer(SyncStrategy):
             lr = lr_at(report.pushes // self.workers)
             report.pushes += 1
             if staleness <= self.bound:
-                acc.add_(inbox[HEADER:])
+                acc.add_(grad)
                 waiting += 1
                 if waiting == self.accumulate:
                     _apply(opt, shard, acc.div_(waiting), lr)
@@ -212,30 +227,38 @@ class AsyncParameterServer(SyncStrategy):
         if waiting:  # the budget ended with a partial accumulation
             _apply(opt, shard, acc.div_(waiting), lr_at(max(report.pushes - 1, 0)
                                                          // self.workers))
-        for work in sending.values():
-            work.wait()
+        for works in sending.values():
+            for work in works:
+                work.wait()
         return report
 
-    def _reply(self, dst: int, replies: dict[int, torch.Tensor], sending: dict[int, Any],
-               kind: float, version: int, applied: bool | int, staleness: int,
-               shard: list[nn.Parameter]) -> None:
-        """Send ``[kind, version, applied, staleness, params...]`` to worker ``dst``;
-        its previous reply has arrived (it pushed again), so the buffer is free."""
-        if dst in sending:
-            sending[dst].wait()
-        buf = replies[dst]
-        buf[:HEADER] = torch.tensor([kind, version, float(applied), staleness])
-        buf[HEADER:] = flatten(shard)
-        sending[dst] = self.comm.isend(buf, dst)
+    def _reply(self, dst: int, replies: dict[int, tuple[torch.Tensor, torch.Tensor]],
+               sending: dict[int, list[Any]], kind: float, version: int,
+               applied: bool | int, staleness: int, shard: list[nn.Parameter]) -> None:
+        """Send worker ``dst`` the control message ``[kind, version, applied,
+        staleness]`` and, with PARAMS, the shard's parameters; its previous reply has
+        arrived (it pushed again), so the buffers are free."""
+        for work in sending.pop(dst, []):
+            work.wait()
+        header, params = replies[dst]
+        header.copy_(torch.tensor([kind, version, float(applied), staleness]))
+        works = [self.control.isend(header, dst)]
+        if kind == PARAMS:
+            params.copy_(flatten(shard))
+            works.append(self.comm.isend(params, dst))
+        sending[dst] = works
 
     # ----------------------------------------------------------------- worker
     def _work(self, sampler: GlobalOrderSampler, per_worker: int, micro_batch: int,
               compute: ComputeGradients) -> AsyncReport:
-        w, rank = self.comm.rank - self.servers, self.comm.rank
+        data = self.comm
+        w, rank = data.rank - self.servers, data.rank
         report = AsyncReport(role="worker", rank=rank)
         versions = [0] * self.servers
-        pushes = [torch.empty(HEADER + n) for n in self.sizes]
-        replies = [torch.empty(HEADER + n) for n in self.sizes]
+        headers = [torch.empty(HEADER) for _ in self.sizes]  # control messages: CPU
+        pushes = [data.empty(n) for n in self.sizes]
+        answers = [torch.empty(HEADER) for _ in self.sizes]
+        params = [data.empty(n) for n in self.sizes]
         recent: deque[float] = deque(maxlen=10)
         while True:
             first = (report.pushes * self.workers + w) * per_worker
@@ -244,33 +267,37 @@ class AsyncParameterServer(SyncStrategy):
             loss_sum, terms = compute([indices[i:i + micro_batch]
                                        for i in range(0, per_worker, micro_batch)])
             maybe_slow_down(rank, time.perf_counter() - t0)
+            works = []
             for s, shard in enumerate(self.shards):
-                pushes[s][:HEADER] = torch.tensor([PUSH, versions[s], loss_sum, terms])
-                pushes[s][HEADER:] = flatten([_grad(p) for p in shard])
-            works = [self.comm.isend(pushes[s], s) for s in range(self.servers)]
-            works += [self.comm.irecv(replies[s], s) for s in range(self.servers)]
+                headers[s].copy_(torch.tensor([PUSH, versions[s], loss_sum, terms]))
+                pushes[s].copy_(flatten([_grad(p) for p in shard]))
+                works += [self.control.isend(headers[s], s), data.isend(pushes[s], s)]
+            stopped = []
+            for s in range(self.servers):
+                self.control.irecv(answers[s], s).wait()
+                if answers[s][0].item() == STOP:
+                    stopped.append(s)
+                    continue
+                data.irecv(params[s], s).wait()
+                versions[s] = int(answers[s][1].item())
+                unflatten_into(params[s], self.shards[s])
             for work in works:
                 work.wait()
             report.pushes += 1
             report.samples += per_worker
             report.terms += terms
             recent.append(loss_sum / max(terms, 1))
-            stopped = [s for s in range(self.servers) if replies[s][0].item() == STOP]
-            for s in range(self.servers):
-                if s not in stopped:
-                    versions[s] = int(replies[s][1].item())
-                    unflatten_into(replies[s][HEADER:], self.shards[s])
             if stopped:
-                self._say_bye(pushes, stopped)
+                self._say_bye(headers, stopped)
                 break
         report.recent_losses = list(recent)
         return report
 
-    def _say_bye(self, pushes: list[torch.Tensor], stopped: list[int]) -> None:
+    def _say_bye(self, headers: list[torch.Tensor], stopped: list[int]) -> None:
         for s in range(self.servers):
             if s not in stopped:
-                pushes[s][0] = BYE
-                self.comm.isend(pushes[s], s).wait()
+                headers[s][0] = BYE
+                self.control.isend(headers[s], s).wait()
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer,

@@ -1,17 +1,20 @@
 """Canonical parameter names: the layout-free names checkpoints and optimizers key on.
 
-Wrappers that parallel/ puts around a model's blocks (activation checkpointing) add a
-segment to every parameter name inside them. Both parallel/ (which adds it) and
-checkpoint/ (which must save names that do not depend on it) need the same rule, so it
-lives here, below both, importing nothing.
+Wrappers that parallel/ puts around a model's blocks (activation checkpointing,
+torch.compile per block) add a segment to every parameter name inside them. Both
+parallel/ (which adds it) and checkpoint/ (which must save names that do not depend on
+it) need the same rule, so it lives here, below both, importing nothing.
 """
 
 from __future__ import annotations
 
-WRAPPED = "checkpointed"
-_SEGMENT = f".{WRAPPED}."
+WRAPPED = "checkpointed"  # activation checkpointing's wrapper holds the block here
+COMPILED = "compiled"     # torch.compile's per-block wrapper holds the block here
+_SEGMENTS = (f".{WRAPPED}.", f".{COMPILED}.")
 
 
 def canonical_name(name: str) -> str:
-    """``blocks.0.checkpointed.mlp.up.weight`` -> ``blocks.0.mlp.up.weight``."""
-    return name.replace(_SEGMENT, ".")
+    """``blocks.0.checkpointed.compiled.mlp.up.weight`` -> ``blocks.0.mlp.up.weight``."""
+    for segment in _SEGMENTS:
+        name = name.replace(segment, ".")
+    return name

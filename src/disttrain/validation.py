@@ -18,6 +18,7 @@ from .models.gpt import gpt_spec
 from .models.hf import hf_config_spec, is_hf
 from .spec import ModelSpec
 from .parallel.balance import check_balance
+from .parallel.compilation import check_compile
 from .parallel.pipeline.check import check_pipeline
 from .parallel.registry import get_strategy
 from .parallel.sync.check import check_sync
@@ -39,4 +40,5 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
     check_tensor(config, layout, spec)
     check_pipeline(config, layout, batch.grad_accum, spec)
+    check_compile(config, layout, spec)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))

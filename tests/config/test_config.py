@@ -64,6 +64,7 @@ def test_batch_triple_derives_the_third(given, expected):
     (["parallel.backend=nccl", "train.device=cpu"], 2, "parallel.backend", "gloo"),
     (["train.precision=fp16", "train.device=cpu"], 2, "train.precision", "bf16"),
     (["monitor.hang_timeout=400"], 2, "monitor.hang_timeout", "below"),
+    (["train.compile=true", "parallel.tp=2"], 2, "train.compile", "parallel.tp=1"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, world, field, words):
     with pytest.raises(ConfigError) as err:

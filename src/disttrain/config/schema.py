@@ -105,6 +105,9 @@ class TrainConfig:
                                        choices=("none", "full", "every_k"))
     activation_checkpointing_k: int = _f(2, "with every_k: checkpoint blocks 0, k, 2k, ...",
                                          ge=1)
+    compile: bool = _f(False, "compile each block of the model with torch.compile "
+                       "(inductor; on CPU it needs a C++ compiler); refused under "
+                       "parallel.tp > 1 and for a model with no block list")
     sync: str = _f(SYNC_EVERY_STEP, "how dp replicas synchronise: every_step (gradient "
                    "all-reduce), local_sgd (average parameters every sync_every steps), "
                    "diloco (outer Nesterov step every sync_every steps), async (parameter "

@@ -154,18 +154,24 @@ def _check_monitor(config: Config) -> None:
                           "parallel.timeout_s")
 
 
+def on_gpu(train: TrainConfig) -> bool:
+    """Whether ``train.device`` resolves to CUDA (``auto``: when one is available)."""
+    import torch
+
+    return train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
+
+
 def _check_device(config: Config) -> None:
     import torch
 
     dev, backend = config.train.device, config.parallel.backend
-    has_cuda = torch.cuda.is_available()
-    if dev == "cuda" and not has_cuda:
+    if dev == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", dev, "no CUDA device is available",
                           "use train.device=cpu or auto")
-    on_gpu = dev == "cuda" or (dev == "auto" and has_cuda)
-    if config.train.precision == "fp16" and not on_gpu:
+    gpu = on_gpu(config.train)
+    if config.train.precision == "fp16" and not gpu:
         raise ConfigError("train.precision", "fp16", "fp16 with loss scaling needs a GPU",
                           "use train.precision=bf16 on CPU")
-    if backend == "nccl" and not on_gpu:
+    if backend == "nccl" and not gpu:
         raise ConfigError("parallel.backend", backend, "NCCL needs CUDA devices",
                           "use parallel.backend=gloo or auto on CPU")

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 # the rule lives below checkpoint/, which needs it too; re-exported for this module's users
 from ..naming import WRAPPED
 from ..naming import canonical_name as canonical_name
+from .wrappers import hide_segment
 
 
 class CheckpointedBlock(nn.Module):
@@ -28,25 +29,12 @@ class CheckpointedBlock(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.checkpointed = block
-        self._register_state_dict_hook(_drop_segment)
-        self._register_load_state_dict_pre_hook(_add_segment)
+        hide_segment(self, WRAPPED)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.checkpointed(*args, **kwargs)
         return checkpoint(self.checkpointed, *args, use_reentrant=False, **kwargs)
-
-
-def _drop_segment(module: nn.Module, state: dict, prefix: str, _meta: Any) -> None:
-    inner = f"{prefix}{WRAPPED}."
-    for key in [k for k in state if k.startswith(inner)]:
-        state[prefix + key[len(inner):]] = state.pop(key)
-
-
-def _add_segment(state: dict, prefix: str, *_: Any) -> None:
-    for key in [k for k in state if k.startswith(prefix)
-                and not k.startswith(f"{prefix}{WRAPPED}.")]:
-        state[f"{prefix}{WRAPPED}.{key[len(prefix):]}"] = state.pop(key)
 
 
 def _block_list(model: nn.Module) -> nn.ModuleList | None:

@@ -5,6 +5,9 @@ a :class:`Parallelized`: the module this rank runs, its :class:`~.interfaces.Gra
 and :class:`~.interfaces.ShardedState`, the synchronisation between steps, and the kind
 of step it needs. In order, over an unchanged model:
 
+0. with ``train.compile``, each block wrapped for torch.compile
+   (:func:`~.compilation.compile_blocks`), first, so every later wrapper and hook stays
+   outside the compiled regions;
 1. tensor and pipeline parallelism (:func:`~.hybrid.apply_model_parallel`) when
    pp or tp > 1, else activation checkpointing on the whole model;
 2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
@@ -29,6 +32,7 @@ from ..config.schema import Config
 from ..spec import ModelSpec, block_list
 from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
+from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import GradSync, ShardedState
 from .pipeline.check import pipeline_cuts
@@ -116,6 +120,8 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     train, par = config.train, config.parallel
     checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
     lay = topology.layout
+    if train.compile:  # refused at validation where it cannot apply (tp > 1, no blocks)
+        compile_blocks(block_list(model, spec))
     mp = None
     if lay.pp > 1 or lay.tp > 1:
         mp = apply_model_parallel(model, spec, par, groups.pp, groups.tp,

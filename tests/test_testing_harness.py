@@ -55,3 +55,8 @@ def test_decorator_runs_body_on_every_rank():
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2.0
+
+
+def test_an_unknown_backend_is_refused_before_anything_is_spawned():
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        run_distributed(_sum_of_ranks, 1, args=(1.0,), backend="mpi")

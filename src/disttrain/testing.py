@@ -1,4 +1,4 @@
-"""Run a function in N spawned Gloo processes with a hard timeout.
+"""Run a function in N spawned Gloo (or NCCL) processes with a hard timeout.
 
     from disttrain.testing import run_distributed, distributed
 
@@ -13,8 +13,9 @@
     def test_all_reduce():
         ...
 
-Each child initialises a Gloo process group on a free port (rank = its index), runs the
-function and sends back its return value or its traceback. If any rank raises, the
+Each child initialises a Gloo process group (NCCL with ``backend="nccl"``, rank r on
+GPU r) on a free port (rank = its index), runs the function and sends back its return
+value or its traceback. If any rank raises, the
 others are stopped and the parent raises with that rank's traceback. If the whole run
 outlasts ``timeout`` seconds, every child is killed and the parent raises naming the
 ranks that had not finished, so a hung collective fails one test instead of CI.
@@ -48,16 +49,20 @@ def free_port() -> int:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
-                    kwargs: dict | None = None, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` Gloo ranks; return each rank's
-    result in rank order."""
+                    kwargs: dict | None = None, timeout: float = 120.0,
+                    backend: str = "gloo") -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result in
+    rank order. ``backend="nccl"`` puts rank r on GPU r (``torch.cuda.set_device``)
+    before the process group is created; it needs ``world_size`` GPUs."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     target = (fn.__module__, fn.__qualname__)
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(target, rank, world_size, port, args, kwargs or {}, queue,
-                               timeout))
+                               timeout, backend))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -98,7 +103,7 @@ def _check_dead(procs: list, results: dict[int, Any]) -> None:
 
 
 def _child(target: tuple[str, str], rank: int, world_size: int, port: int, args: tuple,
-           kwargs: dict, queue: Any, timeout: float) -> None:
+           kwargs: dict, queue: Any, timeout: float, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -110,9 +115,11 @@ def _child(target: tuple[str, str], rank: int, world_size: int, port: int, args:
     faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
         fn = _resolve(*target)
+        if backend == "nccl":  # NCCL binds each rank to the device current at creation
+            torch.cuda.set_device(rank)
         # The group's own timeout is longer than the parent's, so a hang is reported
         # by the parent, naming every rank that had not finished.
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout + 30))
         # Plain pickle: tensors travel by value, not as shared-memory handles that
         # would die with this process.

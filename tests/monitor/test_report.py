@@ -44,7 +44,7 @@ def _record(step: int, full: bool, world: int = 4) -> dict:
     if not full:
         return rec
     slow = [3] if step % 40 == 0 else []
-    rec.update(mfu=0.38 + noise, time_compute_s=compute, time_comm_s=comm, time_data_s=data,
+    rec.update(mfu=0.38 + noise, peak_source="measured:cpu", time_compute_s=compute, time_comm_s=comm, time_data_s=data,
                time_optim_s=optim, mem_rss_mb=1700 + step, mem_peak_mb=2100 + step * 1.2,
                stragglers=slow)
     rec["ranks"] = [{"rank": r, "total_s": step_time * (1.3 if r in slow else 1.0),
@@ -62,7 +62,8 @@ def _summary(run_dir: Path, full: bool) -> dict:
                "tokens_per_s": 15873.4, "samples_seen": 9600, "run_dir": str(run_dir),
                "parameters": 826112}
     if full:
-        summary["model_flops_per_s"] = 7.9e10
+        summary |= {"model_flops_per_s": 7.9e10, "mfu": 0.381, "peak_tflops": 0.05,
+                    "peak_source": "measured:cpu"}
     return summary
 
 
@@ -181,7 +182,8 @@ def test_html_is_self_contained_with_every_plot_and_the_summary(full_report):
     assert refs and all(r.startswith("data:image/png;base64,") for r in refs)
     assert not re.search(r"https?://|@import|url\(", text)
     for value in ["15,873 tokens/s", "5.3012 → 2.1456", "2.1234", "826,112", "9,600",
-                  "79.00 GFLOP/s", "Mean MFU"]:
+                  "79.00 GFLOP/s", "Mean MFU", "(peak: measured:cpu)",
+                  "38.1% of 0.05 TFLOP/s per device (peak: measured:cpu)"]:
         assert value in text, value
     assert "&lt;b&gt;gpt&lt;/b&gt; &amp; co" in text and "<b>gpt</b>" not in text
     assert "not recorded" not in text

@@ -25,6 +25,7 @@ def test_records_carry_per_rank_figures_time_split_and_mfu(tmp_path):
         assert last[key] >= 0
     assert last["time_compute_s"] > 0 and last["mem_peak_mb"] > 0
     assert 0 < last["mfu"] <= 1.5  # peak is measured on a loaded machine: a loose bound
+    assert last["peak_source"] == "measured:cpu"  # no GPU table applies on a CPU
     assert last["tokens_per_s"] > 0 and last["stragglers"] == []
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,3 +103,8 @@ def test_counting_flops_leaves_the_first_steps_bitwise_unchanged(tmp_path):
     records = [json.loads(line) for line in
                (Path(tmp_path) / "counted" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["mfu"] is not None and r["mfu"] > 0 for r in records)
+    # monitor.peak_tflops = 1.0 is the denominator, and the records and summary say so
+    assert all(r["peak_source"] == "configured" for r in records)
+    summary = counted[1]
+    assert (summary["peak_source"], summary["peak_tflops"]) == ("configured", 1.0)
+    assert summary["mfu"] == pytest.approx(summary["model_flops_per_s"] / 1e12)

@@ -209,8 +209,9 @@ class MonitorConfig:
                                     "by this fraction is slow", gt=0.0)
     straggler_window: int = _f(3, "consecutive logged steps a rank must be slow to be "
                                "named a straggler", ge=1)
-    peak_tflops: float = _f(0.0, "peak TFLOP/s per rank for MFU; 0 = measure at start",
-                            ge=0.0)
+    peak_tflops: float = _f(0.0, "peak TFLOP/s per rank for MFU; 0 = the GPU's published "
+                            "dense peak at the run's precision, else a matmul measured at "
+                            "start (the records' peak_source says which)", ge=0.0)
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is "
                            "installed")
 

@@ -51,6 +51,7 @@ class MetricsRecord:
     ranks: list[dict[str, float]] | None = None  # one entry per rank, keys RANK_FIELDS
     stragglers: list[int] | None = None
     mfu: float | None = None                 # when the model's FLOPs per token are known
+    peak_source: str | None = None           # MFU's denominator: published, measured, configured
     # the data-parallel gradient reducer (DataParallel.comm_stats)
     grad_sync_bytes: int | None = None
     compression_ratio: float | None = None
@@ -118,6 +119,9 @@ LOSS = _key("loss")
 EVAL_LOSS = _key("eval_loss")
 TOKENS_PER_S = _key("tokens_per_s")
 MFU = _key("mfu")
+PEAK_SOURCE = _key("peak_source")
+# summary.json only, beside MFU and PEAK_SOURCE: the per-device peak MFU is taken against
+PEAK_TFLOPS = "peak_tflops"
 STEP_TIME_S = _key("step_time_s")
 TIME_COMPUTE_S = _key("time_compute_s")
 TIME_COMM_S = _key("time_comm_s")

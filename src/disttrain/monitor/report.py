@@ -32,10 +32,10 @@ from typing import Any
 from ..errors import UserError
 from ..names import CONFIG_FILE, METRICS_FILE, REPORT_DIR, REPORT_FILE, SUMMARY_FILE
 from .progress import format_duration
-from .record import (EVAL_LOSS, LOSS, MEM_PEAK_MB, MFU, RANK, RANK_COMM_S, RANK_COMPUTE_S,
-                     RANK_DATA_S, RANK_SAMPLES, RANK_TOTAL_S, RANKS, STEP, STEP_TIME_S,
-                     STRAGGLERS, TIME_COMM_S, TIME_COMPUTE_S, TIME_DATA_S, TIME_OPTIM_S,
-                     TOKENS_PER_S)
+from .record import (EVAL_LOSS, LOSS, MEM_PEAK_MB, MFU, PEAK_SOURCE, PEAK_TFLOPS, RANK,
+                     RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES, RANK_TOTAL_S,
+                     RANKS, STEP, STEP_TIME_S, STRAGGLERS, TIME_COMM_S, TIME_COMPUTE_S,
+                     TIME_DATA_S, TIME_OPTIM_S, TOKENS_PER_S)
 
 # Keys disttrain does not write (MetricsRecord has no such field) but the report still
 # reads when a record holds them: older runs logged the data wait as data_time_s, and a
@@ -219,10 +219,18 @@ def _throughput_plot(run: RunData) -> Plot:
     return _with_png(plot, draw)
 
 
+def _peak_sources(records: list[Record]) -> str:
+    """Where the records' MFU peak came from, e.g. ' (peak: measured:cpu)'; '' when
+    they do not say."""
+    sources = sorted({r[PEAK_SOURCE] for r in records if r.get(PEAK_SOURCE)})
+    return f" (peak: {', '.join(sources)})" if sources else ""
+
+
 def _mfu_plot(run: RunData) -> Plot:
     steps, mfu = series(run.records, MFU)
     plot = Plot(name="mfu", title="Model FLOPs utilisation", caption="Model FLOP/s as a "
-                "share of the devices' peak, per logging window.")
+                f"share of the devices' peak{_peak_sources(run.records)}, per logging "
+                "window.")
     if not steps:
         return _missing(plot, MFU)
 
@@ -365,7 +373,7 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
     rows += [(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in sorted(s.items())]
     steps, mfu = [r[STEP] for r in run.records], series(run.records, MFU)[1]
     if mfu:
-        rows.append(("Mean MFU", f"{sum(mfu) / len(mfu):.1%}"))
+        rows.append(("Mean MFU", f"{sum(mfu) / len(mfu):.1%}{_peak_sources(run.records)}"))
     rows.append(("Logged records", f"{len(steps)} (steps {steps[0]:g} to {steps[-1]:g})"))
     return rows
 
@@ -407,6 +415,8 @@ _SUMMARY_FORMATS: list[tuple[str, tuple[str, ...], Callable[..., str]]] = [
     ("Training time", ("train_time_s",), _seconds),
     ("Throughput", ("tokens_per_s",), lambda x: f"{x:,.0f} tokens/s"),
     ("Model FLOP/s", ("model_flops_per_s",), lambda x: _eng(x, "FLOP/s")),
+    ("MFU", (MFU, PEAK_TFLOPS, PEAK_SOURCE),
+     lambda m, p, src: f"{m:.1%} of {p:,.5g} TFLOP/s per device (peak: {src})"),
     ("Samples seen", ("samples_seen",), lambda n: f"{n:,}"),
     ("Run directory", ("run_dir",), str),
 ]

@@ -1,9 +1,8 @@
-"""Per-step timings, memory, peak FLOP/s, and the straggler rule."""
+"""Per-step timings, memory, and the straggler rule (the peak FLOP/s is in :mod:`.peaks`)."""
 
 from __future__ import annotations
 
 import resource
-import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -68,21 +67,6 @@ def memory_mb(device: torch.device) -> tuple[float, float]:
     current = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return current, peak
-
-
-def measure_peak_flops(device: torch.device, seconds: float = 0.3) -> float:
-    """Achievable matmul FLOP/s of this rank (bf16 on GPU, fp32 on CPU): the MFU
-    denominator when no peak is configured."""
-    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    (a @ b).sum().item()  # warm up
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        c = a @ b
-        count += 1
-    c.sum().item()
-    return 2 * n ** 3 * count / (time.perf_counter() - start)
 
 
 def lower_median(values: list[float]) -> float:

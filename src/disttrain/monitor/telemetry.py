@@ -16,6 +16,7 @@ import torch
 
 from ..comm import Communicator
 from .metrics import MetricsWriter
+from .peaks import Peak, model_flops_utilisation
 from .record import (MEM_PEAK_MB, RANK, RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S,
                      RANK_FIELDS, RANK_OPTIM_S, RANK_SAMPLES, RANK_TOTAL_S, STEP,
                      MetricsRecord, as_record)
@@ -55,10 +56,10 @@ class TensorBoardWriter:
 class Telemetry:
     def __init__(self, comm: Communicator, device: torch.device, writer: MetricsWriter,
                  tensorboard: TensorBoardWriter, stragglers: StragglerDetector,
-                 peak_flops: float, say: Any) -> None:
+                 peak: Peak, say: Any) -> None:
         self.comm, self.device = comm, device
         self.writer, self.tensorboard = writer, tensorboard
-        self.detector, self.peak_flops, self.say = stragglers, peak_flops, say
+        self.detector, self.peak, self.say = stragglers, peak, say
         self.window = StatsWindow()
         self.flagged: set[int] = set()
 
@@ -79,8 +80,11 @@ class Telemetry:
         ranks = self.gather()
         busy = [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks]
         stragglers = self.detector.update(busy)
+        mfu = model_flops_utilisation(self.window.terms_per_s(), flops_per_term,
+                                      self.peak.flops, len(ranks))
         record = replace(as_record(record), **self._window_fields(ranks),
-                         stragglers=stragglers, mfu=self._mfu(flops_per_term, len(ranks)))
+                         stragglers=stragglers, mfu=mfu,
+                         peak_source=None if mfu is None else self.peak.source)
         self._announce(stragglers, busy)
         self.writer.write(record)
         self.tensorboard.write(record)
@@ -100,12 +104,6 @@ class Telemetry:
                     time_data_s=mean(RANK_DATA_S), time_optim_s=mean(RANK_OPTIM_S),
                     mem_peak_mb=max(r[MEM_PEAK_MB] for r in ranks),
                     ranks=[{k: r[k] for k in RANK_FIELDS} for r in ranks])
-
-    def _mfu(self, flops_per_term: float | None, world: int) -> float | None:
-        """Model FLOPs utilisation of the window, or None when FLOPs or peak are unknown."""
-        if not flops_per_term or self.peak_flops <= 0:
-            return None
-        return self.window.terms_per_s() * flops_per_term / (self.peak_flops * world)
 
     def _announce(self, stragglers: list[int], busy: list[float]) -> None:
         median = lower_median(busy)

@@ -35,8 +35,15 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def pick_device(preference: str, local_rank: int) -> torch.device:
-    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+def pick_device(preference: str, local_rank: int, existing_backend: str | None = None
+                ) -> torch.device:
+    """``cuda:local_rank`` for ``preference`` cuda, or auto with a GPU present, else the
+    CPU. Under auto, a process group that already exists decides: one that cannot move
+    CUDA tensors (Gloo, as the CPU test harness creates) keeps the run on the CPU."""
+    group_moves_cuda = existing_backend is None or "nccl" in existing_backend
+    gpu = preference == "cuda" or (preference == "auto" and torch.cuda.is_available()
+                                   and group_moves_cuda)
+    if gpu:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -44,9 +51,12 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
 
 def init_runtime(device_preference: str = "auto", backend: str = "auto",
                  timeout_s: float = 600.0) -> Runtime:
-    """Initialise the default process group unless one exists; pick the device."""
+    """Initialise the default process group unless one exists; pick the device (cuda
+    with NCCL when a GPU is present and nothing says otherwise, else the CPU with
+    Gloo)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(device_preference, local_rank)
+    existing = dist.get_backend() if dist.is_initialized() else None
+    device = pick_device(device_preference, local_rank, existing)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     owns = not dist.is_initialized()

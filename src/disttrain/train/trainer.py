@@ -39,8 +39,10 @@ from ..spec import ModelSpec, spec_for
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
 from ..monitor.metrics import truncate_metrics
-from ..monitor.record import RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES
-from ..monitor.stats import StragglerDetector, StepStats, measure_peak_flops
+from ..monitor.peaks import model_flops_utilisation, resolve_peak
+from ..monitor.record import (MFU, PEAK_SOURCE, PEAK_TFLOPS, RANK_COMPUTE_S, RANK_DATA_S,
+                              RANK_SAMPLES)
+from ..monitor.stats import StragglerDetector, StepStats
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
@@ -191,8 +193,7 @@ class Trainer:
                                          self.spec.config_json)
         self.bar = ProgressBar(self.config.train.steps, enabled=main, show_bar=self.progress,
                                every=self.config.train.log_every)
-        peak = (mon.peak_tflops * 1e12 if mon.peak_tflops
-                else measure_peak_flops(self.runtime.device))
+        peak = resolve_peak(mon.peak_tflops, self.runtime.device, self.config.train.precision)
         self.telemetry = Telemetry(
             self.world, self.runtime.device,
             MetricsWriter(self.run_dir / METRICS_FILE if main else None),
@@ -370,7 +371,12 @@ class Trainer:
             "collectives": self.ledger.seq,
         }
         if self.flops_per_term:
+            peak = self.telemetry.peak
             summary["model_flops_per_s"] = summary["tokens_per_s"] * self.flops_per_term
+            summary[MFU] = model_flops_utilisation(summary["tokens_per_s"],
+                                                   self.flops_per_term, peak.flops,
+                                                   self.runtime.world_size)
+            summary |= {PEAK_TFLOPS: peak.flops / 1e12, PEAK_SOURCE: peak.source}
         summary["memory_bytes"] = self._memory()
         summary |= self.parallel.sync.metrics()
         self.parallel.grads.finalize()  # the model keeps its full parameters

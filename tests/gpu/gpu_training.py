@@ -1,0 +1,223 @@
+"""What the GPU set runs: a case trained through the Trainer on NCCL ranks (rank r on GPU
+r), and its oracle, a plain single-process PyTorch loop on the same device.
+
+The oracle trains the same tiny GPT (4 blocks) from the same seed on the same global
+batches (masked targets, so samples carry different numbers of loss terms): the whole
+global batch in one forward under ``torch.autocast`` at the case's precision, backward on
+the summed token loss (times the loss scale: torch's ``GradScaler`` for fp16), gradients
+divided by the batch's token count, clipping, AdamW. It is written without disttrain's
+step, precision or strategy code, and differs from what a correct strategy computes only
+in summation order and, in bf16 / fp16, in how matmuls of a micro-batch rather than the
+whole batch round.
+
+``DISTTRAIN_GPU_SET_ON_CPU=1`` runs the set on the CPU with Gloo instead (fp16 cases
+skipped: fp16 is GPU-only): a dry run of the tests' own logic for a machine without a
+GPU. It says nothing about CUDA or NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import SyntheticTokens
+
+from disttrain.config import load_config
+from disttrain.data import GlobalOrderSampler, collate_token_batch
+from disttrain.models import GPT, token_loss
+from disttrain.testing import run_distributed
+from disttrain.train.optim import build_optimizer, lr_at, set_lr
+from disttrain.validation import resolve
+
+ON_CPU = os.environ.get("DISTTRAIN_GPU_SET_ON_CPU") == "1"
+BACKEND = "gloo" if ON_CPU else "nccl"
+DEVICE_TYPE = "cpu" if ON_CPU else "cuda"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+STEPS = 10
+MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32}
+# (elementwise atol, bound on each tensor's mean absolute difference) by precision.
+# fp32: the same sums in other orders (micro-batches, shards, GPU kernels) drift by
+# ~1e-7 per step, far below 1e-4 after 10 AdamW steps of lr 3e-3, while a wrong gradient
+# (a lost micro-batch, a shard reduced twice) moves weights by 1e-3 or more. bf16 /
+# fp16: a matmul over a micro-batch rounds differently from one over the whole batch,
+# and AdamW turns the rounding noise of a near-zero gradient (a rare token's embedding
+# row) into full-size steps, so single elements drift by up to ~1e-2 (6e-3 measured for
+# ZeRO-3 with two micro-batches in bf16, on the CPU dry run) while each tensor's mean
+# difference stays ~1e-4; dropping one sample of eight per step moves every tensor's
+# mean by 3e-3 or more (measured the same way). Hence the mean bound for them.
+TOLERANCE: dict[str, tuple[float, float | None]] = {
+    "fp32": (1e-4, None), "bf16": (2e-2, 1e-3), "fp16": (2e-2, 1e-3)}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# the marks of every test in the set: `pytest -m gpu` selects it; without CUDA it skips
+GPU_SET = [pytest.mark.gpu,
+           pytest.mark.skipif(not (ON_CPU or torch.cuda.is_available()), reason="needs CUDA")]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One Trainer run: the layout (dp, pp, tp), ZeRO stage, precision, micro-batches
+    per step, and any further [train] / [parallel] settings."""
+
+    name: str
+    layout: tuple[int, int, int] = (1, 1, 1)
+    zero: int = 0
+    precision: str = "fp32"
+    grad_accum: int = 1
+    train: dict[str, Any] = field(default_factory=dict)
+    parallel: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        dp, pp, tp = self.layout
+        return dp * pp * tp
+
+    def param(self) -> Any:
+        """The pytest parameter, skipped where this machine lacks ``world`` GPUs, and
+        for fp16 on the CPU dry run (fp16 with loss scaling is GPU-only)."""
+        marks = []
+        if not ON_CPU and GPUS < self.world:
+            marks.append(pytest.mark.skip(reason=f"needs {self.world} CUDA devices, "
+                                                 f"found {GPUS}"))
+        if ON_CPU and self.precision == "fp16":
+            marks.append(pytest.mark.skip(reason="fp16 with loss scaling is GPU-only"))
+        return pytest.param(self, id=self.name, marks=marks)
+
+
+def case_config(case: Case) -> Any:
+    dp, pp, tp = case.layout
+    train = {"steps": STEPS, "global_batch": 8, "grad_accum": case.grad_accum, "lr": 3e-3,
+             "warmup_steps": 2, "schedule": "constant", "eval_samples": 8, "log_every": 5,
+             "precision": case.precision, **case.train}
+    parallel = {"dp": dp, "pp": pp, "tp": tp, "zero": case.zero, **case.parallel}
+    return load_config(values={"model": MODEL, "train": train, "parallel": parallel,
+                               "checkpoint": {"every": 0}})
+
+
+def _train_on_rank(case: Case, run_dir: str) -> dict[str, Any]:
+    """The body each rank runs: the case through the Trainer (device and backend left
+    to it: train.device = auto); what the runtime picked, and the summary."""
+    from disttrain import Trainer
+
+    cfg = case_config(case)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(GPT(cfg.model), SyntheticTokens(mask=True), token_loss, cfg,
+                      run_dir=run_dir, collate_fn=collate_token_batch, progress=False)
+    summary = trainer.fit()
+    return {"device": trainer.runtime.device.type, "backend": trainer.runtime.backend,
+            "params_device": {p.device.type for p in trainer.model.parameters()},
+            "summary": summary}
+
+
+@dataclass
+class Trained:
+    """A finished case: rank 0's report, the full final weights (CPU tensors, from the
+    run's model.safetensors), and its metrics records."""
+
+    rank0: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    records: list[dict[str, Any]]
+
+
+def train_case(case: Case, run_dir: Path, backend: str = BACKEND,
+               timeout: float = 300) -> Trained:
+    """Run ``case`` on ``case.world`` spawned ranks: NCCL (Gloo on the dry run), or
+    ``backend="gloo"``, under which train.device = auto keeps the run on the CPU."""
+    ranks = run_distributed(_train_on_rank, case.world, args=(case, str(run_dir)),
+                            timeout=timeout, backend=backend)
+    records = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return Trained(ranks[0], load_file(str(run_dir / "model.safetensors")), records)
+
+
+def plain_loop(precision: str, device: torch.device) -> tuple[dict[str, torch.Tensor],
+                                                              dict[str, float]]:
+    """The oracle (see the module docstring): final weights (on the CPU) and, for fp16,
+    the loss scale at the end and the number of steps skipped on overflow."""
+    cfg = case_config(Case("oracle", precision=precision))
+    global_batch = resolve(cfg, 1).batch.global_batch
+    data = SyntheticTokens(mask=True)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model).to(device)
+    opt = build_optimizer(model, cfg.train, cfg.train.lr)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 16, growth_interval=2000,
+                                  enabled=precision == "fp16")
+    sampler = GlobalOrderSampler(len(data), cfg.train.seed)
+    skipped = 0
+    for step in range(STEPS):
+        set_lr(opt, lr_at(step, cfg.train, cfg.train.lr))
+        b = collate_token_batch([data[i] for i in sampler.indices(step * global_batch,
+                                                                  global_batch)])
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=AUTOCAST.get(precision),
+                            enabled=precision in AUTOCAST):
+            loss_sum, count = token_loss(model(b["input_ids"].to(device)),
+                                         b["targets"].to(device))
+        scaler.scale(loss_sum).backward()
+        scaler.unscale_(opt)
+        for p in model.parameters():
+            p.grad.div_(count)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < scale
+    return _stored_once(model), {"loss_scale": scaler.get_scale(), "skipped_steps": skipped}
+
+
+def _stored_once(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors on the CPU, a tied one under its first name only (as the
+    run's model.safetensors holds them)."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[name] = t.detach().cpu().clone()
+    return out
+
+
+def assert_weights_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                         precision: str, what: str) -> None:
+    """Every tensor within the precision's :data:`TOLERANCE` of ``expected``'s."""
+    atol, mean_bound = TOLERANCE[precision]
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        a, e = actual[name].float(), expected[name].float()
+        torch.testing.assert_close(a, e, atol=atol, rtol=0,
+                                   msg=lambda m, n=name: f"{what}: {n}: {m}")
+        if mean_bound is not None:
+            mean = (a - e).abs().mean().item()
+            assert mean <= mean_bound, f"{what}: {name}: mean |difference| {mean:.2e}"
+
+
+def assert_ran_on_the_device(got: Trained) -> None:
+    """The run used the GPU through NCCL (the dry run: the CPU through Gloo) and named
+    the source of its MFU peak."""
+    r = got.rank0
+    assert (r["device"], r["backend"], r["params_device"]) == (
+        DEVICE_TYPE, BACKEND, {DEVICE_TYPE}), r
+    source = r["summary"]["peak_source"]
+    assert (source == "measured:cpu" if ON_CPU
+            else source.startswith(("published:", "measured:cuda:"))), source
+
+
+def assert_follows_plain_loop(case: Case, got: Trained,
+                              oracle: tuple[dict[str, torch.Tensor], dict[str, float]]
+                              ) -> None:
+    """``got`` ran on the device, ended on the plain loop's weights and, under fp16,
+    skipped the loop's steps and ended at its loss scale."""
+    assert_ran_on_the_device(got)
+    weights, scaling = oracle
+    assert_weights_close(got.weights, weights, case.precision, case.name)
+    if case.precision == "fp16":
+        last = got.records[-1]
+        assert last["skipped_steps"] == scaling["skipped_steps"], (last, scaling)
+        assert last["loss_scale"] == scaling["loss_scale"], (last, scaling)

@@ -11,7 +11,8 @@ from gpu_training import ON_CPU, plain_loop
 
 @pytest.fixture(scope="session")
 def plain_oracle():
-    """precision -> (weights, fp16 scaling) of the plain loop on GPU 0 (the CPU on the
-    dry run); computed on first use."""
+    """(precision, parts) -> (weights, fp16 scaling) of the plain loop on GPU 0 (the CPU
+    on the dry run); each computed on first use."""
     device = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
-    return functools.lru_cache(maxsize=None)(lambda precision: plain_loop(precision, device))
+    return functools.lru_cache(maxsize=None)(
+        lambda precision, parts: plain_loop(precision, parts, device))

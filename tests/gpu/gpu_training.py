@@ -2,13 +2,16 @@
 r), and its oracle, a plain single-process PyTorch loop on the same device.
 
 The oracle trains the same tiny GPT (4 blocks) from the same seed on the same global
-batches (masked targets, so samples carry different numbers of loss terms): the whole
-global batch in one forward under ``torch.autocast`` at the case's precision, backward on
-the summed token loss (times the loss scale: torch's ``GradScaler`` for fp16), gradients
-divided by the batch's token count, clipping, AdamW. It is written without disttrain's
-step, precision or strategy code, and differs from what a correct strategy computes only
-in summation order and, in bf16 / fp16, in how matmuls of a micro-batch rather than the
-whole batch round.
+batches (masked targets, so samples carry different numbers of loss terms): the global
+batch cut into as many consecutive parts as the case has micro-batches in all (dp x
+grad_accum), each part's forward under ``torch.autocast`` at the case's precision and
+its backward on the summed token loss (times the loss scale: torch's ``GradScaler`` for
+fp16), gradients summed over the parts and divided by the batch's token count, clipping,
+AdamW. It is written without disttrain's step, precision or strategy code. Cutting the
+batch as the case does keeps fp16's overflows (a part's activation gradients overflow or
+not by its own size) and bf16's matmul shapes the same; what is left to differ is
+summation order, and in tensor or pipeline parallelism the shapes of the sharded
+matmuls.
 
 ``DISTTRAIN_GPU_SET_ON_CPU=1`` runs the set on the CPU with Gloo instead (fp16 cases
 skipped: fp16 is GPU-only): a dry run of the tests' own logic for a machine without a
@@ -44,14 +47,14 @@ STEPS = 10
 MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32}
 # (elementwise atol, bound on each tensor's mean absolute difference) by precision.
 # fp32: the same sums in other orders (micro-batches, shards, GPU kernels) drift by
-# ~1e-7 per step, far below 1e-4 after 10 AdamW steps of lr 3e-3, while a wrong gradient
-# (a lost micro-batch, a shard reduced twice) moves weights by 1e-3 or more. bf16 /
-# fp16: a matmul over a micro-batch rounds differently from one over the whole batch,
-# and AdamW turns the rounding noise of a near-zero gradient (a rare token's embedding
-# row) into full-size steps, so single elements drift by up to ~1e-2 (6e-3 measured for
-# ZeRO-3 with two micro-batches in bf16, on the CPU dry run) while each tensor's mean
-# difference stays ~1e-4; dropping one sample of eight per step moves every tensor's
-# mean by 3e-3 or more (measured the same way). Hence the mean bound for them.
+# ~1e-7 per step (1.2e-7 after 10 steps on the CPU dry run), far below 1e-4, while a
+# wrong gradient (a lost micro-batch, a shard reduced twice) moves weights by 1e-3 or
+# more. bf16 / fp16: a sharded matmul (tensor parallelism) rounds differently, and AdamW
+# turns the rounding noise of a near-zero gradient (a rare token's embedding row) into
+# full-size steps, so single elements drift by up to ~1e-2 while each tensor's mean
+# difference stays ~2e-4 (CPU dry run: tp=2 bf16 8.7e-3 and 1.9e-4; data parallel bf16
+# 2.7e-4 and 1.8e-5); dropping one sample of eight per step moves every tensor's mean by
+# 3e-3 or more. Hence the mean bound for them.
 TOLERANCE: dict[str, tuple[float, float | None]] = {
     "fp32": (1e-4, None), "bf16": (2e-2, 1e-3), "fp16": (2e-2, 1e-3)}
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,6 +82,11 @@ class Case:
     def world(self) -> int:
         dp, pp, tp = self.layout
         return dp * pp * tp
+
+    @property
+    def parts(self) -> int:
+        """Micro-batches per step over all dp ranks: how the oracle cuts the batch."""
+        return self.layout[0] * self.grad_accum
 
     def param(self) -> Any:
         """The pytest parameter, skipped where this machine lacks ``world`` GPUs, and
@@ -138,10 +146,11 @@ def train_case(case: Case, run_dir: Path, backend: str = BACKEND,
     return Trained(ranks[0], load_file(str(run_dir / "model.safetensors")), records)
 
 
-def plain_loop(precision: str, device: torch.device) -> tuple[dict[str, torch.Tensor],
-                                                              dict[str, float]]:
-    """The oracle (see the module docstring): final weights (on the CPU) and, for fp16,
-    the loss scale at the end and the number of steps skipped on overflow."""
+def plain_loop(precision: str, parts: int, device: torch.device
+               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The oracle (see the module docstring), the global batch in ``parts`` pieces:
+    final weights (on the CPU) and, for fp16, the loss scale at the end and the number
+    of steps skipped on overflow."""
     cfg = case_config(Case("oracle", precision=precision))
     global_batch = resolve(cfg, 1).batch.global_batch
     data = SyntheticTokens(mask=True)
@@ -154,14 +163,18 @@ def plain_loop(precision: str, device: torch.device) -> tuple[dict[str, torch.Te
     skipped = 0
     for step in range(STEPS):
         set_lr(opt, lr_at(step, cfg.train, cfg.train.lr))
-        b = collate_token_batch([data[i] for i in sampler.indices(step * global_batch,
-                                                                  global_batch)])
+        indices = sampler.indices(step * global_batch, global_batch)
+        size = global_batch // parts
         opt.zero_grad()
-        with torch.autocast(device.type, dtype=AUTOCAST.get(precision),
-                            enabled=precision in AUTOCAST):
-            loss_sum, count = token_loss(model(b["input_ids"].to(device)),
+        count = 0
+        for start in range(0, global_batch, size):
+            b = collate_token_batch([data[i] for i in indices[start:start + size]])
+            with torch.autocast(device.type, dtype=AUTOCAST.get(precision),
+                                enabled=precision in AUTOCAST):
+                loss_sum, n = token_loss(model(b["input_ids"].to(device)),
                                          b["targets"].to(device))
-        scaler.scale(loss_sum).backward()
+            scaler.scale(loss_sum).backward()
+            count += n
         scaler.unscale_(opt)
         for p in model.parameters():
             p.grad.div_(count)

@@ -39,4 +39,4 @@ FOUR_GPU_CASES = [
 @pytest.mark.parametrize("case", [c.param() for c in TWO_GPU_CASES + FOUR_GPU_CASES])
 def test_multi_gpu_run_follows_the_plain_loop(case, plain_oracle, tmp_path):
     got = train_case(case, tmp_path)
-    assert_follows_plain_loop(case, got, plain_oracle(case.precision))
+    assert_follows_plain_loop(case, got, plain_oracle(case.precision, case.parts))

@@ -30,6 +30,7 @@ PLAIN_CASES = [
     Case("zero3-bf16-accum2", zero=3, precision="bf16", grad_accum=2),
     Case("ddp-fp16", precision="fp16"),
     Case("zero2-fp16", zero=2, precision="fp16"),
+    Case("zero3-fp16-accum2", zero=3, precision="fp16", grad_accum=2),
 ]
 
 CPU_ORACLE_CASES = [
@@ -41,7 +42,7 @@ CPU_ORACLE_CASES = [
 @pytest.mark.parametrize("case", [c.param() for c in PLAIN_CASES])
 def test_one_gpu_follows_the_plain_loop(case, plain_oracle, tmp_path):
     got = train_case(case, tmp_path)
-    assert_follows_plain_loop(case, got, plain_oracle(case.precision))
+    assert_follows_plain_loop(case, got, plain_oracle(case.precision, case.parts))
 
 
 @pytest.mark.parametrize("case", [c.param() for c in CPU_ORACLE_CASES])

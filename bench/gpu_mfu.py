@@ -2,6 +2,7 @@
 disttrain's Trainer, beside the same model trained by a plain PyTorch loop.
 
     python bench/gpu_mfu.py [--micro-batch 16] [--steps 30] [--warmup 10] [--vocab 50304]
+                            [--compile]
 
 The model is ``disttrain.models.GPT`` with 12 layers, d_model 768, 12 heads, seq_len
 1024 and a vocabulary of 50,304 (GPT-2's 50,257 rounded up to a multiple of 128, as
@@ -9,7 +10,8 @@ nanoGPT does; not the default corpus's 256 bytes, whose tiny head would make it 
 model), tied head, no dropout: 124M parameters. The data are random token windows, the
 same for both (content does not change the work). Both sides run bf16 autocast, AdamW
 (fused; disttrain builds it fused on a GPU), weight decay 0.1 on matrices, clipping at
-1.0, one micro-batch of ``--micro-batch`` x 1024 tokens per step:
+1.0, one micro-batch of ``--micro-batch`` x 1024 tokens per step, eager unless
+``--compile`` (then both compile each block, as ``train.compile`` does):
 
 - disttrain: ``Trainer`` on one rank (the runtime picks cuda and NCCL), checkpoints and
   TensorBoard off, a metrics record every ``--log-every`` steps; its tokens/s is the
@@ -91,7 +93,7 @@ def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespac
         "train": {"steps": steps, "global_batch": args.micro_batch, "grad_accum": 1,
                   "lr": 6e-4, "warmup_steps": 0, "schedule": "constant",
                   "precision": "bf16", "log_every": args.log_every,
-                  "device": DEVICE.type},
+                  "device": DEVICE.type, "compile": args.compile},
         "checkpoint": {"every": 0}, "monitor": {"tensorboard": False}})
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(_model(cfg), data, token_loss, config, run_dir=run_dir,
@@ -111,6 +113,9 @@ def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespac
 def run_plain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace) -> float:
     """The plain loop's tokens/s (median over windows of ``--log-every`` steps)."""
     model = _model(cfg).to(DEVICE)
+    if args.compile:  # as train.compile does: each block compiled, the rest eager
+        for block in model.blocks:
+            block.compile()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2],
                               "weight_decay": 0.1},
@@ -154,6 +159,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=12, help="blocks (12)")
     p.add_argument("--d-model", type=int, default=768, help="width (768)")
     p.add_argument("--n-head", type=int, default=12, help="attention heads (12)")
+    p.add_argument("--compile", action="store_true",
+                   help="both sides compile each block (train.compile; block.compile())")
     return p.parse_args()
 
 
@@ -176,7 +183,7 @@ def main() -> None:
     plain_mfu = model_flops_utilisation(plain, per_token, ours["peak_tflops"] * 1e12, 1)
     print(json.dumps({
         "bench": "gpu_mfu", "gpu": torch.cuda.get_device_name(DEVICE),
-        "torch": torch.__version__, "precision": "bf16",
+        "torch": torch.__version__, "precision": "bf16", "compile": args.compile,
         "disttrain_device": ours["device"], "disttrain_backend": ours["backend"],
         "peak_tflops": round(ours["peak_tflops"], 3), "peak_source": ours["peak_source"],
         "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head,

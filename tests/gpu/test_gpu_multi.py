@@ -3,8 +3,8 @@
 Each case trains through the Trainer and must end on the weights of the single-process
 plain loop on GPU 0 (see gpu_training.py): dp = 2 (fp32 with accumulation, bf16, fp16
 with loss scaling), ZeRO-3 at dp = 2, tensor parallelism at tp = 2 (also with sequence
-parallelism), pipelines at pp = 2 under every schedule, and with four GPUs the hybrid
-(2, 2, 1) and (2, 1, 2) layouts. Skipped unless the machine has enough GPUs.
+parallelism), pipelines at pp = 2 under every schedule, train.compile under ZeRO-1 and
+in a pipeline, and with four GPUs the hybrid (2, 2, 1) and (2, 1, 2) layouts. Skipped unless the machine has enough GPUs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ TWO_GPU_CASES = [
     Case("pp2-1f1b", (1, 2, 1), grad_accum=4, parallel={"pp_schedule": "1f1b"}),
     Case("pp2-interleaved", (1, 2, 1), grad_accum=4,
          parallel={"pp_schedule": "interleaved"}),
+    Case("dp2-zero1-fp32-compile", (2, 1, 1), zero=1, train={"compile": True}),
+    Case("pp2-1f1b-bf16-compile", (1, 2, 1), precision="bf16", grad_accum=4,
+         train={"compile": True}, parallel={"pp_schedule": "1f1b"}),
 ]
 
 FOUR_GPU_CASES = [

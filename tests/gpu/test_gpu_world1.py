@@ -3,8 +3,9 @@
 Each case trains through the Trainer (train.device = auto, so the runtime itself must
 pick cuda and NCCL) and must end on the weights of a plain PyTorch loop on the same GPU
 (see gpu_training.py): data parallelism, ZeRO-1/2/3, accumulation, activation
-checkpointing, bf16, and fp16 with dynamic loss scaling (the same steps skipped on
-overflow as torch's GradScaler, the same final scale). The sync modes whose single
+checkpointing, local SGD, train.compile (blocks through inductor), bf16, and fp16 with
+dynamic loss scaling (the same steps skipped on overflow as torch's GradScaler, the same
+final scale). The sync modes whose single
 replica does not reduce to the plain loop (diloco's outer step, fedavg's partitions)
 must follow the same case trained on the CPU with Gloo. Pipeline and tensor parallelism
 need two ranks: test_gpu_multi.py.
@@ -31,6 +32,9 @@ PLAIN_CASES = [
     Case("ddp-fp16", precision="fp16"),
     Case("zero2-fp16", zero=2, precision="fp16"),
     Case("zero3-fp16-accum2", zero=3, precision="fp16", grad_accum=2),
+    Case("ddp-fp32-compile", train={"compile": True}),
+    Case("zero3-bf16-accum2-compile", zero=3, precision="bf16", grad_accum=2,
+         train={"compile": True}),
 ]
 
 CPU_ORACLE_CASES = [

@@ -190,11 +190,8 @@ class PipelineChunk(nn.Module):
             self._nodes: list[nn.Module] = []
             self.__dict__["_shell"] = None
             return
-        for path in () if self.is_first else spec.before:
-            subs[path] = (self._received if path == spec.inject
-                          else _stand_in(model.get_submodule(path)))
-        for path in () if self.is_last else spec.after:
-            subs[path] = _PassThrough()
+        subs.update(_stand_ins(model, spec, self._received, first=self.is_first,
+                               last=self.is_last))
         shell, self._nodes = _shell(model, subs)
         self.__dict__["_shell"] = shell  # not a submodule: its children are ours
         for name, child in shell.named_children():
@@ -303,6 +300,20 @@ def _stand_in(module: nn.Module) -> nn.Module:
     return _PassThrough()
 
 
+def _stand_ins(model: nn.Module, spec: ModelSpec, received: _Received, *, first: bool,
+               last: bool) -> dict[str, nn.Module]:
+    """What a chunk's shell puts in place of the pieces it does not run: on a later
+    chunk the ``before`` modules (``inject`` -> ``received``), on an earlier one the
+    ``after`` modules."""
+    subs: dict[str, nn.Module] = {}
+    for path in () if first else spec.before:
+        subs[path] = received if path == spec.inject else _stand_in(
+            model.get_submodule(path))
+    for path in () if last else spec.after:
+        subs[path] = _PassThrough()
+    return subs
+
+
 def _shell(model: nn.Module, subs: Mapping[str, nn.Module]
            ) -> tuple[nn.Module, list[nn.Module]]:
     """A shallow copy of ``model`` with the submodules at ``subs``' paths replaced
@@ -378,12 +389,8 @@ def check_cut(model: nn.Module, spec: ModelSpec) -> None:
             pieces = {}
             for first, last in ((True, False), (False, False), (False, True)):
                 received = _Received()
-                subs: dict[str, nn.Module] = {spec.blocks: BlockSlice()}
-                for path in () if first else spec.before:
-                    subs[path] = (received if path == spec.inject
-                                  else _stand_in(model.get_submodule(path)))
-                for path in () if last else spec.after:
-                    subs[path] = _PassThrough()
+                subs = {spec.blocks: BlockSlice(),
+                        **_stand_ins(model, spec, received, first=first, last=last)}
                 shell, _ = _shell(model, subs)
                 received.value = seen["last"] if last else seen["first"]
                 pieces[first, last] = output_logits(_call(shell, probe))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from disttrain.testing import run_distributed
-from disttrain.train.batch import collate_samples
+from hf_support import padded_rows, plain_loop
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,45 +45,12 @@ def _model(family: str) -> torch.nn.Module:
 
 
 def _rows() -> list[dict[str, list[int]]]:
-    """Every third sample left-padded by a different amount: padding masked out of
-    attention and labelled -100."""
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for i in range(N):
-        ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
-        mask = torch.ones(SEQ, dtype=torch.long)
-        labels = ids.clone()
-        pad = (i % 5) + 1 if i % 3 == 0 else 0
-        ids[:pad], mask[:pad], labels[:pad] = 0, 0, -100
-        rows.append({"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
-                     "labels": labels.tolist()})
-    return rows
+    return padded_rows(N, SEQ, VOCAB)
 
 
 def _reference(family: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """One process, the whole global batch, loss = summed cross-entropy over the counted
-    label tokens / their number, AdamW with decay on matrices only."""
-    from disttrain.data import GlobalOrderSampler
-
-    model, rows = _model(family), _rows()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2],
-                              "weight_decay": TRAIN["weight_decay"]},
-                             {"params": [p for p in params if p.dim() < 2],
-                              "weight_decay": 0.0}], lr=TRAIN["lr"], betas=(0.9, 0.95))
-    sampler = GlobalOrderSampler(N, 1234)
-    for step in range(steps):
-        batch = collate_samples([rows[i] for i in sampler.indices(step * BATCH, BATCH)])
-        logits = model(input_ids=batch["input_ids"],
-                       attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100,
-            reduction="sum") / (labels != -100).sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, TRAIN["grad_clip"])
-        opt.step()
+    """The plain single-process loop (:func:`hf_support.plain_loop`) on the same rows."""
+    model = plain_loop(_model(family), _rows(), TRAIN, steps=steps, batch=BATCH)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 

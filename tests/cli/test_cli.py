@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model
 
 from disttrain.config import load_config
 from disttrain.data import collate_token_batch
@@ -124,15 +124,9 @@ def test_gpt2_trained_with_tensor_parallelism_exports_for_from_pretrained(cache_
     proc = run_cli(["export", str(run_dir), "--format", "hf", "--out", str(out)], cache_env)
     assert proc.returncode == 0, proc.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    final = load_file_tensors(run_dir / "model.safetensors")
+    final = load_file(str(run_dir / "model.safetensors"))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), final[name], atol=0, rtol=0)
-
-
-def load_file_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
 
 
 def test_without_transformers_the_setting_names_the_extra(monkeypatch):

@@ -4,6 +4,8 @@
     disttrain run [--nproc N] script.py [args ...]
     disttrain export RUN_DIR --out model.safetensors [--format hf]
     disttrain report RUN_DIR [--out DIR]
+    disttrain plan --model SPEC --cluster SPEC --global-batch B [--layout ...] [--json]
+    disttrain plan calibrate --out cluster.json [--nproc N]
 
 Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
 with code 2, before any worker or process group is started.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from .errors import EXIT_USAGE, UserError
 from .monitor.report import add_report_parser, run_report
+from .plan.command import add_plan_parser, run_plan
 from .names import METRICS_FILE, SUMMARY_FILE
 
 
@@ -105,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     _add_launch_options(run)
     add_report_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return {"train": _train, "run": _run, "export": _export,
-                "report": run_report}[ns.command](ns)
+                "report": run_report, "plan": run_plan}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
             print(f"disttrain: error: {exc}", file=sys.stderr)

@@ -56,3 +56,30 @@ def test_one_gpu_sync_mode_follows_its_cpu_run(case, tmp_path):
     assert_ran_on_the_device(got)
     assert on_cpu.rank0["device"] == "cpu"
     assert_weights_close(got.weights, on_cpu.weights, case.precision, case.name)
+
+
+def test_async_checkpoint_snapshots_gpu_tensors_before_the_update(tmp_path):
+    """The pinned, non_blocking snapshot on the side stream: the checkpoint holds the
+    values at save time although the update is queued right after before_update()
+    (the training stream waits for the copy's event, the CPU does not)."""
+    import torch
+
+    from disttrain.checkpoint.manager import (CheckpointManager, find_checkpoint,
+                                              open_checkpoint)
+
+    weight = torch.randn(2048, 2048, device="cuda")
+    moment = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    want = {"w": weight.cpu(), "m": moment.cpu()}
+    manager = CheckpointManager(tmp_path, 0, 1, keep=2, async_save=True)
+    for step in (1, 2):  # the second save reuses the pinned buffers
+        manager.save(step, {"w": weight, "m": moment}, {"w": 0, "m": 0}, {"step": step})
+        manager.before_update()
+        weight.mul_(0.5).add_(1.0)  # the optimizer's change, queued after the copy
+        moment.zero_()
+        manager.wait()
+        ckpt = open_checkpoint(find_checkpoint(tmp_path, print))
+        assert ckpt.step == step
+        for name, tensor in want.items():
+            torch.testing.assert_close(ckpt.reader.tensor(name), tensor, rtol=0, atol=0)
+        want = {"w": weight.cpu(), "m": moment.cpu()}
+    assert all(buf.is_pinned() for buf in manager._host.values())

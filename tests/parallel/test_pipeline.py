@@ -14,8 +14,10 @@ from disttrain.models import GPT, gpt_spec, token_loss
 from disttrain.parallel.pipeline import (Action, Schedule, ScheduleDeadlock, StageCosts,
                                          analytic_bubble, balanced_cuts, build_chunks,
                                          build_schedule, bubble_fractions, check_schedule,
-                                         chunk_param_names, plan_stages, simulate,
-                                         validate_schedule)
+                                         check_nccl_order, check_posts,
+                                         chunk_param_names, message_groups, plan_stages,
+                                         simulate, validate_schedule)
+from disttrain.parallel.pipeline.p2p import Message, destination, source
 from disttrain.testing import run_distributed
 
 
@@ -72,6 +74,51 @@ def test_simulator_reports_a_deadlock():
         simulate(bad)
     with pytest.raises(ValueError, match="before its forward"):
         check_schedule(Schedule(name="x", pp=1, m=1, v=1, actions=((b(0, 0), f(0, 0)),)))
+
+
+def test_every_schedule_posts_messages_nccl_can_complete():
+    # per-pair streams in posting order, a send waiting for its receive (rendezvous)
+    for schedule in itertools.chain(_all_schedules(), (
+            build_schedule("1f1b", pp=8, m=16),
+            build_schedule("interleaved", pp=8, m=16, v=4))):
+        check_nccl_order(schedule)
+        for r in range(schedule.pp):
+            groups = message_groups(schedule, r)
+            assert len(groups) == len(schedule.actions[r]) + 1
+            sends = [m.action for g in groups for m in g if m.send]
+            assert sends == [a for a in schedule.actions[r] if destination(schedule, a)]
+
+
+def _send_then_receive(schedule: Schedule, rank: int) -> list[list[Message]]:
+    """The obvious plan: send right after an action, receive right before the next."""
+    actions, posts = schedule.actions[rank], []
+    for k in range(len(actions) + 1):
+        group = []
+        if k and (dst := destination(schedule, actions[k - 1])):
+            group.append(Message(True, *dst, actions[k - 1]))
+        if k < len(actions) and (src := source(schedule, actions[k])):
+            made = next(a for a in schedule.actions[src[0]]
+                        if destination(schedule, a) == (rank, src[1]))
+            group.append(Message(False, *src, made))
+        posts.append(group)
+    return posts
+
+
+def test_nccl_check_catches_the_1f1b_hang_and_crossed_messages():
+    # 1F1B's steady state: each side sends before it receives, both sends wait
+    schedule = build_schedule("1f1b", pp=2, m=4)
+    with pytest.raises(ScheduleDeadlock, match="rank 0 at B0.0 waits to send to pp "
+                       "rank 1 the output of F0.1"):
+        check_posts(schedule, [_send_then_receive(schedule, r) for r in range(2)])
+    # the same plan is fine for GPipe (all sends one way, then all the other way)
+    gpipe = build_schedule("gpipe", pp=2, m=4)
+    check_posts(gpipe, [_send_then_receive(gpipe, r) for r in range(2)])
+    # rank 1 receives micro-batches 0 and 1 in the wrong order
+    posts = [list(map(list, message_groups(gpipe, r))) for r in range(2)]
+    posts[1][0][0], posts[1][0][1] = posts[1][0][1], posts[1][0][0]
+    with pytest.raises(ScheduleDeadlock, match="message 0 from pp rank 0 to 1 is tag 0 "
+                       "but rank 1 receives tag 1"):
+        check_posts(gpipe, posts)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -2,7 +2,10 @@
 
 :meth:`CheckpointManager.save` with ``async`` on copies this rank's owned tensors into
 host buffers kept between saves (the only part training waits for), then writes them and
-commits on a background thread; the next save first waits for the previous one. With
+commits on a background thread; the next save first waits for the previous one. GPU
+tensors go to pinned host buffers by ``non_blocking`` copies on a side stream that
+starts after the work already queued; training's stream waits for the copies' event
+before the optimizer changes them (a GPU-side wait: the CPU does not block). With
 ``async`` off it writes CPU tensors from where they lie, without a copy. Loading picks
 the newest committed checkpoint whose checksums verify, warning about each damaged one.
 """
@@ -92,6 +95,8 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._host: dict[str, torch.Tensor] = {}
         self._copied: threading.Event | None = None  # set once the async snapshot is taken
+        self._stream: Any = None  # the CUDA side stream device snapshots are copied on
+        self._device_copy: Any = None  # (event, source tensors) of the running snapshot
 
     def prepare(self) -> None:
         """Rank 0, before training: clear leftovers of interrupted saves."""
@@ -121,15 +126,21 @@ class CheckpointManager:
             self._write(staging, step, host, meta, parts or {})
             return
         mine.update({n: mine[n].clone() for n in eager if n in mine})
+        on_device = {n: t for n, t in mine.items() if t.is_cuda}
+        pinned = self._snapshot_device(on_device) if on_device else {}
+        on_host = {n: t for n, t in mine.items() if n not in on_device}
         self._copied = threading.Event()
         self._thread = threading.Thread(target=self._run,
-                                        args=(staging, step, mine, meta, parts or {}),
+                                        args=(staging, step, on_host, pinned, meta,
+                                              parts or {}),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
 
     def before_update(self) -> float:
         """Block until the running asynchronous save has its snapshot (the saved tensors
         may change from now on); returns the seconds waited."""
+        if self._device_copy is not None:  # the optimizer's kernels queue after the copy
+            torch.cuda.current_stream().wait_event(self._device_copy[0])
         copied = self._copied
         if copied is None or copied.is_set():
             return 0.0
@@ -142,24 +153,50 @@ class CheckpointManager:
         write is finished: save() waited for it). Reusing them is what keeps the stall
         short: fresh memory costs a page fault per 4 KiB on first touch, several times
         the copy itself. The buffers stay allocated between saves (one copy of the
-        owned state); pinned when the source is on a GPU."""
+        owned state). GPU tensors take :meth:`_snapshot_device` instead."""
         host: dict[str, torch.Tensor] = {}
         for name, t in mine.items():
             buf = self._host.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                buf = torch.empty(t.shape, dtype=t.dtype)
             _copy(buf, t)
             host[name] = buf
         self._host = host
         return host
 
+    def _snapshot_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Start copying GPU ``tensors`` into pinned host buffers (reused between saves)
+        on the side stream, after everything training has queued so far; the sources
+        stay referenced until the copy's event has passed."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        host: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self._stream):
+            for name, t in tensors.items():
+                buf = self._host.get(name)
+                if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
+                        or not buf.is_pinned()):
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                host[name] = buf
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._device_copy = (event, list(tensors.values()))
+        return host
+
     def _run(self, staging: Path, step: int, mine: dict[str, torch.Tensor],
-             meta: dict[str, Any], parts: dict[str, Part]) -> None:
+             pinned: dict[str, torch.Tensor], meta: dict[str, Any],
+             parts: dict[str, Part]) -> None:
         try:
             try:
                 host = self._copy_to_host(mine)
             finally:  # never leave before_update() waiting, even on an error
                 self._copied.set()
+            if self._device_copy is not None:
+                self._device_copy[0].synchronize()  # the GPU copies have landed
+            host.update(pinned)
+            self._host.update(pinned)
             self._write(staging, step, host, meta, parts)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._error = exc
@@ -189,6 +226,7 @@ class CheckpointManager:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._device_copy = None
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint save failed on rank {self.rank}: {error}") \

@@ -85,7 +85,11 @@ def split_batch(batch: Any, extra: Mapping[str, Any] | None = None) -> Batch:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj``'s tensors on ``device``; a host tensor bound for a GPU is pinned first,
+    so its ``non_blocking`` copy really overlaps (from pageable memory it would not)."""
     if isinstance(obj, torch.Tensor):
+        if device.type == "cuda" and obj.device.type == "cpu":
+            obj = obj.pin_memory()
         return obj.to(device, non_blocking=True)
     if isinstance(obj, Mapping):
         return {k: to_device(v, device) for k, v in obj.items()}

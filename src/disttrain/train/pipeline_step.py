@@ -106,7 +106,6 @@ def pipeline_logits(mp: ModelParallel, inputs: Batch | torch.Tensor
     mine = {c.index: c for c in mp.chunks}
     b, t = inputs.shape[:2] if isinstance(inputs, torch.Tensor) else _tokens_shape(inputs)
     t = mp.activation_length(t)
-    device = next(mp.module.parameters()).device
     x: torch.Tensor | None = None
     for c in range(stages.n_chunks):
         if stages.rank_of(c) != comm.rank:
@@ -114,7 +113,7 @@ def pipeline_logits(mp: ModelParallel, inputs: Batch | torch.Tensor
         if c == 0:
             x = mine[c](None, inputs)
         else:
-            x = torch.empty(b, t, mp.spec.hidden_size, device=device)
+            x = comm.empty(b, t, mp.spec.hidden_size)
             comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
             x = mine[c](x, inputs)
         if c < stages.n_chunks - 1:

@@ -8,11 +8,12 @@
     sync_tied_grads(chunks, pp_comm)                        # tok_emb / head copies
     optimizer.step()
 
-``validate_schedule`` and ``simulate`` need no process group (config validation,
+``validate_schedule``, ``simulate`` and ``check_nccl_order`` need no process group (config validation,
 planning); ``chunk_param_names`` maps a chunk's parameter names to the full model's.
 """
 
 from .memory import SavedActivationMeter
+from .p2p import Message, check_nccl_order, check_posts, message_groups
 from .runner import ActionTiming, PipelineStepResult, run_pipeline
 from .schedules import (BACKWARD, FORWARD, SCHEDULES, Action, Schedule, analytic_bubble,
                         build_schedule, validate_schedule)
@@ -25,5 +26,6 @@ __all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionTiming", "Pipeli
            "PipelineStepResult", "SavedActivationMeter", "Schedule", "ScheduleDeadlock",
            "StageCosts", "StagePlan", "analytic_bubble", "balanced_cuts", "build_chunks",
            "build_schedule", "bubble_fractions", "check_schedule", "chunk_param_names",
-           "exchange_tied_grads", "plan_stages", "spec_costs", "run_pipeline", "simulate", "sync_tied_grads",
-           "validate_schedule"]
+           "check_nccl_order", "check_posts", "exchange_tied_grads", "Message",
+           "message_groups", "plan_stages", "spec_costs", "run_pipeline", "simulate",
+           "sync_tied_grads", "validate_schedule"]

@@ -2,12 +2,13 @@
 
 :func:`run_pipeline` executes this rank's actions in order. Activations [B, T, d] go
 forward and their gradients backward through the pp group's :class:`Communicator` as
-``isend``/``irecv`` pairs matched by a tag unique to (boundary, direction,
-micro-batch), so messages between two ranks never cross whatever order they are
-posted in. Sends never block (they are waited for at the end), and the receive needed
-by the next action is posted before the current one computes, so a rank blocks only
-when its input really is missing; a schedule that passes
-:func:`~.simulate.simulate` therefore cannot deadlock here.
+``isend``/``irecv`` pairs. Which messages go out before each action comes from
+:func:`~.p2p.message_groups`: both sides of every pair of ranks post that pair's
+messages in one order derived from the schedule, which is what NCCL needs (it matches
+by posting order and a send waits for its receive); :func:`~.p2p.check_nccl_order`
+proves a schedule cannot hang that way and runs before the first step of each
+schedule. Sends go out as soon as their action ran and are waited for at the end;
+receives are posted ahead, so a rank blocks only when its input really is missing.
 
 The last chunk computes ``loss_fn(logits, targets) -> (loss_sum, count)`` and
 backpropagates ``loss_sum * loss_scale``. Gradients accumulate in the chunks'
@@ -27,6 +28,7 @@ import torch
 
 from ...comm.collectives import Communicator, TrackedWork
 from .memory import SavedActivationMeter
+from .p2p import check_nccl_order, message_groups, source
 from .schedules import FORWARD, Action, Schedule
 from .stages import PipelineChunk
 
@@ -99,25 +101,6 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
     return runner.run(want)
 
 
-def _incoming(schedule: Schedule, rank: int, tag: Callable[[int, bool, int], int]
-              ) -> dict[int, list[int]]:
-    """For each pp rank that sends to ``rank``: the tags of its messages to ``rank``, in
-    the order it posts them (its actions' order; every rank knows the schedule)."""
-    channels: dict[int, list[int]] = {}
-    last = schedule.n_chunks - 1
-    for peer, actions in enumerate(schedule.actions):
-        for a in actions:
-            if a.kind == FORWARD and a.chunk < last:
-                dst, t = schedule.rank_of(a.chunk + 1), tag(a.chunk, False, a.micro)
-            elif a.kind != FORWARD and a.chunk > 0:
-                dst, t = schedule.rank_of(a.chunk - 1), tag(a.chunk - 1, True, a.micro)
-            else:
-                continue
-            if dst == rank:
-                channels.setdefault(peer, []).append(t)
-    return channels
-
-
 class _Runner:
     def __init__(self, chunks: Sequence[PipelineChunk], micro_batches: Sequence,
                  loss_fn: LossFn, comm: Communicator, schedule: Schedule,
@@ -132,9 +115,9 @@ class _Runner:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.recvs: dict[tuple[int, int], tuple[torch.Tensor, TrackedWork]] = {}
-        # per peer: the tags of the messages it sends this rank, in its posting order
-        self.channels = _incoming(schedule, comm.rank, self._tag)
-        self.posted = dict.fromkeys(self.channels, 0)
+        check_nccl_order(schedule)
+        self.groups = message_groups(schedule, comm.rank)
+        self.produced: dict[Action, torch.Tensor] = {}  # outputs waiting for their send
         self.sends: list[tuple[torch.Tensor, TrackedWork]] = []
         self.loss_sum = torch.zeros(())
         self.count = 0
@@ -143,9 +126,7 @@ class _Runner:
         last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind != FORWARD}
         timings = []
         for k, action in enumerate(actions):
-            self._post_recv(action)
-            if k + 1 < len(actions):
-                self._post_recv(actions[k + 1])
+            self._post(self.groups[k])
             t0 = self.clock()
             if action.kind == FORWARD:
                 x = self._forward_input(action)
@@ -157,6 +138,7 @@ class _Runner:
                 self._backward(action, grad, last=last_backward[action.chunk] == k)
             timings.append(ActionTiming(action, start, self.clock(), start - t0))
             self.sends = [(t, w) for t, w in self.sends if not w.is_completed()]
+        self._post(self.groups[len(actions)])
         for _, work in self.sends:
             work.wait()
         return PipelineStepResult(self.loss_sum, self.count, timings,
@@ -164,55 +146,29 @@ class _Runner:
 
     # messages -------------------------------------------------------------------
 
-    def _tag(self, boundary: int, backward: bool, micro: int) -> int:
-        return (2 * boundary + int(backward)) * self.schedule.m + micro
-
-    def _source(self, action: Action) -> tuple[int, int] | None:
-        """(peer, tag) of the message ``action`` needs, or None (first chunk's forward,
-        last chunk's backward)."""
-        c, i = action.chunk, action.micro
-        if action.kind == FORWARD:
-            return None if c == 0 else (self.schedule.rank_of(c - 1),
-                                        self._tag(c - 1, False, i))
-        if c == self.schedule.n_chunks - 1:
-            return None
-        return self.schedule.rank_of(c + 1), self._tag(c, True, i)
-
-    def _post_recv(self, action: Action) -> None:
-        """Start receiving ``action``'s input (activation or output gradient), and
-        before it every message its sender posts to this rank earlier: receives are
-        posted in the order the peer sends, so they match in posting order (NCCL's
-        rule), whatever the tags."""
-        source = self._source(action)
-        if source is None or source in self.recvs:
-            return
-        peer, tag = source
-        order = self.channels[peer]
-        while True:
-            next_tag = order[self.posted[peer]]
-            self.posted[peer] += 1
-            buf = self.comm.empty(*self.shape, dtype=self.dtype)
-            self.recvs[peer, next_tag] = (buf, self.comm.irecv(buf, peer, next_tag))
-            if next_tag == tag:
-                return
+    def _post(self, messages: Sequence) -> None:
+        """Post this step's messages, in the pair order both sides share."""
+        for m in messages:
+            if m.send:
+                tensor = self.produced.pop(m.action)
+                self.sends.append((tensor, self.comm.isend(tensor, m.peer, m.tag)))
+            else:
+                buf = self.comm.empty(*self.shape, dtype=self.dtype)
+                self.recvs[m.peer, m.tag] = (buf, self.comm.irecv(buf, m.peer, m.tag))
 
     def _take_recv(self, action: Action) -> torch.Tensor:
-        self._post_recv(action)
-        buf, work = self.recvs.pop(self._source(action))
+        buf, work = self.recvs.pop(source(self.schedule, action))
         work.wait()
         return buf
 
     def _send(self, tensor: torch.Tensor, action: Action) -> None:
-        c, i = action.chunk, action.micro
+        """Keep ``action``'s output for the send the next group posts."""
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
-            raise ValueError(f"chunk {c} produced {tuple(tensor.shape)} {tensor.dtype} but "
-                             f"messages are {self.shape} {self.dtype}; pass the real "
-                             "activation_shape / activation_dtype to run_pipeline")
-        forward = action.kind == FORWARD
-        peer = self.schedule.rank_of(c + 1 if forward else c - 1)
-        tag = self._tag(c, False, i) if forward else self._tag(c - 1, True, i)
-        tensor = tensor.detach().contiguous()
-        self.sends.append((tensor, self.comm.isend(tensor, peer, tag)))
+            raise ValueError(f"chunk {action.chunk} produced {tuple(tensor.shape)} "
+                             f"{tensor.dtype} but messages are {self.shape} {self.dtype}; "
+                             "pass the real activation_shape / activation_dtype to "
+                             "run_pipeline")
+        self.produced[action] = tensor.detach().contiguous()
 
     # compute --------------------------------------------------------------------
 

@@ -453,10 +453,14 @@ def exchange_tied_grads(pairs: Sequence[tuple[torch.Tensor, int]],
     """Sum each tied weight's gradient (or this rank's piece of it) with the peer
     holding the other copy, over the pp group ``comm``: each side sends its gradient
     and adds the other's, so both end bitwise equal. ``pairs``: (gradient tensor, peer
-    pp rank); both sides must pass pieces of the same shape in the same order."""
+    pp rank); both sides must pass pieces of the same shape in the same order. The
+    lower rank of a pair sends first and the higher receives first, so both post the
+    pair's two messages in one order (NCCL: a send waits for its receive)."""
     for grad, peer in pairs:
         mine, theirs = grad.detach().clone(), torch.empty_like(grad)
-        works = [comm.isend(mine, peer, _TIED_TAG), comm.irecv(theirs, peer, _TIED_TAG)]
+        posts = [lambda: comm.isend(mine, peer, _TIED_TAG),
+                 lambda: comm.irecv(theirs, peer, _TIED_TAG)]
+        works = [post() for post in (posts if comm.rank < peer else posts[::-1])]
         for work in works:
             work.wait()
         grad.add_(theirs)

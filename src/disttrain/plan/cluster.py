@@ -1,0 +1,168 @@
+"""The machines a plan is for: per-device compute, memory and links.
+
+Presets are set from published hardware figures (vendor datasheets: dense peak
+FLOP/s, HBM capacity and bandwidth, NVLink and per-GPU network bandwidth of the DGX /
+HGX systems) and from what large runs are known to reach: a large matmul reaches about
+80% of the bf16 peak on an A100 and about 75% on an H100 (cuBLAS), fused attention
+about half of it, NCCL's bus bandwidth about 80% of the NVLink figure inside a node
+and about 90% of the NIC line rate across nodes. They are not fitted to any published
+training run. ``disttrain plan calibrate`` measures these figures on the machine it
+runs on and writes them in the same JSON form (:meth:`Cluster.to_json`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from ..monitor.peaks import PUBLISHED_PEAKS
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``gpus_per_node`` x ``nodes`` identical devices.
+
+    ``peak_tflops``: dense peak per matmul precision (bf16, fp16, fp32);
+    ``matmul_efficiency``: the fraction of it a large, well-shaped matmul reaches
+    (smaller shapes get less: each matmul also pays ``kernel_overhead_s`` and is bound
+    by ``memory_gbps``); ``attention_efficiency``: the same for fused attention;
+    ``memory_gib``: per device, of which ``reserved_gib`` is never available (runtime
+    context, allocator slack). Links: ``intra_*`` inside a node, ``inter_*`` between
+    nodes, as NCCL *bus* bandwidth (GB/s per device) and per-step latency; ``p2p_*``
+    one point-to-point message.
+    """
+
+    name: str
+    gpus_per_node: int
+    nodes: int = 1
+    peak_tflops: dict[str, float]
+    matmul_efficiency: float
+    attention_efficiency: float
+    kernel_overhead_s: float = 5e-6
+    memory_gib: float
+    reserved_gib: float = 1.0
+    memory_gbps: float
+    intra_gbps: float
+    intra_latency_s: float = 8e-6
+    inter_gbps: float
+    inter_latency_s: float = 15e-6
+    p2p_intra_gbps: float = 0.0  # 0: intra_gbps
+    p2p_inter_gbps: float = 0.0  # 0: inter_gbps
+    source: str = "preset"
+    measured: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def n_devices(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def peak_flops(self, precision: str) -> float:
+        key = precision if precision in self.peak_tflops else "fp32"
+        if key not in self.peak_tflops:
+            raise UserError(f"cluster {self.name!r} has no peak for {precision}; add "
+                            "peak_tflops to the cluster file")
+        return self.peak_tflops[key] * 1e12
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any], where: str = "cluster file") -> Cluster:
+        known = {f.name for f in fields(Cluster)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            cluster = Cluster(**data)
+        except TypeError as exc:
+            raise UserError(f"{where}: {exc}") from None
+        _validate(cluster, where)
+        return cluster
+
+
+def _validate(c: Cluster, where: str) -> None:
+    positive = ("gpus_per_node", "nodes", "matmul_efficiency", "attention_efficiency",
+                "memory_gib", "memory_gbps", "intra_gbps", "inter_gbps")
+    for name in positive:
+        value = getattr(c, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"{where}: {name}={value!r} must be a positive number")
+    if c.matmul_efficiency > 1 or c.attention_efficiency > 1:
+        raise UserError(f"{where}: efficiencies are fractions of the peak, at most 1")
+    if not c.peak_tflops or any(not isinstance(v, (int, float)) or v <= 0
+                                for v in c.peak_tflops.values()):
+        raise UserError(f"{where}: peak_tflops must map precisions to positive TFLOP/s")
+
+
+def _peaks(name: str) -> dict[str, float]:
+    table = {p.name: p.tflops for p in PUBLISHED_PEAKS}
+    return {k: table[name][k] for k in ("bf16", "fp16", "fp32")}
+
+
+# Datasheet figures: HBM bandwidth (GB/s); NVLink per GPU (A100: 600 GB/s, H100/H200:
+# 900 GB/s, both directions, so 300 / 450 each way); DGX A100: 8 x 200 Gb/s HDR
+# (25 GB/s per GPU), DGX H100/H200: 8 x 400 Gb/s NDR (50 GB/s per GPU).
+PRESETS: dict[str, Cluster] = {
+    "a100-40gb": Cluster(name="a100-40gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
+                         matmul_efficiency=0.8, attention_efficiency=0.5,
+                         memory_gib=40 * 1e9 / _GIB, memory_gbps=1555.0,
+                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25),
+    "a100-80gb": Cluster(name="a100-80gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
+                         matmul_efficiency=0.8, attention_efficiency=0.5,
+                         memory_gib=80 * 1e9 / _GIB, memory_gbps=2039.0,
+                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25),
+    "h100-80gb": Cluster(name="h100-80gb", gpus_per_node=8, peak_tflops=_peaks("H100-SXM"),
+                         matmul_efficiency=0.75, attention_efficiency=0.45,
+                         memory_gib=80 * 1e9 / _GIB, memory_gbps=3350.0,
+                         intra_gbps=0.8 * 450, inter_gbps=0.9 * 50),
+    "h200": Cluster(name="h200", gpus_per_node=8, peak_tflops=_peaks("H200-SXM"),
+                    matmul_efficiency=0.75, attention_efficiency=0.45,
+                    memory_gib=141 * 1e9 / _GIB, memory_gbps=4800.0,
+                    intra_gbps=0.8 * 450, inter_gbps=0.9 * 50),
+}
+PRESETS["h100"] = replace(PRESETS["h100-80gb"], name="h100")
+PRESETS["a100"] = replace(PRESETS["a100-80gb"], name="a100")
+
+
+def parse_cluster(text: str) -> Cluster:
+    """``--cluster``: ``gpu=NAME,gpus_per_node=G,nodes=N`` (a preset, any field
+    overridable: ``memory_gib=..``) or a JSON file (from ``plan calibrate``)."""
+    if text.strip().endswith(".json"):
+        path = Path(text.strip())
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--cluster {path}: cannot read a JSON cluster file "
+                            f"({exc})") from None
+        if not isinstance(data, dict):
+            raise UserError(f"--cluster {path}: not a JSON object")
+        return Cluster.from_json(data, str(path))
+    items = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--cluster item {item!r}: expected key=value")
+        items[key] = value
+    gpu = items.pop("gpu", "")
+    if gpu not in PRESETS:
+        raise UserError(f"--cluster gpu={gpu!r} is not a preset; use one of "
+                        f"{', '.join(sorted(PRESETS))}, or a cluster JSON file from "
+                        "'disttrain plan calibrate'")
+    base = PRESETS[gpu]
+    changes: dict[str, Any] = {}
+    types = {f.name: f.type for f in fields(Cluster)}
+    for key, value in items.items():
+        if key not in types or key in ("name", "peak_tflops", "measured", "source"):
+            raise UserError(f"--cluster {key}=...: not a cluster field; use gpu, "
+                            "gpus_per_node, nodes, memory_gib, ...")
+        try:
+            changes[key] = int(value) if key in ("gpus_per_node", "nodes") else float(value)
+        except ValueError:
+            raise UserError(f"--cluster {key}={value!r} is not a number") from None
+    cluster = replace(base, **changes)
+    _validate(cluster, "--cluster")
+    return cluster

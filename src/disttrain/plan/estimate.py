@@ -1,0 +1,493 @@
+"""One layout's predicted memory and step time.
+
+A layout is (tp, pp, dp, v, mbs, zero, recompute, sp): tensor, pipeline and data
+parallel degrees (ranks ordered pp, dp, tp, outermost first, as disttrain's mesh), v
+model chunks per pipeline rank (v > 1: the interleaved schedule, else 1F1B), the
+micro-batch size, the ZeRO stage over dp, activation recomputation (none, selective:
+attention's scores only, full: everything but each layer's input) and sequence
+parallelism.
+
+**Memory, per pipeline stage** (the largest is the layout's):
+
+- model states of the stage's parameters on one tp rank (weight matrices split by tp;
+  norms and row-parallel biases replicated; the vocabulary-parallel embedding on the
+  first stage, the head, and under pp > 1 a tied copy of the embedding, on the last):
+  with the ``disttrain`` accounting, fp32 parameters, gradients and AdamW state (4 + 4
+  + 8 bytes), sharded over dp from ZeRO stage 3, 2, 1 respectively; with ``mixed`` the
+  ZeRO paper's 2 + 2 + 12;
+- activations per Korthikanti et al. 2022 (:func:`layer_activation_bytes`) for the
+  micro-batches the schedule keeps in flight on that stage (1F1B: pp - stage;
+  interleaved: the warmup of that rank + 1, in chunks; GPipe: all), plus the
+  embedding's on the first stage and the head's and the loss's on the last;
+- communication buffers (gradient buckets; ZeRO-3's gathered layer, twice for the
+  prefetch) and the cluster's reserved memory.
+
+**Time**: every matmul of a layer from its shape (``matmul_time``: the cluster's
+efficiency, a per-kernel overhead and the memory-bandwidth bound, so thin shapes are
+slower per FLOP), fused attention, memory-bound elementwise work; tp all-reduces (or
+all-gather + reduce-scatter with sp) per layer on the network tier the tp group spans;
+pipeline p2p per micro-batch and chunk; the schedule's bubble, ``(pp - 1) / v`` stage
+times; the dp reduction (ring, on the tier the dp group spans; ZeRO-3's gathers per
+micro-batch) overlapped with the backward except what a last bucket leaves; the
+optimizer step (memory-bound). FLOPs executed include recomputation, as Megatron-LM
+reports TFLOP/s; MFU counts model FLOPs only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from .cluster import Cluster
+from .shape import ModelShape
+
+_GIB = 2**30
+RECOMPUTE = ("none", "selective", "full")
+ACCOUNTING = ("disttrain", "mixed")
+_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    v: int = 1
+    mbs: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sp: bool = False
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.v > 1 else "1f1b"
+
+    def micro_batches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.mbs)
+
+    def label(self) -> str:
+        return (f"tp={self.tp},pp={self.pp},dp={self.dp},v={self.v},mbs={self.mbs},"
+                f"zero={self.zero},recompute={self.recompute},sp={int(self.sp)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """``accounting``: ``disttrain`` (fp32 parameters, gradients and optimizer state,
+    autocast: norm inputs stay fp32 and the cast weights are kept for backward) or
+    ``mixed`` (the ZeRO paper's 2 + 2 + 12 bytes, every activation in 16 bits);
+    ``grad_bytes``: bytes per gradient element on the wire."""
+
+    precision: str = "bf16"
+    accounting: str = "disttrain"
+    bucket_mb: float = 25.0
+
+    @property
+    def act_bytes(self) -> int:
+        return _ACT_BYTES[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        return 2 if self.accounting == "mixed" else 4
+
+
+@dataclass
+class StageMemory:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    communication: float = 0.0
+    other: float = 0.0
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (self.model_states + self.activations + self.communication + self.other)
+
+    def gib(self) -> dict[str, float]:
+        return {k: round(getattr(self, k) / _GIB, 3) for k in
+                ("params", "grads", "optimizer", "activations", "communication", "other")}
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    stages: list[StageMemory | None]  # None: a stage not estimated (all_stages off)
+    worst_stage: int
+    step_time_s: float = 0.0
+    times: dict[str, float] = field(default_factory=dict)
+    model_flops: float = 0.0
+    hardware_flops: float = 0.0
+    tokens: int = 0
+    n_devices: int = 1
+    peak_flops: float = 1.0
+    fits: bool = True
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.stages[self.worst_stage].total
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.n_devices / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_time_s / self.n_devices / self.peak_flops
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s
+
+    @property
+    def bottleneck(self) -> str:
+        parts = {k: v for k, v in self.times.items() if k != "compute"}
+        name = max(parts, key=parts.get) if parts else "compute"
+        return "compute" if self.times.get("compute", 0) >= parts.get(name, 0) else name
+
+    def row(self) -> dict:
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "v": lay.v, "mbs": lay.mbs,
+                "zero": lay.zero, "recompute": lay.recompute, "sp": int(lay.sp),
+                "schedule": lay.schedule,
+                "step_time_s": round(self.step_time_s, 6),
+                "tflops_per_gpu": round(self.tflops_per_gpu, 2),
+                "mfu": round(self.mfu, 4), "tokens_per_s": round(self.tokens_per_s, 1),
+                "memory_gib": round(self.memory_bytes / _GIB, 3),
+                "memory_stage": self.worst_stage,
+                "memory_breakdown_gib": self.stages[self.worst_stage].gib(),
+                "time_breakdown_s": {k: round(v, 6) for k, v in self.times.items()},
+                "bottleneck": self.bottleneck}
+
+
+# activations -------------------------------------------------------------------
+
+def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", precision: str = "bf16",
+                           accounting: str = "mixed") -> float:
+    """Bytes one layer keeps for backward for one micro-batch of ``b`` sequences, on
+    one tp rank (Korthikanti et al. 2022, Section 4, generalised).
+
+    With s = seq, h = hidden, a = heads, t = tp and 16-bit activations, the paper's
+    layer (dropout, GELU MLP of 4h, no fused attention) keeps sbh(34 + 5as/h):
+
+    - replicated across tp unless sp: the two norms' inputs 4sbh, the inputs of the
+      qkv and first MLP matmuls 4sbh, two dropout masks 2sbh (10sbh);
+    - split by tp: q and k 4sbh, v 2sbh, the out-projection's input 2sbh, the MLP's
+      activation input and output 2 x 8sbh (24sbh); gated MLPs keep gate, up, their
+      activation and product (4 x 2sbF); grouped-query attention keeps k and v at
+      the kv width;
+    - split by tp, attention scores: softmax output 2as^2b, its dropout mask as^2b and
+      output 2as^2b (5as^2b); none with fused attention (its log-sum-exp, 4asb, is
+      kept instead), 2as^2b without attention dropout.
+
+    ``selective`` drops the scores part (recomputed); ``full`` keeps only the layer's
+    input (2sbh, /t with sp). ``accounting='disttrain'`` also counts what autocast
+    over fp32 weights keeps: the residual stream and norm inputs in fp32, the norms'
+    statistics, and the cast weight copies.
+    """
+    s, h, f = shape.seq, shape.hidden, shape.ffn_width
+    a = _ACT_BYTES[precision]
+    sbh = s * b * h
+    disttrain = accounting == "disttrain"
+    norm_in = (4 if disttrain else a) * sbh  # each of the two norms' input
+    if recompute == "full":
+        return (4 if disttrain else a) * sbh / (tp if sp else 1)
+    dropout_masks = 2 * sbh if shape.dropout else 0
+    replicated = 2 * norm_in + 2 * a * sbh + dropout_masks
+    if disttrain:
+        replicated += 2 * 2 * 4 * s * b  # the norms' mean and rstd (or rstd and a pad)
+    kv = shape.kv_width
+    split = a * s * b * (h + 2 * kv) + a * sbh  # q, k, v; the out-projection's input
+    split += a * s * b * f * (4 if shape.gated else 2)
+    heads = shape.heads
+    if shape.flash:
+        scores = 4 * heads * s * b
+    else:
+        scores = (5 if shape.dropout else 2) * heads * s * s * b
+    if recompute == "selective":
+        scores = 0
+    weights = 0
+    if disttrain and a < 4:  # autocast's cast copies of the layer's matrices
+        weights = a * sum(i * o for _, i, o in shape.matmul_shapes())
+    return replicated / (tp if sp else 1) + (split + scores + weights) / tp
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
+    """Micro-batch chunks whose activations pp rank ``stage`` holds at its peak (the
+    schedules of :mod:`disttrain.parallel.pipeline.schedules`)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    return min(pp - stage, m)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
+    """Layers of each of the pp * v chunks: even, the remainder on the middle chunks
+    (the ends also hold the embedding and the head)."""
+    n = pp * v
+    base, extra = divmod(layers, n)
+    sizes = [base] * n
+    order = sorted(range(n), key=lambda c: (abs(c - (n - 1) / 2), c))
+    for c in order[:extra]:
+        sizes[c] += 1
+    return tuple(sizes)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
+    """Layers on each pp rank (its v chunks together)."""
+    sizes = chunk_layers(layers, pp, v)
+    return tuple(sum(sizes[c] for c in range(r, pp * v, pp)) for r in range(pp))
+
+
+# parameters on one rank ------------------------------------------------------------
+
+@functools.lru_cache(maxsize=65536)
+def rank_params(shape: ModelShape, tp: int, layers: int, first: bool, last: bool,
+                pp: int) -> float:
+    """Parameters one tp rank of a stage holds: its layers, the vocabulary-parallel
+    embedding if first, the final norm and head (or the tied copy) if last."""
+    h = shape.hidden
+    n = 0.0
+    for name, i, o in shape.matmul_shapes():
+        n += i * o / tp
+        if shape.bias and (name != "qkv" or shape.qkv_bias):
+            n += o / tp if name in ("qkv", "gate", "up") else o
+    n += 2 * shape.norm_params()
+    n *= layers
+    if first:
+        n += shape.vocab * h / tp + shape.positions * h
+    if last:
+        n += shape.norm_params()
+        if not shape.tied or (pp > 1 and not first):
+            n += shape.vocab * h / tp
+    return n
+
+
+def model_state_bytes(params: float, dp: int, zero: int, accounting: str
+                      ) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes for ``params`` parameters under ZeRO ``zero``
+    over ``dp`` ranks (AdamW)."""
+    shard = math.ceil(params / dp)
+    if accounting == "mixed":
+        weight, grad, state = 2, 2, 12
+    else:
+        weight, grad, state = 4, 4, 8
+    return (weight * (shard if zero >= 3 else params),
+            grad * (shard if zero >= 2 else params),
+            state * (shard if zero >= 1 else params))
+
+
+# time ------------------------------------------------------------------------------
+
+def matmul_time(cluster: Cluster, m: float, n: float, k: float, precision: str,
+                bytes_per: int) -> float:
+    """One [m, k] x [k, n] matmul: the slower of its FLOPs at the cluster's matmul
+    efficiency and its operands through memory, plus the per-kernel overhead."""
+    flops = 2 * m * n * k
+    compute = flops / (cluster.peak_flops(precision) * cluster.matmul_efficiency)
+    memory = (m * k + k * n + m * n) * bytes_per / (cluster.memory_gbps * 1e9)
+    return max(compute, memory) + cluster.kernel_overhead_s
+
+
+def ring_time(nbytes: float, ranks: int, gbps: float, latency: float, *,
+              kind: str = "all_reduce") -> float:
+    """NCCL-style ring (bus bandwidth ``gbps``): all-reduce moves 2(n-1)/n of the
+    buffer, reduce-scatter and all-gather (n-1)/n of the whole; the latency term is
+    the cheaper of the ring's and a tree's."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    factor = (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+    steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
+    return nbytes * factor / (gbps * 1e9) + steps * latency
+
+
+def _tier(cluster: Cluster, span: int) -> tuple[float, float]:
+    """(bus GB/s, latency) of a group whose ranks span ``span`` consecutive devices."""
+    if span <= cluster.gpus_per_node:
+        return cluster.intra_gbps, cluster.intra_latency_s
+    return cluster.inter_gbps, cluster.inter_latency_s
+
+
+def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
+             options: Options = Options(), *, memory_only: bool = False,
+             all_stages: bool = False) -> Estimate:
+    """Predicted memory of the largest stage (of every stage with ``all_stages``; the
+    others are left empty) and, unless ``memory_only``, the step time."""
+    lay, o = layout, options
+    m = lay.micro_batches(global_batch)
+    sizes = chunk_layers(shape.layers, lay.pp, lay.v)
+    counts = list(rank_layers(shape.layers, lay.pp, lay.v))
+    per_layer = layer_activation_bytes(shape, b=lay.mbs, tp=lay.tp, sp=lay.sp,
+                                       recompute=lay.recompute, precision=o.precision,
+                                       accounting=o.accounting)
+    rebuilt = 0.0
+    if lay.recompute == "full":  # one layer rebuilt in full during its backward
+        rebuilt = layer_activation_bytes(shape, b=lay.mbs, tp=lay.tp, sp=lay.sp,
+                                         precision=o.precision, accounting=o.accounting)
+    layer_bytes = rank_params(shape, lay.tp, 1, False, False, lay.pp) * o.act_bytes
+    if not all_stages and lay.pp > 2:
+        # the largest can only be the first stage, the last, or the first that holds
+        # the most layers or the largest chunk (in flight decreases with the stage,
+        # and the middle stages' parameters depend on their layers only)
+        biggest = sizes.index(max(sizes)) % lay.pp  # the stage of the largest chunk
+        which = sorted({0, lay.pp - 1, counts.index(max(counts)), biggest})
+    else:
+        which = list(range(lay.pp))
+    stages: dict[int, StageMemory] = {}
+    for stage in which:
+        mine = [sizes[c] for c in range(stage, lay.pp * lay.v, lay.pp)]
+        first, last = stage == 0, stage == lay.pp - 1
+        params = rank_params(shape, lay.tp, counts[stage], first, last, lay.pp)
+        weights, grads, state = model_state_bytes(params, lay.dp, lay.zero, o.accounting)
+        mem = StageMemory(params=weights, grads=grads, optimizer=state)
+        chunks = in_flight(lay.schedule, lay.pp, m, lay.v, stage)
+        mem.activations = (chunks * per_layer * max(mine) + rebuilt
+                           + _end_activations(shape, lay, o, first, last, chunks))
+        buckets = min(o.bucket_mb * 2**20, grads) * 2 if lay.dp > 1 else 0
+        gathered = 2 * layer_bytes if lay.zero >= 3 and lay.dp > 1 else 0
+        mem.communication = buckets + gathered
+        mem.other = cluster.reserved_gib * _GIB
+        stages[stage] = mem
+    worst = max(stages, key=lambda st: stages[st].total)
+    est = Estimate(layout=lay, stages=[stages.get(st)
+                                       for st in range(lay.pp)],
+                   worst_stage=worst, n_devices=lay.ranks,
+                   peak_flops=cluster.peak_flops(o.precision))
+    est.fits = stages[worst].total <= cluster.memory_gib * _GIB
+    if not memory_only:
+        _time(est, shape, cluster, o, global_batch, counts)
+    return est
+
+
+def _end_activations(shape: ModelShape, lay: Layout, o: Options, first: bool, last: bool,
+                     chunks: int) -> float:
+    """The embedding's activations (first stage, per micro-batch in flight) and the
+    final norm's, the head's and the loss's (last stage, one micro-batch)."""
+    s, b, h, a = shape.seq, lay.mbs, shape.hidden, o.act_bytes
+    split = lay.tp if lay.sp else 1
+    out = 0.0
+    if first:
+        out += chunks * (8 * s * b + (s * b * h / split if shape.dropout else 0))
+    if last:
+        norm = 4 if o.accounting == "disttrain" else a
+        out += (norm + a) * s * b * h / split  # final norm's input, head's input
+        out += 4 * s * b * shape.vocab / lay.tp  # fp32 logits for the loss
+        if o.accounting == "disttrain" and a < 4:
+            out += a * shape.vocab * h / lay.tp  # cast head weight
+    return out
+
+
+def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
+          global_batch: int, counts: list[int]) -> None:
+    """Fill ``est``'s step time; ``counts``: layers on each pp rank."""
+    lay = est.layout
+    tp, b, s, h = lay.tp, lay.mbs, shape.seq, shape.hidden
+    m = lay.micro_batches(global_batch)
+    tokens = b * s
+    a = o.act_bytes
+    peak = cluster.peak_flops(o.precision)
+    # one layer, one micro-batch, on one tp rank
+    fwd = 0.0
+    for name, i, out in shape.matmul_shapes():
+        n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
+        fwd += matmul_time(cluster, tokens, n, k, o.precision, a)
+    attn_flops = 2 * 2 * b * s * s * h / tp
+    attn = attn_flops / (peak * cluster.attention_efficiency)
+    elementwise = (12 * h + (4 if shape.gated else 2) * shape.ffn_width / tp) * tokens * a
+    elem = elementwise / (cluster.memory_gbps * 1e9)
+    layer_fwd = fwd + attn + elem
+    layer_bwd = 2 * layer_fwd
+    recompute = {"none": 0.0, "selective": attn, "full": layer_fwd}[lay.recompute]
+    # tp: two all-reduces forward, two backward (sp: the same bytes as gathers and
+    # reduce-scatters), again when a full recompute reruns the forward
+    tp_gbps, tp_lat = _tier(cluster, tp)
+    act = tokens * h * a
+    one = ring_time(act, tp, tp_gbps, tp_lat)
+    tp_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
+    # head and loss on the last stage, one micro-batch
+    head = matmul_time(cluster, tokens, shape.vocab / tp, h, o.precision, a) * 3
+    head += 3 * 4 * tokens * shape.vocab / tp / (cluster.memory_gbps * 1e9)
+    # per pp rank and micro-batch: its chunks
+    per_rank = []
+    compute_rank = []
+    for stage, layers in enumerate(counts):
+        c = layers * (layer_fwd + layer_bwd + recompute)
+        if stage == lay.pp - 1:
+            c += head
+        compute_rank.append(c)
+        per_rank.append(c + layers * tp_layer)
+    # p2p: each chunk boundary, an activation forward and its gradient backward
+    p2p = 0.0
+    if lay.pp > 1:
+        span = lay.tp * lay.dp  # distance between neighbouring stages' ranks
+        gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps)
+                if span < cluster.gpus_per_node else
+                (cluster.p2p_inter_gbps or cluster.inter_gbps))
+        latency = cluster.intra_latency_s if span < cluster.gpus_per_node else \
+            cluster.inter_latency_s
+        msg = act / (tp if lay.sp else 1)
+        p2p = 2 * lay.v * (msg / (gbps * 1e9) + latency)
+    slowest = max(per_rank) + p2p
+    mean = sum(per_rank) / lay.pp + p2p
+    pipeline = m * slowest + (lay.pp - 1) * mean / lay.v
+    busy = m * (max(per_rank) + p2p)
+    bubble = pipeline - busy
+    # dp: the gradients of this rank's parameters
+    params = max(rank_params(shape, tp, layers, st == 0, st == lay.pp - 1, lay.pp)
+                 for st, layers in enumerate(counts))
+    dp_gbps, dp_lat = _tier(cluster, lay.dp * tp)
+    grad_bytes = params * o.grad_bytes
+    dp_exposed = 0.0
+    dp_total = 0.0
+    if lay.dp > 1:
+        if lay.zero <= 1:
+            dp_total = ring_time(grad_bytes, lay.dp, dp_gbps, dp_lat)
+        else:  # reduce-scatter per micro-batch, parameters gathered after the step
+            dp_total = (m * ring_time(grad_bytes, lay.dp, dp_gbps, dp_lat,
+                                      kind="reduce_scatter")
+                        + ring_time(params * a, lay.dp, dp_gbps, dp_lat,
+                                    kind="all_gather"))
+        buckets = max(1, math.ceil(grad_bytes / (o.bucket_mb * 2**20)))
+        bwd_last = max(compute_rank) * 2 / 3
+        if lay.zero <= 1:
+            dp_exposed = max(dp_total - bwd_last, dp_total / buckets)
+        else:
+            per_mb = dp_total / (m + 1)
+            dp_exposed = m * max(per_mb - bwd_last, per_mb / buckets) + per_mb
+        if lay.zero >= 3:  # gathered again for each forward and backward
+            gather = ring_time(params * a, lay.dp, dp_gbps, dp_lat, kind="all_gather")
+            fwd_rank = max(compute_rank) / 3
+            dp_exposed += m * 2 * max(gather - fwd_rank, gather / max(1, max(counts)))
+            dp_total += m * 2 * gather
+    shard = params / (lay.dp if lay.zero >= 1 else 1)
+    optimizer = shard * 28 / (cluster.memory_gbps * 1e9) + cluster.kernel_overhead_s * 4
+    est.step_time_s = pipeline + dp_exposed + optimizer
+    layers_total = shape.layers
+    compute_only = m * max(compute_rank)
+    most = max(counts)
+    est.times = {"compute": compute_only - m * recompute * most,
+                 "recompute": m * recompute * most,
+                 "tp_comm": pipeline - bubble - compute_only - m * p2p if tp > 1 else 0.0,
+                 "pp_bubble": bubble, "pp_p2p": m * p2p,
+                 "dp_comm_exposed": dp_exposed, "optimizer": optimizer}
+    tokens_step = global_batch * s
+    est.tokens = tokens_step
+    est.model_flops = shape.model_flops_per_token() * tokens_step
+    extra = {"none": 0, "selective": layers_total * shape.layer_attention_flops(),
+             "full": layers_total * (shape.layer_matmul_flops()
+                                     + shape.layer_attention_flops())}[lay.recompute]
+    est.hardware_flops = est.model_flops + extra * tokens_step

@@ -64,6 +64,19 @@ def test_1f1b_holds_at_most_pp_minus_rank_micro_batches():
                 ["F"] * min(pp - r - 1, m)
 
 
+def test_simulated_chunks_take_their_own_costs():
+    schedule = build_schedule("interleaved", pp=2, m=2, v=2)
+    same = simulate(schedule, forward_time=1.0, backward_time=2.0, message_time=0.5)
+    assert simulate(schedule, forward_time=[1.0] * 4, backward_time=(2.0,) * 4,
+                    message_time=0.5) == same
+    timeline = simulate(schedule, forward_time=[1.0, 2.0, 3.0, 4.0],
+                        backward_time=[5.0, 6.0, 7.0, 8.0])
+    for t in (t for actions in timeline for t in actions):
+        assert t.end - t.start == (1 + t.action.chunk + (4 if t.action.kind == "B" else 0))
+    with pytest.raises(ValueError, match="forward_time has 3 costs but the schedule has 4"):
+        simulate(schedule, forward_time=[1.0] * 3)
+
+
 def test_simulator_reports_a_deadlock():
     f, b = (lambda c, i: Action("F", c, i)), (lambda c, i: Action("B", c, i))
     bad = Schedule(name="bad", pp=2, m=2, v=1, actions=(

@@ -130,6 +130,13 @@ class Estimate:
     n_devices: int = 1
     peak_flops: float = 1.0
     fits: bool = True
+    # What a step is made of, for a trace (empty with memory_only): one micro-batch
+    # on pp rank r's j-th chunk (global chunk j * pp + r), compute and its tp
+    # communication; the backward includes recomputation. p2p: one activation or
+    # gradient message between neighbouring stages.
+    chunk_forward_s: tuple[tuple[float, ...], ...] = ()
+    chunk_backward_s: tuple[tuple[float, ...], ...] = ()
+    p2p_message_s: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -142,6 +149,15 @@ class Estimate:
     @property
     def mfu(self) -> float:
         return self.model_flops / self.step_time_s / self.n_devices / self.peak_flops
+
+    @property
+    def dp_exposed_s(self) -> float:
+        """The dp communication the backward does not hide, after the pipeline."""
+        return self.times.get("dp_comm_exposed", 0.0)
+
+    @property
+    def optimizer_s(self) -> float:
+        return self.times.get("optimizer", 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -421,6 +437,9 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
     # head and loss on the last stage, one micro-batch
     head = matmul_time(cluster, tokens, shape.vocab / tp, h, o.precision, a) * 3
     head += 3 * 4 * tokens * shape.vocab / tp / (cluster.memory_gbps * 1e9)
+    est.chunk_forward_s, est.chunk_backward_s = _chunk_times(
+        lay, chunk_layers(shape.layers, lay.pp, lay.v), layer_fwd + 2 * one,
+        layer_bwd + recompute + tp_layer - 2 * one, head)
     # per pp rank and micro-batch: its chunks
     per_rank = []
     compute_rank = []
@@ -431,16 +450,8 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
         compute_rank.append(c)
         per_rank.append(c + layers * tp_layer)
     # p2p: each chunk boundary, an activation forward and its gradient backward
-    p2p = 0.0
-    if lay.pp > 1:
-        span = lay.tp * lay.dp  # distance between neighbouring stages' ranks
-        gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps)
-                if span < cluster.gpus_per_node else
-                (cluster.p2p_inter_gbps or cluster.inter_gbps))
-        latency = cluster.intra_latency_s if span < cluster.gpus_per_node else \
-            cluster.inter_latency_s
-        msg = act / (tp if lay.sp else 1)
-        p2p = 2 * lay.v * (msg / (gbps * 1e9) + latency)
+    est.p2p_message_s = _p2p_message_time(cluster, lay, act)
+    p2p = 2 * lay.v * est.p2p_message_s
     slowest = max(per_rank) + p2p
     mean = sum(per_rank) / lay.pp + p2p
     pipeline = m * slowest + (lay.pp - 1) * mean / lay.v
@@ -491,3 +502,34 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
              "full": layers_total * (shape.layer_matmul_flops()
                                      + shape.layer_attention_flops())}[lay.recompute]
     est.hardware_flops = est.model_flops + extra * tokens_step
+
+
+def _chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd: float,
+                 head: float) -> tuple[tuple[tuple[float, ...], ...],
+                                       tuple[tuple[float, ...], ...]]:
+    """(forward, backward) seconds of one micro-batch on each pp rank's chunks, local
+    order; ``sizes``: layers of each global chunk; ``layer_fwd``/``layer_bwd``: one
+    layer's, with its tp communication (and recomputation, backward). The last chunk
+    adds the head and loss, a third forward (one of its three matmuls and logit
+    passes) and two thirds backward."""
+    last = lay.pp * lay.v - 1
+
+    def per_rank(layer: float, head_part: float) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(sizes[c] * layer + (head_part if c == last else 0.0)
+                           for c in range(r, last + 1, lay.pp)) for r in range(lay.pp))
+
+    return per_rank(layer_fwd, head / 3), per_rank(layer_bwd, head * 2 / 3)
+
+
+def _p2p_message_time(cluster: Cluster, lay: Layout, act: float) -> float:
+    """One activation (or its gradient) of ``act`` bytes sent to the neighbouring
+    stage; 0 without pp."""
+    if lay.pp == 1:
+        return 0.0
+    span = lay.tp * lay.dp  # distance between neighbouring stages' ranks
+    intra = span < cluster.gpus_per_node
+    gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps) if intra else
+            (cluster.p2p_inter_gbps or cluster.inter_gbps))
+    latency = cluster.intra_latency_s if intra else cluster.inter_latency_s
+    msg = act / (lay.tp if lay.sp else 1)
+    return msg / (gbps * 1e9) + latency

@@ -10,6 +10,7 @@ waits for; otherwise it returns each action's start and end time for given costs
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .schedules import BACKWARD, FORWARD, Action, Schedule
@@ -55,9 +56,13 @@ def dependencies(action: Action, n_chunks: int) -> tuple[Action, ...]:
     return (Action(FORWARD, c, i),) + ((upstream,) if upstream else ())
 
 
-def simulate(schedule: Schedule, *, forward_time: float = 1.0, backward_time: float = 2.0,
+def simulate(schedule: Schedule, *, forward_time: float | Sequence[float] = 1.0,
+             backward_time: float | Sequence[float] = 2.0,
              message_time: float = 0.0) -> list[list[TimedAction]]:
-    """Each rank's actions with start/end times; costs are per chunk action."""
+    """Each rank's actions with start/end times. Costs are per chunk action: one value
+    for every chunk, or one per global chunk (stages of unequal cost)."""
+    costs = {FORWARD: _per_chunk(forward_time, schedule.n_chunks, "forward_time"),
+             BACKWARD: _per_chunk(backward_time, schedule.n_chunks, "backward_time")}
     done: dict[Action, float] = {}
     pos, free = [0] * schedule.pp, [0.0] * schedule.pp
     out: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
@@ -73,7 +78,7 @@ def simulate(schedule: Schedule, *, forward_time: float = 1.0, backward_time: fl
                 start = max([free[rank]] + [
                     done[d] + (message_time if schedule.rank_of(d.chunk) != rank else 0.0)
                     for d in deps])
-                cost = forward_time if action.kind == FORWARD else backward_time
+                cost = costs[action.kind][action.chunk]
                 done[action] = free[rank] = start + cost
                 out[rank].append(TimedAction(action, rank, start, start + cost))
                 pos[rank] += 1
@@ -82,6 +87,15 @@ def simulate(schedule: Schedule, *, forward_time: float = 1.0, backward_time: fl
             raise ScheduleDeadlock(_stuck(schedule, pos, done))
         remaining -= moved
     return out
+
+
+def _per_chunk(cost: float | Sequence[float], n_chunks: int, name: str) -> tuple[float, ...]:
+    if isinstance(cost, (int, float)):
+        return (cost,) * n_chunks
+    if len(cost) != n_chunks:
+        raise ValueError(f"{name} has {len(cost)} costs but the schedule has {n_chunks} "
+                         "chunks; give one per global chunk, or a single number")
+    return tuple(cost)
 
 
 def bubble_fractions(timeline: list[list[TimedAction]]) -> list[float]:

@@ -526,8 +526,9 @@ def _p2p_message_time(cluster: Cluster, lay: Layout, act: float) -> float:
     stage; 0 without pp."""
     if lay.pp == 1:
         return 0.0
-    span = lay.tp * lay.dp  # distance between neighbouring stages' ranks
-    intra = span < cluster.gpus_per_node
+    # neighbouring stages' ranks are tp x dp apart; once the pipeline spans nodes, some
+    # boundary crosses one, and the slowest boundary paces the schedule
+    intra = lay.pp * lay.tp * lay.dp <= cluster.gpus_per_node
     gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps) if intra else
             (cluster.p2p_inter_gbps or cluster.inter_gbps))
     latency = cluster.intra_latency_s if intra else cluster.inter_latency_s

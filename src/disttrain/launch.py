@@ -72,11 +72,19 @@ def torchrun_args(opts: LaunchOptions, target: list[str]) -> list[str]:
     return args + target
 
 
+def worker_threads(nproc: int) -> int:
+    """CPU threads each of ``nproc`` local workers computes with: OMP_NUM_THREADS if
+    the user set it, else one share of the cores."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def _worker_env(nproc: int) -> None:
-    # One share of the cores per worker, unless the user chose; also keeps torchrun
-    # from printing its OMP_NUM_THREADS warning.
+    # Set it explicitly, which also keeps torchrun from printing its OMP_NUM_THREADS
+    # warning.
     if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 

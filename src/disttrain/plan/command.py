@@ -32,7 +32,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         epilog="examples:\n  disttrain plan --model layers=32,hidden=4096,heads=32,seq=4096,"
         "vocab=32000 --cluster gpu=h100-80gb,gpus_per_node=8,nodes=4 --global-batch 512\n"
         "  disttrain plan --model config.json,seq=2048 --cluster gpu=a100-80gb,nodes=2 "
-        "--global-batch 256 --layout tp=8,pp=1,dp=2,mbs=2,zero=1 --explain")
+        "--global-batch 256 --layout tp=8,pp=1,dp=2,mbs=2,zero=1 --explain\n"
+        "  disttrain plan calibrate --out cluster.json  # then: --cluster cluster.json")
     plan.add_argument("--model", metavar="SPEC", help="layers=L,hidden=H,heads=A,seq=S,"
                       "vocab=V[,ffn=F][,kv_heads=K][,gated=1], a transformers config.json "
                       "(optionally followed by ,seq=S), or gpt (the [model] of --config)")
@@ -61,7 +62,27 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--validate", metavar="RUN_DIR", default=None,
                       help="compare the prediction for a finished run with what it "
                       "measured")
+    commands = plan.add_subparsers(dest="plan_command", metavar="{calibrate}",
+                                   parser_class=type(plan))
+    _add_calibrate_parser(commands)
     return plan
+
+
+def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser(
+        "calibrate", help="measure this machine and write it as a cluster JSON file",
+        description="Time matmuls, fused attention, a large memory copy and collectives "
+        "(all-reduce, reduce-scatter, all-gather, point-to-point) over N local ranks, fit "
+        "the planner's cost model to them, and write a cluster file for "
+        "'disttrain plan --cluster FILE.json'. Under a minute; --quick: seconds.")
+    cal.add_argument("--out", required=True, metavar="FILE.json",
+                     help="cluster file to write")
+    cal.add_argument("--nproc", type=int, default=None, metavar="N",
+                     help="ranks (devices) on this node (default: the GPUs, or 2 on a CPU)")
+    cal.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                     help="what to measure (default: cuda when a GPU is visible)")
+    cal.add_argument("--quick", action="store_true",
+                     help="fewer and smaller measurements (rougher figures)")
 
 
 def parse_layout(text: str, n_devices: int) -> Layout:

@@ -319,16 +319,35 @@ def matmul_time(cluster: Cluster, m: float, n: float, k: float, precision: str,
     return max(compute, memory) + cluster.kernel_overhead_s
 
 
+def attention_time(cluster: Cluster, b: float, s: float, width: float,
+                   precision: str) -> float:
+    """Fused attention's forward over ``b`` sequences of ``s`` tokens, ``width`` =
+    heads x head_dim (on one tp rank): q.k and the weighted sum of v, 2 x 2bs^2 x width
+    FLOPs (causal masking not subtracted), at the cluster's attention efficiency."""
+    flops = 2 * 2 * b * s * s * width
+    return flops / (cluster.peak_flops(precision) * cluster.attention_efficiency)
+
+
+def ring_bytes_factor(ranks: int, kind: str = "all_reduce") -> float:
+    """The share of the whole buffer each rank sends: all-reduce 2(n-1)/n,
+    reduce-scatter and all-gather (n-1)/n (NCCL's bus bandwidth over its algorithm
+    bandwidth)."""
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+
+
+def ring_latency_steps(ranks: int) -> int:
+    """Latency terms a collective pays: the cheaper of the ring's and a tree's."""
+    return min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
+
+
 def ring_time(nbytes: float, ranks: int, gbps: float, latency: float, *,
               kind: str = "all_reduce") -> float:
-    """NCCL-style ring (bus bandwidth ``gbps``): all-reduce moves 2(n-1)/n of the
-    buffer, reduce-scatter and all-gather (n-1)/n of the whole; the latency term is
-    the cheaper of the ring's and a tree's."""
+    """NCCL-style ring (bus bandwidth ``gbps``, ``latency`` per step): see
+    :func:`ring_bytes_factor` and :func:`ring_latency_steps`."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    factor = (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
-    steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
-    return nbytes * factor / (gbps * 1e9) + steps * latency
+    return (nbytes * ring_bytes_factor(ranks, kind) / (gbps * 1e9)
+            + ring_latency_steps(ranks) * latency)
 
 
 def _tier(cluster: Cluster, span: int) -> tuple[float, float]:
@@ -415,14 +434,12 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
     m = lay.micro_batches(global_batch)
     tokens = b * s
     a = o.act_bytes
-    peak = cluster.peak_flops(o.precision)
     # one layer, one micro-batch, on one tp rank
     fwd = 0.0
     for name, i, out in shape.matmul_shapes():
         n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
         fwd += matmul_time(cluster, tokens, n, k, o.precision, a)
-    attn_flops = 2 * 2 * b * s * s * h / tp
-    attn = attn_flops / (peak * cluster.attention_efficiency)
+    attn = attention_time(cluster, b, s, h / tp, o.precision)
     elementwise = (12 * h + (4 if shape.gated else 2) * shape.ffn_width / tp) * tokens * a
     elem = elementwise / (cluster.memory_gbps * 1e9)
     layer_fwd = fwd + attn + elem

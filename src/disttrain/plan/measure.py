@@ -1,0 +1,222 @@
+"""Timings of this machine for ``plan calibrate``: matmuls, fused attention and a large
+copy on one device (in this process), collectives over N local ranks (in child
+processes, with a hard timeout).
+
+Every figure is the median of several calls after warm-up calls; on a GPU each call is
+timed with CUDA events, on a CPU with ``time.perf_counter`` (the calls block). A long
+call is repeated fewer times (three at least) so the whole stays within its budget.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..monitor.peaks import MATMUL_DTYPES
+from .fit import MatmulPoint
+
+_GIB = 2**30
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+
+# [m, k] x [k, n] = [tokens, hidden] x [hidden, out]: square-ish layer matmuls from
+# small to large, then thin ones (few tokens, or a narrow output) that are bound by
+# memory or by the kernel's overhead.
+_MATMULS = {
+    ("cpu", False): ((128, 256, 256), (256, 512, 512), (512, 512, 2048),
+                     (1024, 1024, 1024), (2048, 1024, 1024), (1024, 1024, 8),
+                     (8, 1024, 1024), (2048, 512, 16)),
+    ("cpu", True): ((128, 256, 256), (256, 512, 512), (512, 1024, 1024),
+                    (1024, 1024, 8), (8, 1024, 1024)),
+    ("cuda", False): ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
+                      (8192, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16),
+                      (16, 4096, 4096), (8192, 8192, 128)),
+    ("cuda", True): ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192),
+                     (8192, 4096, 16), (16, 4096, 4096)),
+}
+# A CPU's 16-bit matmuls are tried on this shape first: large enough to be a fair
+# sample, small enough to take a fraction of a second where they are emulated.
+CPU_PROBE = (256, 512, 512)
+# (batch, heads, seq, head_dim) of causal fused attention
+_ATTENTION = {
+    ("cpu", False): ((1, 8, 256, 64), (1, 8, 512, 64), (1, 8, 1024, 64)),
+    ("cpu", True): ((1, 8, 256, 64), (1, 8, 512, 64)),
+    ("cuda", False): ((8, 16, 1024, 128), (4, 16, 2048, 128), (2, 16, 4096, 128),
+                      (1, 32, 8192, 128)),
+    ("cuda", True): ((8, 16, 1024, 128), (2, 16, 4096, 128)),
+}
+_COPY_BYTES = {("cpu", False): 256 * 2**20, ("cpu", True): 64 * 2**20,
+               ("cuda", False): 2 * _GIB, ("cuda", True): 512 * 2**20}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Effort:
+    """How hard to measure: ``repeats`` timed calls (after ``warmup``), fewer when
+    they would take more than ``seconds`` (three at least, if ``repeats`` allows)."""
+
+    repeats: int
+    warmup: int
+    seconds: float
+
+    @staticmethod
+    def of(quick: bool) -> Effort:
+        return Effort(repeats=5, warmup=1, seconds=0.15) if quick else \
+            Effort(repeats=15, warmup=2, seconds=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionPoint:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    seconds: float
+
+
+def median_time(fn: Callable[[], object], device: torch.device, effort: Effort) -> float:
+    """Median seconds of one ``fn()`` call."""
+    for _ in range(effort.warmup):
+        fn()
+    _sync(device)
+    times: list[float] = []
+    deadline = time.perf_counter() + effort.seconds
+    while len(times) < effort.repeats and (len(times) < 3 or time.perf_counter() < deadline):
+        times.append(_time_once(fn, device))
+    return statistics.median(times)
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_s = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_s
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_shapes(device: torch.device, quick: bool) -> tuple[tuple[int, int, int], ...]:
+    return _MATMULS[(device.type, quick)]
+
+
+def time_matmul(device: torch.device, precision: str, shape: tuple[int, int, int],
+                effort: Effort) -> MatmulPoint:
+    m, k, n = shape
+    dtype = MATMUL_DTYPES[precision]
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    seconds = median_time(lambda: torch.matmul(a, b, out=out), device, effort)
+    return MatmulPoint(precision=precision, m=m, k=k, n=n, seconds=seconds)
+
+
+def time_attention(device: torch.device, precision: str, quick: bool,
+                   effort: Effort) -> list[AttentionPoint]:
+    """Causal ``scaled_dot_product_attention`` forward, q, k, v: [batch, heads, seq,
+    head_dim]."""
+    points = []
+    for batch, heads, seq, dim in _ATTENTION[(device.type, quick)]:
+        q, k, v = (torch.randn(batch, heads, seq, dim, device=device,
+                               dtype=MATMUL_DTYPES[precision]) for _ in range(3))
+        seconds = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                              device, effort)
+        points.append(AttentionPoint(batch=batch, heads=heads, seq=seq, head_dim=dim,
+                                     seconds=seconds))
+    return points
+
+
+def time_copy(device: torch.device, quick: bool, effort: Effort) -> tuple[int, float]:
+    """(bytes read + written, seconds) of copying one large buffer into another."""
+    nbytes = _COPY_BYTES[(device.type, quick)]
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes, median_time(lambda: dst.copy_(src), device, effort)
+
+
+def device_memory_gib(device: torch.device, nproc: int) -> tuple[float, float]:
+    """(memory, reserved) GiB of one device: a GPU's memory and what is in use once
+    this process holds a context on it; on a CPU, the RAM's share of one of ``nproc``
+    ranks, 0.5 GiB kept back."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return total / _GIB, max(0.5, (total - free) / _GIB)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / nproc / _GIB, 0.5
+
+
+def collective_sizes(quick: bool) -> list[int]:
+    """Message sizes in bytes: 4 KiB to 64 MiB (to 8 MiB with ``quick``)."""
+    if quick:
+        return [4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20]
+    return [4 * 2**10 * 4**i for i in range(8)]
+
+
+def collective_times(sizes: list[int], effort: Effort) -> dict[str, list[list[float]]]:
+    """Run on every rank of a process group: ``{op: [[seconds of each timed call] for
+    each size]}`` as this rank saw them (:func:`_timed_calls`); ``p2p`` is half a round
+    trip between ranks 0 and 1 (0.0 on the other ranks)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    out: dict[str, list[list[float]]] = {op: [] for op in COLLECTIVES}
+    for size in sizes:
+        numel = -(-size // (4 * n)) * n  # fp32 elements, a multiple of the ranks
+        whole = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // n, device=device)
+        calls = {"all_reduce": lambda: dist.all_reduce(whole),
+                 "reduce_scatter": lambda: _REDUCE_SCATTER(shard, whole),
+                 "all_gather": lambda: _ALL_GATHER(whole, shard),
+                 "p2p": lambda: _ping_pong(whole, rank)}
+        batch = max(1, min(8, 2**20 // size))  # small messages: several per figure
+        for op, call in calls.items():
+            times = _timed_calls(call, device, effort, batch)
+            if op == "p2p":
+                times = [t / 2 if rank < 2 else 0.0 for t in times]
+            out[op].append(times)
+    return out
+
+
+def _ping_pong(buf: torch.Tensor, rank: int) -> None:
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def _timed_calls(call: Callable[[], object], device: torch.device, effort: Effort,
+                 batch: int) -> list[float]:
+    """Seconds per call, each figure the mean of ``batch`` calls back to back after a
+    barrier (so that one rank's late start weighs little). Every rank makes the same
+    calls: no deadline here, the ranks must agree."""
+    for _ in range(effort.warmup):
+        call()
+    times = []
+    for _ in range(effort.repeats):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(batch):
+            call()
+        _sync(device)
+        times.append((time.perf_counter() - start) / batch)
+    return times

@@ -31,6 +31,12 @@ class Layout:
     def shape(self) -> tuple[int, int, int]:
         return (self.pp, self.dp, self.tp)
 
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) coordinates of global ``rank``: the mesh of :meth:`shape`
+        numbers ranks row-major, tp innermost."""
+        pp, rest = divmod(rank, self.dp * self.tp)
+        return (pp, *divmod(rest, self.tp))
+
 
 def resolve_layout(*, dp: int, pp: int, tp: int, zero: int, world_size: int) -> Layout:
     """Derive dp when it is 0 and check the product against the world size."""

@@ -122,6 +122,14 @@ MFU = _key("mfu")
 PEAK_SOURCE = _key("peak_source")
 # summary.json only, beside MFU and PEAK_SOURCE: the per-device peak MFU is taken against
 PEAK_TFLOPS = "peak_tflops"
+# summary.json only: rank 0's model-state and activation bytes, every rank's (in rank
+# order), and the device the run trained on ("cpu", or the GPU's name as torch gives it)
+MEMORY_BYTES = "memory_bytes"
+MEMORY_BYTES_PER_RANK = "memory_bytes_per_rank"
+DEVICE_NAME = "device_name"
+# the parts of each memory_bytes entry: GradSync.model_state_bytes' and the activations
+MODEL_STATE_PARTS = ("params", "grads", "optimizer")
+ACTIVATIONS = "activations"
 STEP_TIME_S = _key("step_time_s")
 TIME_COMPUTE_S = _key("time_compute_s")
 TIME_COMM_S = _key("time_comm_s")

@@ -13,6 +13,7 @@ runs on and writes them in the same JSON form (:meth:`Cluster.to_json`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,19 @@ PRESETS: dict[str, Cluster] = {
 }
 PRESETS["h100"] = replace(PRESETS["h100-80gb"], name="h100")
 PRESETS["a100"] = replace(PRESETS["a100-80gb"], name="a100")
+
+
+# a GPU's name as torch.cuda.get_device_name gives it -> its preset; first match wins
+_DEVICE_PRESETS = ((r"\bH200\b", "h200"), (r"\bH100\b", "h100-80gb"),
+                   (r"\bA100\b.*\b80\s*GB\b", "a100-80gb"), (r"\bA100\b", "a100-40gb"))
+
+
+def preset_for_device(device_name: str) -> str | None:
+    """The preset of the GPU called ``device_name`` (``NVIDIA A100-SXM4-80GB``), or None
+    when no preset describes it (a CPU, another GPU)."""
+    name = device_name.upper()
+    return next((preset for pattern, preset in _DEVICE_PRESETS
+                 if re.search(pattern, name)), None)
 
 
 def parse_cluster(text: str) -> Cluster:

@@ -17,7 +17,8 @@ from .search import SearchResult, layout_problem, search
 from .shape import ModelShape, parse_model
 
 _GIB = 2**30
-_LAYOUT_KEYS = ("tp", "pp", "dp", "mbs", "v", "zero", "recompute", "sp")
+_LAYOUT_KEYS = ("tp", "pp", "dp", "mbs", "v", "zero", "recompute", "sp", "gpipe")
+DEFAULT_CLUSTER = "gpu=a100-80gb,gpus_per_node=8,nodes=1"
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -39,16 +40,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       "(optionally followed by ,seq=S), or gpt (the [model] of --config)")
     plan.add_argument("--config", metavar="TOML", default=None,
                       help="a disttrain config: its [model] for --model gpt")
-    plan.add_argument("--cluster", metavar="SPEC", default="gpu=a100-80gb,gpus_per_node=8,"
-                      "nodes=1", help="gpu=PRESET,gpus_per_node=G,nodes=N[,memory_gib=..] "
-                      "or a cluster JSON file (default: one node of 8 A100-80GB)")
+    plan.add_argument("--cluster", metavar="SPEC", default=None,
+                      help="gpu=PRESET,gpus_per_node=G,nodes=N[,memory_gib=..] or a cluster "
+                      "JSON file (default: one node of 8 A100-80GB; with --validate, the "
+                      "preset of the run's GPU)")
     plan.add_argument("--global-batch", type=int, metavar="B", help="sequences per step")
     plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     plan.add_argument("--accounting", choices=ACCOUNTING, default="disttrain",
                       help="model-state bytes: disttrain (fp32 params/grads/Adam, 16 B per "
                       "param) or mixed (the ZeRO paper's 2+2+12)")
     plan.add_argument("--layout", metavar="K=V,...", default=None,
-                      help="estimate this layout only: tp,pp,dp,mbs,v,zero,recompute,sp")
+                      help="estimate this layout only: tp,pp,dp,mbs,v,zero,recompute,sp "
+                      "(gpipe=1: the GPipe schedule instead of 1F1B)")
     plan.add_argument("--recompute", default=",".join(RECOMPUTE), metavar="LIST",
                       help="recomputation modes the search may use (default all)")
     plan.add_argument("--top", type=int, default=5, metavar="K", help="rows shown (5)")
@@ -102,9 +105,10 @@ def parse_layout(text: str, n_devices: int) -> Layout:
             values[key] = int(value)
         except ValueError:
             raise UserError(f"--layout {key}={value!r} is not an integer") from None
-        if values[key] < (0 if key in ("zero", "sp") else 1):
+        if values[key] < (0 if key in ("zero", "sp", "gpipe") else 1):
             raise UserError(f"--layout {key}={value} is out of range")
     values["sp"] = bool(values.get("sp", 0))
+    values["gpipe"] = bool(values.get("gpipe", 0))
     tp, pp = values.get("tp", 1), values.get("pp", 1)
     if "dp" not in values:
         if n_devices % (tp * pp):
@@ -135,7 +139,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         from .validate import run_validate
 
         return run_validate(ns)
-    shape, cluster = _shape(ns), parse_cluster(ns.cluster)
+    shape, cluster = _shape(ns), parse_cluster(ns.cluster or DEFAULT_CLUSTER)
     if ns.global_batch is None:
         raise UserError("plan needs --global-batch B (sequences per optimizer step)")
     options = Options(precision=ns.precision, accounting=ns.accounting)

@@ -2,23 +2,29 @@
 
 A layout is (tp, pp, dp, v, mbs, zero, recompute, sp): tensor, pipeline and data
 parallel degrees (ranks ordered pp, dp, tp, outermost first, as disttrain's mesh), v
-model chunks per pipeline rank (v > 1: the interleaved schedule, else 1F1B), the
-micro-batch size, the ZeRO stage over dp, activation recomputation (none, selective:
-attention's scores only, full: everything but each layer's input) and sequence
-parallelism.
+model chunks per pipeline rank (v > 1: the interleaved schedule, else 1F1B, or GPipe
+with ``gpipe``), the micro-batch size, the ZeRO stage over dp, activation recomputation
+(none, selective: attention's scores only, full: everything but each layer's input) and
+sequence parallelism.
 
 **Memory, per pipeline stage** (the largest is the layout's):
 
 - model states of the stage's parameters on one tp rank (weight matrices split by tp;
-  norms and row-parallel biases replicated; the vocabulary-parallel embedding on the
-  first stage, the head, and under pp > 1 a tied copy of the embedding, on the last):
+  norms, row-parallel biases and a learned position table replicated; the
+  vocabulary-parallel embedding on the first stage, the head, and under pp > 1 a tied
+  copy of the embedding, on the last):
   with the ``disttrain`` accounting, fp32 parameters, gradients and AdamW state (4 + 4
   + 8 bytes), sharded over dp from ZeRO stage 3, 2, 1 respectively; with ``mixed`` the
   ZeRO paper's 2 + 2 + 12;
 - activations per Korthikanti et al. 2022 (:func:`layer_activation_bytes`) for the
   micro-batches the schedule keeps in flight on that stage (1F1B: pp - stage;
   interleaved: the warmup of that rank + 1, in chunks; GPipe: all), plus the
-  embedding's on the first stage and the head's and the loss's on the last;
+  embedding's for each first-chunk micro-batch in flight on the first stage and the
+  head's and the loss's for each last-chunk one on the last, at the schedule's peak
+  mix of chunks (:func:`peak_held_bytes`); autocast's cast weights once per layer of
+  the stage (every micro-batch in flight shares them); with ``full`` recomputation,
+  one layer rebuilt in full during its backward (``StageMemory.rebuilt``, part of
+  ``activations``);
 - communication buffers (gradient buckets; ZeRO-3's gathered layer, twice for the
   prefetch) and the cluster's reserved memory.
 
@@ -58,6 +64,7 @@ class Layout:
     zero: int = 0
     recompute: str = "none"
     sp: bool = False
+    gpipe: bool = False  # v = 1 only: every forward before any backward
 
     @property
     def ranks(self) -> int:
@@ -65,14 +72,17 @@ class Layout:
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.v > 1 else "1f1b"
+        if self.v > 1:
+            return "interleaved"
+        return "gpipe" if self.gpipe else "1f1b"
 
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.mbs)
 
     def label(self) -> str:
         return (f"tp={self.tp},pp={self.pp},dp={self.dp},v={self.v},mbs={self.mbs},"
-                f"zero={self.zero},recompute={self.recompute},sp={int(self.sp)}")
+                f"zero={self.zero},recompute={self.recompute},sp={int(self.sp)}"
+                + (",gpipe=1" if self.gpipe else ""))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,12 +107,17 @@ class Options:
 
 @dataclass
 class StageMemory:
+    """Bytes on one tp rank of a pipeline stage. ``rebuilt``: the part of
+    ``activations`` that exists only during a backward (the layer a full recomputation
+    rebuilds), which a meter of what the forward saves does not see."""
+
     params: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0
     communication: float = 0.0
     other: float = 0.0
+    rebuilt: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -208,7 +223,10 @@ def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool =
     ``selective`` drops the scores part (recomputed); ``full`` keeps only the layer's
     input (2sbh, /t with sp). ``accounting='disttrain'`` also counts what autocast
     over fp32 weights keeps: the residual stream and norm inputs in fp32, the norms'
-    statistics, and the cast weight copies.
+    statistics, and the cast weight copies; and, with sp, it keeps the inputs of the
+    qkv and first MLP matmuls whole (4sbh, not /t): disttrain's column-parallel layer
+    saves the sequence it all-gathered, where Megatron-LM saves its own shard and
+    gathers it again in backward.
     """
     s, h, f = shape.seq, shape.hidden, shape.ffn_width
     a = _ACT_BYTES[precision]
@@ -218,9 +236,14 @@ def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool =
     if recompute == "full":
         return (4 if disttrain else a) * sbh / (tp if sp else 1)
     dropout_masks = 2 * sbh if shape.dropout else 0
-    replicated = 2 * norm_in + 2 * a * sbh + dropout_masks
+    matmul_inputs = 2 * a * sbh  # of the qkv and first MLP matmuls
+    replicated = 2 * norm_in + dropout_masks
+    whole = 0.0  # kept at full length on every tp rank, sp or not
     if disttrain:
         replicated += 2 * 2 * 4 * s * b  # the norms' mean and rstd (or rstd and a pad)
+        whole = matmul_inputs
+    else:
+        replicated += matmul_inputs
     kv = shape.kv_width
     split = a * s * b * (h + 2 * kv) + a * sbh  # q, k, v; the out-projection's input
     split += a * s * b * f * (4 if shape.gated else 2)
@@ -231,10 +254,20 @@ def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool =
         scores = (5 if shape.dropout else 2) * heads * s * s * b
     if recompute == "selective":
         scores = 0
-    weights = 0
-    if disttrain and a < 4:  # autocast's cast copies of the layer's matrices
-        weights = a * sum(i * o for _, i, o in shape.matmul_shapes())
-    return replicated / (tp if sp else 1) + (split + scores + weights) / tp
+    weights = _layer_cast_bytes(shape, precision, accounting)
+    return replicated / (tp if sp else 1) + whole + (split + scores + weights) / tp
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_cast_bytes(shape: ModelShape, precision: str, accounting: str) -> float:
+    """autocast's 16-bit copies of one layer's weight matrices (all tp ranks'), which
+    ``disttrain`` accounting counts: autocast keeps one per weight for its whole region,
+    a micro-batch's forward, or a pipeline's step, where every micro-batch in flight
+    shares it."""
+    a = _ACT_BYTES[precision]
+    if accounting != "disttrain" or a == 4:
+        return 0.0
+    return a * sum(i * o for _, i, o in shape.matmul_shapes())
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
@@ -247,6 +280,51 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
     if schedule == "interleaved":
         return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
     return min(pp - stage, m)
+
+
+def peak_held_bytes(schedule: str, pp: int, m: int, v: int, stage: int,
+                    chunk_bytes: tuple[float, ...]) -> float:
+    """The most bytes pp rank ``stage`` holds for backward during a step, when each
+    micro-batch of its local chunk L keeps ``chunk_bytes[L]`` from its forward to its
+    backward (the schedules of :mod:`disttrain.parallel.pipeline.schedules`). The peak
+    is not always where the most chunks are held: with v > 1 the mix of chunks
+    changes, and the first and last chunk also hold the embedding's and the head's
+    activations, and chunks may differ in layers."""
+    mixes = held_mixes(schedule, pp, m, v, stage)
+    if v == 1:
+        return mixes[0][0] * chunk_bytes[0]
+    return max(sum(n * b for n, b in zip(mix, chunk_bytes)) for mix in mixes)
+
+
+@functools.lru_cache(maxsize=65536)
+def held_mixes(schedule: str, pp: int, m: int, v: int, stage: int
+               ) -> tuple[tuple[int, ...], ...]:
+    """Micro-batches of each local chunk that pp rank ``stage`` holds at the moments
+    one of which is its peak, whatever each chunk's bytes (none held chunk by chunk
+    by another).
+
+    After a warmup of w forwards the rank alternates one forward, one backward; its
+    j-th forward runs local chunk (j mod pp v) // pp and its j-th backward the mirror
+    chunk v - 1 - that. From k to k + 1 backwards the rank adds forward w + k + 1's
+    chunk and drops backward k's; both change only every pp steps, so what is held is
+    linear in k between those k, and the mixes repeat with period pp v."""
+    if pp == 1:
+        return ((1,),)  # a plain step: one micro-batch at a time
+    if schedule != "interleaved":
+        return ((m if schedule == "gpipe" else min(pp - stage, m),),)
+    total, group = m * v, pp * v
+    warmup = min(total, 2 * (pp - stage - 1) + (v - 1) * pp)
+    span = min(group, total - warmup)  # the k whose mixes can differ
+
+    def ran(n: int, local: int) -> int:  # of the first n forwards, those of ``local``
+        return n // group * pp + min(max(n % group - local * pp, 0), pp)
+    if span <= 0:  # every forward is in the warmup
+        return (tuple(ran(total, L) for L in range(v)),)
+    ks = {0, span - 1, *range(0, span, pp), *range((-warmup - 1) % pp, span, pp)}
+    mixes = {tuple(ran(warmup + k + 1, L) - ran(k, v - 1 - L) for L in range(v))
+             for k in ks}
+    return tuple(a for a in mixes if not any(
+        b != a and all(x <= y for x, y in zip(a, b)) for b in mixes))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -265,8 +343,13 @@ def chunk_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=4096)
 def rank_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
     """Layers on each pp rank (its v chunks together)."""
-    sizes = chunk_layers(layers, pp, v)
-    return tuple(sum(sizes[c] for c in range(r, pp * v, pp)) for r in range(pp))
+    return _rank_counts(chunk_layers(layers, pp, v), pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    """Layers on each pp rank, of chunks of ``sizes`` layers (chunk c on rank c % pp)."""
+    return tuple(sum(sizes[c::pp]) for c in range(pp))
 
 
 # parameters on one rank ------------------------------------------------------------
@@ -359,13 +442,19 @@ def _tier(cluster: Cluster, span: int) -> tuple[float, float]:
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
              options: Options = Options(), *, memory_only: bool = False,
-             all_stages: bool = False) -> Estimate:
+             all_stages: bool = False, chunk_sizes: tuple[int, ...] | None = None
+             ) -> Estimate:
     """Predicted memory of the largest stage (of every stage with ``all_stages``; the
-    others are left empty) and, unless ``memory_only``, the step time."""
+    others are left empty) and, unless ``memory_only``, the step time. ``chunk_sizes``:
+    the layers of each of the pp x v chunks, where a run cut them otherwise than
+    :func:`chunk_layers` (``parallel.pp_split``, or balanced by cost)."""
     lay, o = layout, options
     m = lay.micro_batches(global_batch)
-    sizes = chunk_layers(shape.layers, lay.pp, lay.v)
-    counts = list(rank_layers(shape.layers, lay.pp, lay.v))
+    sizes = chunk_sizes or chunk_layers(shape.layers, lay.pp, lay.v)
+    if chunk_sizes and (len(sizes) != lay.pp * lay.v or sum(sizes) != shape.layers):
+        raise ValueError(f"chunk_sizes {sizes} must give {lay.pp * lay.v} chunks of "
+                         f"{shape.layers} layers in all")
+    counts = list(_rank_counts(sizes, lay.pp))
     per_layer = layer_activation_bytes(shape, b=lay.mbs, tp=lay.tp, sp=lay.sp,
                                        recompute=lay.recompute, precision=o.precision,
                                        accounting=o.accounting)
@@ -373,6 +462,9 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     if lay.recompute == "full":  # one layer rebuilt in full during its backward
         rebuilt = layer_activation_bytes(shape, b=lay.mbs, tp=lay.tp, sp=lay.sp,
                                          precision=o.precision, accounting=o.accounting)
+    # the cast weights are held once per layer of the stage, not per micro-batch
+    cast = 0.0 if lay.recompute == "full" else \
+        _layer_cast_bytes(shape, o.precision, o.accounting) / lay.tp
     layer_bytes = rank_params(shape, lay.tp, 1, False, False, lay.pp) * o.act_bytes
     if not all_stages and lay.pp > 2:
         # the largest can only be the first stage, the last, or the first that holds
@@ -382,16 +474,20 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
         which = sorted({0, lay.pp - 1, counts.index(max(counts)), biggest})
     else:
         which = list(range(lay.pp))
+    embedding, head, head_once = _end_activations(shape, lay, o)
+    n_chunks = lay.pp * lay.v
     stages: dict[int, StageMemory] = {}
     for stage in which:
-        mine = [sizes[c] for c in range(stage, lay.pp * lay.v, lay.pp)]
         first, last = stage == 0, stage == lay.pp - 1
         params = rank_params(shape, lay.tp, counts[stage], first, last, lay.pp)
         weights, grads, state = model_state_bytes(params, lay.dp, lay.zero, o.accounting)
         mem = StageMemory(params=weights, grads=grads, optimizer=state)
-        chunks = in_flight(lay.schedule, lay.pp, m, lay.v, stage)
-        mem.activations = (chunks * per_layer * max(mine) + rebuilt
-                           + _end_activations(shape, lay, o, first, last, chunks))
+        held = tuple((per_layer - cast) * sizes[c] + (embedding if c == 0 else 0)
+                     + (head if c == n_chunks - 1 else 0)
+                     for c in range(stage, n_chunks, lay.pp))
+        mem.activations = (peak_held_bytes(lay.schedule, lay.pp, m, lay.v, stage, held)
+                           + cast * counts[stage] + rebuilt + (head_once if last else 0))
+        mem.rebuilt = rebuilt
         buckets = min(o.bucket_mb * 2**20, grads) * 2 if lay.dp > 1 else 0
         gathered = 2 * layer_bytes if lay.zero >= 3 and lay.dp > 1 else 0
         mem.communication = buckets + gathered
@@ -408,22 +504,35 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     return est
 
 
-def _end_activations(shape: ModelShape, lay: Layout, o: Options, first: bool, last: bool,
-                     chunks: int) -> float:
-    """The embedding's activations (first stage, per micro-batch in flight) and the
-    final norm's, the head's and the loss's (last stage, one micro-batch)."""
+def _end_activations(shape: ModelShape, lay: Layout, o: Options
+                     ) -> tuple[float, float, float]:
+    """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
+    the head's and the loss's (last chunk); and what the last stage keeps once per
+    step (autocast's cast of the head weight)."""
     s, b, h, a = shape.seq, lay.mbs, shape.hidden, o.act_bytes
     split = lay.tp if lay.sp else 1
-    out = 0.0
-    if first:
-        out += chunks * (8 * s * b + (s * b * h / split if shape.dropout else 0))
-    if last:
-        norm = 4 if o.accounting == "disttrain" else a
-        out += (norm + a) * s * b * h / split  # final norm's input, head's input
-        out += 4 * s * b * shape.vocab / lay.tp  # fp32 logits for the loss
-        if o.accounting == "disttrain" and a < 4:
-            out += a * shape.vocab * h / lay.tp  # cast head weight
-    return out
+    embedding = 8 * s * b + (s * b * h / split if shape.dropout else 0)  # ids, mask
+    if o.accounting == "disttrain":
+        return _disttrain_ends(shape, lay, a, embedding)
+    head = (2 * a * s * b * h / split  # final norm's input, head's input
+            + 4 * s * b * shape.vocab / lay.tp)  # fp32 logits for the loss
+    return embedding, head, 0.0
+
+
+def _disttrain_ends(shape: ModelShape, lay: Layout, a: int, embedding: float
+                    ) -> tuple[float, float, float]:
+    """:func:`_end_activations` of disttrain's own embedding, head and loss: beyond
+    the token ids, the position ids [s] (a learned table) and the
+    vocabulary-parallel lookup's mask of ids outside the shard (tp > 1); the final
+    norm's fp32 input and statistics, the head's input (whole under sp, as for the
+    layers), the loss's fp32 softmax [sb, V/tp] and targets (tp > 1: local ids and
+    two masks); the cast head weight (16-bit)."""
+    s, b, h, tp = shape.seq, lay.mbs, shape.hidden, lay.tp
+    split = tp if lay.sp else 1
+    embedding += (8 * s if shape.positions else 0) + (s * b if tp > 1 else 0)
+    head = ((4 * h + 2 * 4) * s * b / split + a * s * b * h
+            + 4 * s * b * shape.vocab / tp + 8 * s * b + (2 * s * b if tp > 1 else 0))
+    return embedding, head, a * shape.vocab * h / tp if a < 4 else 0.0
 
 
 def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,

@@ -61,6 +61,8 @@ def layout_problem(shape: ModelShape, cluster: Cluster, lay: Layout,
         return "pp x v exceeds the layers"
     if lay.v > 1 and lay.pp == 1:
         return "interleaving needs pp > 1"
+    if lay.gpipe and (lay.pp == 1 or lay.v > 1):
+        return "gpipe needs pp > 1 and v = 1"
     if lay.zero and lay.dp == 1:
         return "ZeRO needs dp > 1"
     if global_batch % (lay.dp * lay.mbs):

@@ -40,8 +40,9 @@ from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
 from ..monitor.metrics import truncate_metrics
 from ..monitor.peaks import model_flops_utilisation, resolve_peak
-from ..monitor.record import (MFU, PEAK_SOURCE, PEAK_TFLOPS, RANK_COMPUTE_S, RANK_DATA_S,
-                              RANK_SAMPLES)
+from ..monitor.record import (ACTIVATIONS, DEVICE_NAME, MEMORY_BYTES,
+                              MEMORY_BYTES_PER_RANK, MFU, PEAK_SOURCE, PEAK_TFLOPS,
+                              RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES)
 from ..monitor.stats import StragglerDetector, StepStats
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
@@ -377,7 +378,10 @@ class Trainer:
                                                    self.flops_per_term, peak.flops,
                                                    self.runtime.world_size)
             summary |= {PEAK_TFLOPS: peak.flops / 1e12, PEAK_SOURCE: peak.source}
-        summary["memory_bytes"] = self._memory()
+        summary[MEMORY_BYTES] = self._memory()
+        # one gather at the end: pipeline stages and tp shards hold different amounts
+        summary[MEMORY_BYTES_PER_RANK] = self.world.all_gather_object(summary[MEMORY_BYTES])
+        summary[DEVICE_NAME] = _device_name(self.runtime.device)
         summary |= self.parallel.sync.metrics()
         self.parallel.grads.finalize()  # the model keeps its full parameters
         full = self.parallel.full_state()
@@ -389,9 +393,10 @@ class Trainer:
         return summary
 
     def _memory(self) -> dict[str, int]:
-        """This rank's model state and the activations of one micro-batch's forward."""
+        """This rank's model state, and the most activation bytes it saved for backward
+        (one micro-batch's forward; a pipeline stage's peak over its schedule)."""
         return {**self.parallel.grads.model_state_bytes(self.optimizer),
-                "activations": self.stepper.activation_bytes or 0}
+                ACTIVATIONS: self.stepper.activation_bytes or 0}
 
     def _write_trace(self) -> None:
         """Each rank writes its spans; rank 0 merges them into ``trace.json``."""
@@ -409,6 +414,11 @@ class Trainer:
             self.watchdog.stop()
         if self.telemetry is not None:
             self.telemetry.close()
+
+
+def _device_name(device: torch.device) -> str:
+    """``cpu``, or the GPU's name as torch gives it (``NVIDIA H100 80GB HBM3``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _summary_text(s: dict[str, Any], unit: str) -> str:

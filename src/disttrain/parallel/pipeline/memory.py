@@ -4,6 +4,9 @@
 around a forward: every tensor autograd saves for backward is counted once per
 storage (several saves of one storage count once), parameters excluded, until the
 graph that saved it is freed by backward. ``peak_bytes`` is the most held at once.
+
+A parameter is recognised by its storage or, since ZeRO-3 gathers parameters into
+storage allocated after the meter was made, as a ``Parameter`` or a view of one.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
 
 class _Saved:
@@ -43,7 +47,7 @@ class SavedActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self._excluded or storage.nbytes() == 0:
+        if key in self._excluded or storage.nbytes() == 0 or _is_parameter(tensor):
             return tensor
         entry = self._live.setdefault(key, [0, storage.nbytes()])
         if entry[0] == 0:
@@ -62,3 +66,8 @@ class SavedActivationMeter:
         if entry[0] == 0:
             self.live_bytes -= entry[1]
             del self._live[key]
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()``)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)

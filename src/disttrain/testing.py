@@ -48,15 +48,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+START_METHOD_ENV = "DISTTRAIN_TEST_START_METHOD"
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     kwargs: dict | None = None, timeout: float = 120.0,
-                    backend: str = "gloo", start_method: str = "spawn") -> list[Any]:
+                    backend: str = "gloo", start_method: str | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result in
     rank order. ``backend="nccl"`` puts rank r on GPU r (``torch.cuda.set_device``)
     before the process group is created; it needs ``world_size`` GPUs.
     ``start_method="fork"`` starts the ranks in a fraction of a second instead of each
-    importing torch again; only for a caller that has not yet run torch work on threads
-    or touched CUDA (and never with NCCL)."""
+    importing torch again (each rank then runs torch on one thread, so a parent that
+    used its intra-op threads is safe; never after touching CUDA, never with NCCL).
+    Default: ``$DISTTRAIN_TEST_START_METHOD`` (the test suite sets ``fork``) for Gloo,
+    else ``spawn``; and ``spawn`` whenever this process has a process group of its own
+    (a forked rank would inherit it)."""
+    if start_method is None:
+        import torch.distributed as dist
+
+        start_method = os.environ.get(START_METHOD_ENV) or "spawn"
+        if backend != "gloo" or dist.is_initialized():
+            start_method = "spawn"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: use 'gloo' or 'nccl'")
     if start_method not in ("spawn", "fork") or (start_method, backend) == ("fork", "nccl"):

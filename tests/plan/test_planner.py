@@ -202,3 +202,24 @@ def test_transformers_configs_are_read(tmp_path):
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_head": 12,
                                 "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}))
     assert parse_model(str(gpt2)).num_params() == 124_439_808  # GPT-2 small
+
+
+def test_framework_time_adds_on_a_cpu_and_hides_behind_a_gpus_kernels():
+    shape = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
+    lay = Layout(dp=1, mbs=2)  # 4 micro-batches of 2
+    base = replace(PRESETS["a100-80gb"], gpus_per_node=1, layer_overhead_s=0.0,
+                   async_dispatch=False)
+    plain = estimate(shape, base, lay, 8, Options(precision="fp32")).step_time_s
+    host = replace(base, layer_overhead_s=1e-3, tensor_overhead_s=1e-5)
+    added = estimate(shape, host, lay, 8, Options(precision="fp32")).step_time_s
+    tensors = 4 * (4 + 4 + 4) + 1 + 2  # per layer: matrices, biases, norms; embedding;
+    # the final norm (tied head, no learned positions)
+    assert added - plain == pytest.approx(4 * 4 * 1e-3 + tensors * 1e-5, rel=1e-9)
+    # on a GPU the host runs ahead: a layer takes the longer of kernels and host time
+    big = ModelShape(layers=4, hidden=4096, heads=32, seq=4096, vocab=32000)
+    gpu = PRESETS["h100-80gb"]
+    lay8 = Layout(dp=8, mbs=1)
+    with_host = estimate(big, gpu, lay8, 8, Options()).step_time_s
+    without = estimate(big, replace(gpu, layer_overhead_s=0.0), lay8, 8,
+                       Options()).step_time_s
+    assert with_host == without

@@ -43,11 +43,13 @@ from ..monitor.peaks import matmul_precision
 from ..launch import worker_threads
 from ..testing import run_distributed
 from .cluster import Cluster
-from .estimate import attention_time, ring_bytes_factor, ring_latency_steps
+from .estimate import (attention_time, kernel_time_of_layer, ring_bytes_factor,
+                       ring_latency_steps)
 from .fit import MatmulFit, MatmulPoint, fit_line, fit_matmul
 from .measure import (COLLECTIVES, CPU_PROBE, Effort, collective_sizes, collective_times,
                       device_memory_gib, matmul_shapes, time_attention, time_copy,
-                      time_matmul)
+                      time_matmul, time_optimizer_tensors, time_tiny_layer)
+from .shape import ModelShape
 
 # one call after one warm-up: a 16-bit probe on a CPU may be emulated, and slow
 _PROBE_EFFORT = Effort(repeats=1, warmup=1, seconds=0.0)
@@ -143,14 +145,40 @@ def _measure_device(opts: CalibrateOptions, links: dict[str, float],
     fit = fit_matmul(base, points)
     base = replace(base, matmul_efficiency=fit.efficiency, kernel_overhead_s=fit.overhead_s)
     attention_eff, attention_notes = _attention(opts, base)
+    base = replace(base, attention_efficiency=attention_eff)
+    host_fields, host_notes = _host_overheads(opts, base)
     measured = _machine_notes(opts, host, date) | {
         "matmul": _matmul_notes(points, probes, probe_notes, fit),
         "attention": attention_notes,
         "memory": {"copy_bytes_moved": nbytes, "seconds": copy_s,
                    "gbps": nbytes / copy_s / 1e9,
                    "note": "one large copy: bytes read + written per second, one rank alone"},
-        "links": link_notes}
-    return replace(base, attention_efficiency=attention_eff, measured=measured)
+        "links": link_notes, "host": host_notes}
+    return replace(base, measured=measured, **host_fields)
+
+
+def _host_overheads(opts: CalibrateOptions, cluster: Cluster
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Framework time beyond the kernels: a tiny transformer layer's forward and
+    backward less what the fitted kernel model predicts for it, and the optimizer's
+    cost per parameter tensor."""
+    dims, layer_s = time_tiny_layer(opts.device, opts.effort)
+    shape = ModelShape(layers=1, hidden=dims["d_model"], heads=dims["n_head"],
+                       seq=dims["seq_len"], vocab=dims["vocab_size"], qkv_bias=False)
+    bare = replace(cluster, layer_overhead_s=0.0, async_dispatch=False)
+    kernels = kernel_time_of_layer(shape, bare, dims["batch"], "fp32")
+    tensors, optimizer_s = time_optimizer_tensors(opts.device, opts.effort)
+    fields = {"layer_overhead_s": max(0.0, layer_s - kernels),
+              "tensor_overhead_s": optimizer_s / tensors,
+              "async_dispatch": opts.device.type == "cuda"}
+    notes = {"tiny_layer": dims, "layer_seconds": layer_s,
+             "layer_kernels_predicted_s": kernels, "optimizer_tensors": tensors,
+             "optimizer_seconds": optimizer_s,
+             "note": "layer_overhead_s: a tiny layer's forward + backward less its kernels "
+                     "as the fitted model predicts them; tensor_overhead_s: clipping, "
+                     "AdamW and zeroing per parameter tensor; async_dispatch: the host "
+                     "overlaps the device (GPU) or not (CPU)"}
+    return fields, notes
 
 
 def _machine_notes(opts: CalibrateOptions, host: str, date: str) -> dict[str, Any]:
@@ -266,7 +294,9 @@ def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
             notes[op]["busbw_gbps"] = fits[op].gbps * ring_bytes_factor(n, op)
     ar = fits["all_reduce"]
     fields = {"intra_gbps": ar.gbps * ring_bytes_factor(n), "intra_latency_s":
-              ar.latency_s / ring_latency_steps(n), "p2p_intra_gbps": fits["p2p"].gbps}
+              ar.latency_s / ring_latency_steps(n), "p2p_intra_gbps": fits["p2p"].gbps,
+              "op_gbps": {op: fits[op].gbps * ring_bytes_factor(n, op)
+                          for op in ("reduce_scatter", "all_gather")}}
     fields |= {"inter_gbps": fields["intra_gbps"], "inter_latency_s":
                fields["intra_latency_s"], "p2p_inter_gbps": fields["p2p_intra_gbps"]}
     notes["note"] = (f"intra_gbps: all-reduce bus bandwidth (x 2(n-1)/n); intra_latency_s: "

@@ -35,7 +35,14 @@ class Cluster:
     ``memory_gib``: per device, of which ``reserved_gib`` is never available (runtime
     context, allocator slack). Links: ``intra_*`` inside a node, ``inter_*`` between
     nodes, as NCCL *bus* bandwidth (GB/s per device) and per-step latency; ``p2p_*``
-    one point-to-point message.
+    one point-to-point message; ``op_gbps``: inside a node, a collective whose bus
+    bandwidth differs from the all-reduce's (``reduce_scatter``, ``all_gather``).
+
+    Framework time beyond the kernels: ``layer_overhead_s`` per transformer layer's
+    forward and backward (eager dispatch of its small operations, autograd's
+    bookkeeping), ``tensor_overhead_s`` per parameter tensor per optimizer step
+    (clipping, the update, zeroing). With ``async_dispatch`` (a GPU) the host's work
+    overlaps the device's and a layer takes the longer of the two; on a CPU they add.
     """
 
     name: str
@@ -54,6 +61,10 @@ class Cluster:
     inter_latency_s: float = 15e-6
     p2p_intra_gbps: float = 0.0  # 0: intra_gbps
     p2p_inter_gbps: float = 0.0  # 0: inter_gbps
+    op_gbps: dict[str, float] = field(default_factory=dict)
+    layer_overhead_s: float = 0.0
+    tensor_overhead_s: float = 0.0
+    async_dispatch: bool = True
     source: str = "preset"
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -94,6 +105,14 @@ def _validate(c: Cluster, where: str) -> None:
             raise UserError(f"{where}: {name}={value!r} must be a positive number")
     if c.matmul_efficiency > 1 or c.attention_efficiency > 1:
         raise UserError(f"{where}: efficiencies are fractions of the peak, at most 1")
+    for name in ("layer_overhead_s", "tensor_overhead_s", "kernel_overhead_s"):
+        value = getattr(c, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise UserError(f"{where}: {name}={value!r} must be a number >= 0")
+    if not isinstance(c.op_gbps, dict) or any(
+            k not in ("reduce_scatter", "all_gather") or not isinstance(v, (int, float))
+            or v <= 0 for k, v in c.op_gbps.items()):
+        raise UserError(f"{where}: op_gbps maps reduce_scatter / all_gather to GB/s > 0")
     if not c.peak_tflops or any(not isinstance(v, (int, float)) or v <= 0
                                 for v in c.peak_tflops.values()):
         raise UserError(f"{where}: peak_tflops must map precisions to positive TFLOP/s")
@@ -104,6 +123,12 @@ def _peaks(name: str) -> dict[str, float]:
     return {k: table[name][k] for k in ("bf16", "fp16", "fp32")}
 
 
+# Host time per layer on a GPU: eager PyTorch launches roughly 60 kernels for a
+# transformer layer's forward and backward, about 5 us each; it overlaps the device's
+# work (async_dispatch), so it only shows for tiny layers. Fused AdamW: no per-tensor
+# loop.
+_GPU_HOST = {"layer_overhead_s": 3e-4, "tensor_overhead_s": 0.0, "async_dispatch": True}
+
 # Datasheet figures: HBM bandwidth (GB/s); NVLink per GPU (A100: 600 GB/s, H100/H200:
 # 900 GB/s, both directions, so 300 / 450 each way); DGX A100: 8 x 200 Gb/s HDR
 # (25 GB/s per GPU), DGX H100/H200: 8 x 400 Gb/s NDR (50 GB/s per GPU).
@@ -111,19 +136,19 @@ PRESETS: dict[str, Cluster] = {
     "a100-40gb": Cluster(name="a100-40gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
                          matmul_efficiency=0.8, attention_efficiency=0.5,
                          memory_gib=40 * 1e9 / _GIB, memory_gbps=1555.0,
-                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25),
+                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25, **_GPU_HOST),
     "a100-80gb": Cluster(name="a100-80gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
                          matmul_efficiency=0.8, attention_efficiency=0.5,
                          memory_gib=80 * 1e9 / _GIB, memory_gbps=2039.0,
-                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25),
+                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25, **_GPU_HOST),
     "h100-80gb": Cluster(name="h100-80gb", gpus_per_node=8, peak_tflops=_peaks("H100-SXM"),
                          matmul_efficiency=0.75, attention_efficiency=0.45,
                          memory_gib=80 * 1e9 / _GIB, memory_gbps=3350.0,
-                         intra_gbps=0.8 * 450, inter_gbps=0.9 * 50),
+                         intra_gbps=0.8 * 450, inter_gbps=0.9 * 50, **_GPU_HOST),
     "h200": Cluster(name="h200", gpus_per_node=8, peak_tflops=_peaks("H200-SXM"),
                     matmul_efficiency=0.75, attention_efficiency=0.45,
                     memory_gib=141 * 1e9 / _GIB, memory_gbps=4800.0,
-                    intra_gbps=0.8 * 450, inter_gbps=0.9 * 50),
+                    intra_gbps=0.8 * 450, inter_gbps=0.9 * 50, **_GPU_HOST),
 }
 PRESETS["h100"] = replace(PRESETS["h100-80gb"], name="h100")
 PRESETS["a100"] = replace(PRESETS["a100-80gb"], name="a100")
@@ -170,7 +195,8 @@ def parse_cluster(text: str) -> Cluster:
     changes: dict[str, Any] = {}
     types = {f.name: f.type for f in fields(Cluster)}
     for key, value in items.items():
-        if key not in types or key in ("name", "peak_tflops", "measured", "source"):
+        if key not in types or key in ("name", "peak_tflops", "measured", "source",
+                                       "op_gbps", "async_dispatch"):
             raise UserError(f"--cluster {key}=...: not a cluster field; use gpu, "
                             "gpus_per_node, nodes, memory_gib, ...")
         try:

@@ -544,15 +544,9 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
     tokens = b * s
     a = o.act_bytes
     # one layer, one micro-batch, on one tp rank
-    fwd = 0.0
-    for name, i, out in shape.matmul_shapes():
-        n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
-        fwd += matmul_time(cluster, tokens, n, k, o.precision, a)
-    attn = attention_time(cluster, b, s, h / tp, o.precision)
-    elementwise = (12 * h + (4 if shape.gated else 2) * shape.ffn_width / tp) * tokens * a
-    elem = elementwise / (cluster.memory_gbps * 1e9)
-    layer_fwd = fwd + attn + elem
-    layer_bwd = 2 * layer_fwd
+    kernels, attn = _layer_kernels(shape, cluster, tp, b, o.precision)
+    layer_fwd = _with_host(cluster, kernels, cluster.layer_overhead_s / 3)
+    layer_bwd = _with_host(cluster, 2 * kernels, cluster.layer_overhead_s * 2 / 3)
     recompute = {"none": 0.0, "selective": attn, "full": layer_fwd}[lay.recompute]
     # tp: two all-reduces forward, two backward (sp: the same bytes as gathers and
     # reduce-scatters), again when a full recompute reruns the forward
@@ -591,14 +585,17 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
     dp_exposed = 0.0
     dp_total = 0.0
     if lay.dp > 1:
-        if lay.zero <= 1:
-            dp_total = ring_time(grad_bytes, lay.dp, dp_gbps, dp_lat)
-        else:  # reduce-scatter per micro-batch, parameters gathered after the step
-            dp_total = (m * ring_time(grad_bytes, lay.dp, dp_gbps, dp_lat,
-                                      kind="reduce_scatter")
-                        + ring_time(params * a, lay.dp, dp_gbps, dp_lat,
-                                    kind="all_gather"))
+        # one collective per bucket
         buckets = max(1, math.ceil(grad_bytes / (o.bucket_mb * 2**20)))
+        rs_gbps, ag_gbps = (_op_gbps(cluster, kind, lay.dp * tp, dp_gbps)
+                            for kind in ("reduce_scatter", "all_gather"))
+        if lay.zero <= 1:
+            dp_total = buckets * ring_time(grad_bytes / buckets, lay.dp, dp_gbps, dp_lat)
+        else:  # reduce-scatter per micro-batch, parameters gathered after the step
+            dp_total = (m * buckets * ring_time(grad_bytes / buckets, lay.dp, rs_gbps,
+                                                dp_lat, kind="reduce_scatter")
+                        + ring_time(params * a, lay.dp, ag_gbps, dp_lat,
+                                    kind="all_gather"))
         bwd_last = max(compute_rank) * 2 / 3
         if lay.zero <= 1:
             dp_exposed = max(dp_total - bwd_last, dp_total / buckets)
@@ -606,12 +603,16 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
             per_mb = dp_total / (m + 1)
             dp_exposed = m * max(per_mb - bwd_last, per_mb / buckets) + per_mb
         if lay.zero >= 3:  # gathered again for each forward and backward
-            gather = ring_time(params * a, lay.dp, dp_gbps, dp_lat, kind="all_gather")
+            gather = ring_time(params * a, lay.dp, ag_gbps, dp_lat, kind="all_gather")
             fwd_rank = max(compute_rank) / 3
             dp_exposed += m * 2 * max(gather - fwd_rank, gather / max(1, max(counts)))
             dp_total += m * 2 * gather
     shard = params / (lay.dp if lay.zero >= 1 else 1)
     optimizer = shard * 28 / (cluster.memory_gbps * 1e9) + cluster.kernel_overhead_s * 4
+    if cluster.tensor_overhead_s:
+        tensors = max(rank_tensors(shape, layers, st == 0, st == lay.pp - 1, lay.pp,
+                                   lay.zero) for st, layers in enumerate(counts))
+        optimizer += tensors * cluster.tensor_overhead_s
     est.step_time_s = pipeline + dp_exposed + optimizer
     layers_total = shape.layers
     compute_only = m * max(compute_rank)
@@ -628,6 +629,60 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
              "full": layers_total * (shape.layer_matmul_flops()
                                      + shape.layer_attention_flops())}[lay.recompute]
     est.hardware_flops = est.model_flops + extra * tokens_step
+
+
+def _layer_kernels(shape: ModelShape, cluster: Cluster, tp: int, b: int,
+                   precision: str) -> tuple[float, float]:
+    """(every kernel, the attention kernel alone) of one layer's forward on one tp
+    rank for a micro-batch of ``b``: each matmul from its shape, fused attention,
+    elementwise work through memory (norms, residuals, activation)."""
+    tokens, h, a = b * shape.seq, shape.hidden, _ACT_BYTES[precision]
+    total = 0.0
+    for name, i, out in shape.matmul_shapes():
+        n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
+        total += matmul_time(cluster, tokens, n, k, precision, a)
+    attn = attention_time(cluster, b, shape.seq, h / tp, precision)
+    elementwise = (12 * h + (4 if shape.gated else 2) * shape.ffn_width / tp) * tokens * a
+    return total + attn + elementwise / (cluster.memory_gbps * 1e9), attn
+
+
+def kernel_time_of_layer(shape: ModelShape, cluster: Cluster, b: int,
+                         precision: str) -> float:
+    """Kernel seconds of one layer's forward and backward (backward = 2 x forward) on
+    one device, without framework time."""
+    return 3 * _layer_kernels(shape, cluster, 1, b, precision)[0]
+
+
+def _with_host(cluster: Cluster, device_s: float, host_s: float) -> float:
+    """A piece of work that takes ``device_s`` in kernels and ``host_s`` of framework
+    time: the longer of the two when the host runs ahead of the device, else both."""
+    return max(device_s, host_s) if cluster.async_dispatch else device_s + host_s
+
+
+def _op_gbps(cluster: Cluster, kind: str, span: int, default: float) -> float:
+    """Bus bandwidth of collective ``kind`` on a group spanning ``span`` devices: the
+    cluster's own figure for it inside a node, if it has one."""
+    if span <= cluster.gpus_per_node and cluster.op_gbps.get(kind):
+        return cluster.op_gbps[kind]
+    return default
+
+
+def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, pp: int,
+                 zero: int) -> int:
+    """Parameter tensors the optimizer of one rank walks: each weight, bias and norm
+    parameter, or under ZeRO two flat shards (decayed or not) per block and per end."""
+    if zero >= 1:
+        return 2 * (layers + int(first) + int(last))
+    linears = shape.matmul_shapes()
+    biases = sum(1 for name, _, _ in linears if shape.bias and (name != "qkv"
+                                                               or shape.qkv_bias))
+    norm = 2 if shape.norm == "layernorm" and shape.bias else 1
+    n = layers * (len(linears) + biases + 2 * norm)
+    if first:
+        n += 1 + int(shape.positions > 0)
+    if last:
+        n += norm + int(not shape.tied or (pp > 1 and not first))
+    return n
 
 
 def _chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd: float,

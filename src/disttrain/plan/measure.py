@@ -142,6 +142,46 @@ def time_attention(device: torch.device, precision: str, quick: bool,
     return points
 
 
+# A transformer layer small enough that its kernels take next to nothing: what it
+# costs is eager PyTorch's dispatch and autograd's bookkeeping (disttrain's own block)
+_TINY_LAYER = {"d_model": 32, "n_head": 4, "seq_len": 16, "vocab_size": 64, "n_layer": 1}
+_TINY_BATCH = 2
+_TENSORS = 64  # parameter tensors the optimizer's per-tensor cost is averaged over
+
+
+def time_tiny_layer(device: torch.device, effort: Effort) -> tuple[dict, float]:
+    """(the layer's dimensions, seconds of one forward + backward)."""
+    from ..config.schema import ModelConfig
+    from ..models.gpt import Block
+
+    cfg = ModelConfig(**_TINY_LAYER)
+    block = Block(cfg).to(device)
+    x = torch.randn(_TINY_BATCH, cfg.seq_len, cfg.d_model, device=device,
+                    requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    return {**_TINY_LAYER, "batch": _TINY_BATCH}, median_time(step, device, effort)
+
+
+def time_optimizer_tensors(device: torch.device, effort: Effort) -> tuple[int, float]:
+    """(tensors, seconds of clipping, an AdamW step and zeroing over that many small
+    parameter tensors), AdamW built as disttrain builds it (fused on a GPU)."""
+    params = [torch.nn.Parameter(torch.randn(32, device=device)) for _ in range(_TENSORS)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    fused = True if device.type == "cuda" else None
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return _TENSORS, median_time(step, device, effort)
+
+
 def time_copy(device: torch.device, quick: bool, effort: Effort) -> tuple[int, float]:
     """(bytes read + written, seconds) of copying one large buffer into another."""
     nbytes = _COPY_BYTES[(device.type, quick)]

@@ -7,6 +7,8 @@ traceback. Anything else is a bug in disttrain and keeps its traceback.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 EXIT_USAGE = 2
 
 
@@ -31,3 +33,11 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """The data given cannot be used: a missing directory, no text files, too few tokens."""
+
+
+class CheckpointRejected(UserError):
+    """A checkpoint file that cannot be trusted: ``path`` and ``reason`` (one line)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path, self.reason = Path(path), " ".join(reason.split())
+        super().__init__(f"{path}: {self.reason}")

@@ -21,6 +21,7 @@ and the tensors are safetensors.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,22 +29,31 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..errors import CheckpointRejected
 from ..names import CHECKPOINT_INDEX_FILE
+
 
 FORMAT = "disttrain-checkpoint"
 VERSION = 1
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+# safetensors' dtype codes for the dtypes checkpoints store, in the order
+# safetensors.torch.save lays tensors out (by dtype, then by name)
+SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
+                      torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# the dtypes a checkpoint may hold, by the name the index gives them
+DTYPES = {dtype_name(d): d for d in SAFETENSORS_DTYPES}
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def shard_file_name(rank: int) -> str:
@@ -59,6 +69,11 @@ class ShardRef:
     offsets: tuple[int, ...] | None = None  # box: start per dimension
     shape: tuple[int, ...] | None = None    # box: extent per dimension
     flat: tuple[int, int] | None = None     # or a range of the flattened tensor
+
+    @property
+    def numel(self) -> int:
+        """Elements in this piece."""
+        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(self.shape)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"file": self.file, "key": self.key}
@@ -101,7 +116,8 @@ def whole_tensor_entry(tensor: torch.Tensor, file: str, key: str) -> TensorEntry
 
 @dataclass
 class CheckpointIndex:
-    """Everything in ``index.json``."""
+    """Everything in ``index.json`` (read it with :func:`.validate.read_index`, which
+    checks it)."""
 
     step: int
     tensors: dict[str, TensorEntry]
@@ -114,25 +130,20 @@ class CheckpointIndex:
                            "tensors": {k: v.to_json() for k, v in self.tensors.items()}},
                           indent=1, sort_keys=True)
 
-    @staticmethod
-    def read(directory: Path) -> CheckpointIndex:
-        path = directory / CHECKPOINT_INDEX_FILE
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"{path}: not a {FORMAT} v{VERSION} index")
-        return CheckpointIndex(step=int(data["step"]), meta=data["meta"], files=data["files"],
-                               tensors={k: TensorEntry.from_json(v)
-                                        for k, v in data["tensors"].items()})
-
 
 class ShardReader:
-    """Reads tensors from a checkpoint directory's shard files (opened once each)."""
+    """Reads tensors from a checkpoint directory's shard files (opened once each). The
+    index and the files' headers must have passed :mod:`.validate` (``open_checkpoint``
+    does that); a piece that still disagrees with the index is refused, not cast."""
 
     def __init__(self, directory: Path, index: CheckpointIndex) -> None:
         self.directory, self.index = directory, index
         self._open: dict[str, Any] = {}
 
     def _file(self, name: str) -> Any:
+        if name not in self.index.files or Path(name).name != name:
+            raise CheckpointRejected(self.directory / CHECKPOINT_INDEX_FILE,
+                                     f"shard file {name!r} is not in the index's file list")
         if name not in self._open:
             self._open[name] = safe_open(str(self.directory / name), framework="pt")
         return self._open[name]
@@ -151,6 +162,11 @@ class ShardReader:
         covered = 0
         for ref in entry.shards:
             piece = self._file(ref.file).get_tensor(ref.key)
+            if piece.dtype != out.dtype or piece.numel() != ref.numel:
+                raise CheckpointRejected(self.directory / ref.file,
+                                         f"tensor {ref.key!r} is {piece.dtype} x "
+                                         f"{piece.numel()}, the index says {out.dtype} x "
+                                         f"{ref.numel}")
             if ref.flat is not None:
                 out.view(-1)[ref.flat[0]:ref.flat[1]] = piece.reshape(-1)
             else:

@@ -7,7 +7,8 @@ tensors go to pinned host buffers by ``non_blocking`` copies on a side stream th
 starts after the work already queued; training's stream waits for the copies' event
 before the optimizer changes them (a GPU-side wait: the CPU does not block). With
 ``async`` off it writes CPU tensors from where they lie, without a copy. Loading picks
-the newest committed checkpoint whose checksums verify, warning about each damaged one.
+the newest committed checkpoint that passes every check of :mod:`.validate` (checksums
+included), warning in one line about the ones it skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..names import CHECKPOINT_DIR
 from . import storage
 from .format import (CheckpointIndex, ShardReader, ShardRef, TensorEntry, dtype_name,
                      shard_file_name, whole_tensor_entry)
+from .validate import check_files, read_index
 
 # global name, global shape, and where the piece lies: a flat range (start, stop) of the
 # row-major flattening, or a box {"offsets": [...], "shape": [...]}
@@ -54,20 +56,28 @@ class LoadedCheckpoint:
 
 
 def find_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest intact committed checkpoint of ``run_dir``; None if there is none at
-    all; UserError if there are some but every one is damaged."""
+    """The newest intact committed checkpoint of ``run_dir`` (each newer one that fails
+    a check of :mod:`.validate` is reported through ``warn``); None if there is none at
+    all; UserError naming the newest one's fault if every one fails."""
     root = checkpoint_root(run_dir)
     if not storage.committed_steps(root):
         return None
-    found = storage.newest_intact(root, warn)
+    problems: list[str] = []
+    found = storage.newest_intact(root, problems.append)
+    more = f" (and {len(problems) - 1} more rejected)" if len(problems) > 1 else ""
     if found is None:
-        raise UserError(f"no intact checkpoint in {root} (every one failed its checksum "
-                        "check; restore the files or start a new --run-dir)")
+        raise UserError(f"no intact checkpoint in {root}: {problems[0]}{more}; restore "
+                        "the files or start a new --run-dir")
+    if problems:  # one line, however many were skipped
+        warn(f"{problems[0]}{more}; using {found.name} instead")
     return found
 
 
 def open_checkpoint(directory: Path) -> LoadedCheckpoint:
-    index = CheckpointIndex.read(directory)
+    """Open a checkpoint for reading after checking its index and every file's header
+    (:mod:`.validate`; checksums are :func:`find_checkpoint`'s part)."""
+    index = read_index(directory)
+    check_files(directory, index, checksums=False)
     return LoadedCheckpoint(directory, index, ShardReader(directory, index))
 
 

@@ -30,18 +30,17 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from ..errors import CheckpointRejected
 from ..faults import maybe_fail
 from ..fsutil import fsync_dir
 from ..names import CHECKPOINT_INDEX_FILE, CHECKPOINT_LATEST_FILE
-from .format import CheckpointIndex, TensorEntry, shard_file_name
+from .format import SAFETENSORS_DTYPES, CheckpointIndex, TensorEntry, shard_file_name
+from .validate import check_files, read_index
 
 _CHUNK = 64 * 2**20
 # in the order safetensors.torch.save lays tensors out (by dtype, then by name): every
 # tensor stays aligned to its element size, and files match what it writes byte for byte
-_ST_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
-              torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_ST_ORDER = {dtype: i for i, dtype in enumerate(_ST_DTYPES)}
+_ST_ORDER = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPES)}
 
 
 def step_name(step: int) -> str:
@@ -136,10 +135,10 @@ def _safetensors_header(tensors: dict[str, torch.Tensor], order: list[str]) -> b
 
 
 def _safetensors_dtype(name: str, dtype: torch.dtype) -> str:
-    if dtype not in _ST_DTYPES:
+    if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"checkpoint tensor {name} has dtype {dtype}, which checkpoints "
-                         f"do not store (use one of {sorted(map(str, _ST_DTYPES))})")
-    return _ST_DTYPES[dtype]
+                         f"do not store (use one of {sorted(map(str, SAFETENSORS_DTYPES))})")
+    return SAFETENSORS_DTYPES[dtype]
 
 
 def write_marker(staging: Path, rank: int, file_meta: dict[str, Any] | None,
@@ -226,36 +225,21 @@ def remove_staging(root: Path) -> None:
 
 
 def verify(directory: Path) -> str | None:
-    """None if every file matches its recorded size and sha256, else what is wrong."""
+    """None if the checkpoint passes every check of :mod:`.validate` (each file's size
+    and sha256 included), else what is wrong, naming the file."""
     try:
-        index = CheckpointIndex.read(directory)
-    except (OSError, ValueError, KeyError) as exc:
-        return f"{directory / CHECKPOINT_INDEX_FILE}: unreadable index ({exc})"
-    for name, info in sorted(index.files.items()):
-        path = directory / name
-        if not path.is_file():
-            return f"{path}: missing"
-        if path.stat().st_size != info["bytes"]:
-            return f"{path}: {path.stat().st_size} bytes, expected {info['bytes']} (truncated?)"
-        if _sha256(path) != info["sha256"]:
-            return f"{path}: checksum mismatch (corrupted)"
+        check_files(directory, read_index(directory), checksums=True)
+    except CheckpointRejected as exc:
+        return str(exc)
     return None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def newest_intact(root: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest committed checkpoint whose files all verify; each one skipped on the
-    way is reported through ``warn`` with the file at fault."""
+    """The newest committed checkpoint that passes :func:`verify`; each one skipped on
+    the way is reported through ``warn`` (one line, naming the file at fault)."""
     for directory in committed_steps(root):
         problem = verify(directory)
         if problem is None:
             return directory
-        warn(f"checkpoint {directory.name} is damaged, skipping it: {problem}")
+        warn(f"checkpoint {directory.name} rejected: {problem}")
     return None

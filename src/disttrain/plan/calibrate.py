@@ -323,7 +323,10 @@ def summary(c: Cluster, seconds: float) -> str:
              f"over {fit['points']} shapes",
              f"  attention efficiency {c.attention_efficiency:.3f}; memory copy "
              f"{c.memory_gbps:.1f} GB/s; {c.memory_gib:.1f} GiB per rank "
-             f"({c.reserved_gib:.1f} reserved)"]
+             f"({c.reserved_gib:.1f} reserved)",
+             f"  framework: {c.layer_overhead_s * 1e6:.0f} us per layer forward + backward "
+             f"beyond its kernels, {c.tensor_overhead_s * 1e6:.0f} us per parameter tensor "
+             f"per optimizer step"]
     for precision, why in m["matmul"]["not_swept"].items():
         lines.append(f"  {precision}: {why}; plan with --precision fp32 here")
     if c.gpus_per_node > 1:
@@ -332,6 +335,8 @@ def summary(c: Cluster, seconds: float) -> str:
                      f"{m['links']['all_reduce']['latency_s'] * 1e6:.0f} us "
                      f"({c.intra_latency_s * 1e6:.0f} us per step); p2p "
                      f"{c.p2p_intra_gbps:.2f} GB/s, latency {p2p['latency_s'] * 1e6:.0f} us")
+        lines.append("  bus bandwidth of " + ", ".join(
+            f"{op.replace('_', '-')} {gbps:.2f} GB/s" for op, gbps in c.op_gbps.items()))
     return "\n".join(lines)
 
 

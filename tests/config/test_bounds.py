@@ -15,7 +15,7 @@ import disttrain.launch
 from disttrain.capacity import RankMemory, check_batch_fits, check_model_fits, rank_memory
 from disttrain.cli import main
 from disttrain.config import load_config
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, DataError
 from disttrain.validation import resolve
 
 GIB = 2**30
@@ -101,6 +101,18 @@ def test_data_of_exactly_one_sample_per_split_is_accepted(no_launch, monkeypatch
     assert main(["train", "--set", f"data.path={exact}", "--set", f"model.seq_len={SEQ}",
                  "--set", "model.n_layer=1", "--set", "model.d_model=32"]) == 0
     assert len(calls) == 1
+
+
+def test_a_job_started_by_torchrun_makes_the_data_checks_too(monkeypatch, tmp_path):
+    from disttrain.train import build_default_job
+
+    monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="model.vocab_size=100"):
+        build_default_job(load_config(overrides=["model.vocab_size=100"]))
+    short = text_dir(tmp_path, "short", (SEQ - 1, SEQ - 1))
+    with pytest.raises(DataError, match="fewer than one sample"):
+        build_default_job(load_config(overrides=[f"data.path={short}",
+                                                 f"model.seq_len={SEQ}"]))
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ def _launch_options(ns: argparse.Namespace):
 
 
 def _train(ns: argparse.Namespace) -> int:
+    from .capacity import check_batch_fits, check_model_fits
     from .validation import resolve
     from .config.load import load_run_config
     from .launch import inside_worker, launch
@@ -134,15 +135,19 @@ def _train(ns: argparse.Namespace) -> int:
         return 0
     opts = _launch_options(ns)
     for world_size in opts.world_sizes():
-        resolve(config, world_size)
+        check_model_fits(config, world_size, opts.nproc)  # first: resolve's spec is O(n_layer)
+        check_batch_fits(config, resolve(config, world_size), opts.nproc)
     if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front
         from .checkpoint import find_checkpoint
 
         find_checkpoint(Path(ns.run_dir), warn=lambda _: None)
     from .data import corpus_from_config
+    from .data.check import check_samples, check_vocab
     from .train.rundir import new_run_dir_name
 
-    corpus_from_config(config.data)  # prepared once here, before the workers start
+    check_vocab(config.model)
+    corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
+    check_samples(corpus, config.data, config.model.seq_len)
     run_dir = ns.run_dir or str(new_run_dir_name())
     target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
               *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,

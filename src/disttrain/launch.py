@@ -39,7 +39,12 @@ class LaunchOptions:
         return range(low, high + 1)
 
     def world_sizes(self) -> list[int]:
+        self.check_nproc()
         return [self.nproc * n for n in self.node_counts()]
+
+    def check_nproc(self) -> None:
+        if self.nproc < 1:
+            raise UserError(f"--nproc {self.nproc}: need at least one process per node")
 
 
 def inside_worker() -> bool:
@@ -50,8 +55,7 @@ def inside_worker() -> bool:
 
 def torchrun_args(opts: LaunchOptions, target: list[str]) -> list[str]:
     """torchrun arguments that start ``target`` (``-m module ...`` or ``script ...``)."""
-    if opts.nproc < 1:
-        raise UserError(f"--nproc {opts.nproc}: need at least one process per node")
+    opts.check_nproc()
     args = ["--nproc-per-node", str(opts.nproc), "--nnodes", opts.nnodes,
             "--max-restarts", str(opts.max_restarts)]
     multi = opts.node_counts() != range(1, 2)

@@ -76,6 +76,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {str(path)!r} is not UTF-8 text (byte "
+                        f"{exc.object[exc.start]:#04x} at offset {exc.start}; TOML files "
+                        "must be UTF-8: re-save it as UTF-8)") from None
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:

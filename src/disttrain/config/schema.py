@@ -13,6 +13,11 @@ from typing import Any
 from ..names import (CODEC_NONE, CODECS, SCHEDULE_1F1B, SCHEDULES, SYNC_EVERY_STEP,
                      SYNC_MODES, TRACE_FILE)
 
+# Upper bounds that keep a value finite and usable: a bucket beyond any device's memory
+# buys nothing; a collective that waits a week is hung.
+MAX_BUCKET_MB = 65536.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
        le: float | None = None, choices: tuple[str, ...] | None = None,
@@ -142,13 +147,14 @@ class ParallelConfig:
                        "(zero when parallel.zero > 0, local when train.sync is not "
                        "every_step, else ddp), ddp, zero, local, or a name registered "
                        "with disttrain.parallel.register_strategy")
-    bucket_mb: float = _f(25.0, "gradient bucket size in MiB for the all-reduce", gt=0.0)
+    bucket_mb: float = _f(25.0, "gradient bucket size in MiB for the all-reduce", gt=0.0,
+                          le=MAX_BUCKET_MB)
     grad_reduce_dtype: str = _f("fp32", "dtype gradients travel in (bf16 halves the bytes)",
                                 choices=("fp32", "bf16"))
     backend: str = _f("auto", "process-group backend: auto (nccl on GPU, gloo on CPU), "
                       "gloo or nccl", choices=("auto", "gloo", "nccl"))
     timeout_s: float = _f(300.0, "a collective that waits longer fails the job instead of "
-                          "hanging (seconds)", gt=0.0)
+                          "hanging (seconds)", gt=0.0, le=MAX_TIMEOUT_S)
     balance: str = _f("static", "split of each global batch over dp ranks: static (even) "
                       "or dynamic (in proportion to measured throughput)",
                       choices=("static", "dynamic"))

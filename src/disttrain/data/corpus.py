@@ -42,6 +42,7 @@ STDLIB_PATTERN = "**/*.py"
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TEXT_PROBE_BYTES = 8192
 DOC_SEPARATOR = 0
+TOKEN_RANGE = 256  # byte tokens take ids 0..255: a model needs at least this vocabulary
 META_NAME = "meta.json"
 
 

@@ -16,6 +16,11 @@ from disttrain.errors import DataError
 TOKEN_BYTES = np.dtype(np.uint16).itemsize
 
 
+def tokens_per_shard(shards: list[Path]) -> list[int]:
+    """Tokens in each shard file, from its size (nothing is read)."""
+    return [os.path.getsize(s) // TOKEN_BYTES for s in shards]
+
+
 class TokenWindowDataset(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens, each inside one shard.
 
@@ -32,7 +37,7 @@ class TokenWindowDataset(Dataset):
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.shards = [Path(s) for s in shards]
         self.seq_len = seq_len
-        sizes = [os.path.getsize(s) // TOKEN_BYTES for s in self.shards]
+        sizes = tokens_per_shard(self.shards)
         counts = [n // (seq_len + 1) for n in sizes]
         self._ends = np.cumsum(counts).tolist()  # _ends[s] = windows in shards 0..s
         self._maps: dict[int, np.memmap] = {}

@@ -114,12 +114,18 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
     b, t = micro_batch, model.seq_len
     block = _block_bytes(model, b, a)
     step = {"none": 0, "full": 1, "every_k": every_k}[activation_checkpointing]
-    checkpointed = [step > 0 and i % step == 0 for i in range(model.n_layer)]
-    kept = [b * t * model.d_model * _FP32 if c else block for c in checkpointed]
+    n, kept_input = model.n_layer, b * t * model.d_model * _FP32
+    # Blocks 0, step, 2·step, ... are checkpointed; the sums are in closed form so the
+    # estimate costs the same for any n_layer (it screens absurd configs before launch).
+    checkpointed = -(-n // step) if step else 0
     embedding = _INT64 * (b * t + t)
-    end_of_forward = embedding + sum(kept) + _head_bytes(model, b, a)
-    recomputes = [embedding + sum(kept[:i]) + block for i, c in enumerate(checkpointed) if c]
-    return max([end_of_forward, *recomputes])
+    end_of_forward = (embedding + checkpointed * kept_input + (n - checkpointed) * block
+                      + _head_bytes(model, b, a))
+    if not checkpointed:
+        return end_of_forward
+    last = (checkpointed - 1) * step  # recomputing it holds the most: all before it kept
+    before_last = (checkpointed - 1) * kept_input + (last - (checkpointed - 1)) * block
+    return max(end_of_forward, embedding + before_last + block)
 
 
 def estimate_gpt(model: ModelConfig, *, micro_batch: int, dp: int, zero: int,

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import Config
 from ..data import TokenWindowDataset, collate_token_batch, corpus_from_config
+from ..data.check import check_samples, check_vocab
 from ..models import GPT, flops_per_token, token_loss
 from ..models.hf import build_hf_model, hf_dimensions, is_hf, matmul_flops_per_token
 from .batch import LossFn
@@ -28,9 +29,12 @@ class DefaultJob:
 
 
 def build_default_job(config: Config) -> DefaultJob:
-    """Prepare (or reuse) the token shards and build the model, seeded."""
+    """Prepare (or reuse) the token shards and build the model, seeded. The data checks
+    the launcher makes are repeated here for jobs started with torchrun directly."""
+    check_vocab(config.model)
     corpus = corpus_from_config(config.data)
     seq_len = config.model.seq_len
+    check_samples(corpus, config.data, seq_len)
     torch.manual_seed(config.train.seed)
     if is_hf(config.model):
         model = build_hf_model(config.model)

@@ -1,0 +1,139 @@
+"""Whether a job fits this host, checked by the launcher before any worker starts.
+
+The per-rank memory of training is estimated from the model and the batch alone
+(:func:`disttrain.plan.estimate_gpt`'s formulas: pure arithmetic, nothing allocated)
+and compared with what one local rank can have: on CPU the host's available memory
+(``MemAvailable`` of ``/proc/meminfo``) shared by the local ranks, on CUDA one device's
+total memory. The estimate is a lower bound (pipeline and tensor parallelism are
+assumed to split everything evenly, and transient buffers are left out), so a refusal
+is certain and a job that passes may still be tight.
+
+Model states are checked before activations: they are a closed formula, while the
+activation estimate walks the blocks, so an absurd ``model.n_layer`` is refused before
+anything proportional to it is computed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config.layout import Layout, resolve_layout
+from .config.schema import Config, ModelConfig
+from .config.validate import RunPlan, on_gpu
+from .errors import ConfigError
+from .models import num_params
+from .plan.memory import gpt_activation_bytes, model_state_bytes
+
+_GIB = 2**30
+_MEMINFO = Path("/proc/meminfo")
+# The estimator's optimizer families: lars is momentum SGD, lamb keeps AdamW's state.
+_SIZE_FIELDS = ("n_layer", "d_model", "vocab_size", "seq_len")
+_STATE_KIND = {"adamw": "adamw", "lamb": "adamw", "sgd": "sgd", "lars": "sgd"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """Bytes one local rank may use, and where the figure comes from (for messages)."""
+
+    bytes: int
+    source: str
+
+
+def check_model_fits(config: Config, world_size: int, local_ranks: int,
+                     memory: RankMemory | None = None) -> None:
+    """Refuse a model whose parameters, gradients and optimizer state alone exceed
+    ``memory`` per rank (default: :func:`rank_memory` of this host), naming the model
+    size furthest above its default. Needs only the layout, so it runs before
+    :func:`disttrain.validation.resolve` (whose model spec grows with n_layer)."""
+    memory = memory or rank_memory(config, local_ranks)
+    p = config.parallel
+    layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
+    states = _state_bytes(config, layout)
+    if states > memory.bytes:
+        field, value = _largest_dimension(config)
+        _refuse(field, value, states, memory, "model states (parameters, gradients, "
+                "optimizer state)", f"lower {field}, or add ranks / parallel.zero")
+
+
+def check_batch_fits(config: Config, plan: RunPlan, local_ranks: int,
+                     memory: RankMemory | None = None) -> None:
+    """Refuse a job whose model states plus one micro-batch's activations (``plan``'s
+    micro-batch) exceed ``memory`` per rank, naming the batch setting to lower."""
+    memory = memory or rank_memory(config, local_ranks)
+    t, micro = config.train, plan.batch.micro_batch
+    activations = gpt_activation_bytes(
+        config.model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
+        activation_checkpointing=t.activation_checkpointing,
+        every_k=t.activation_checkpointing_k) // (plan.layout.pp * plan.layout.tp)
+    need = _state_bytes(config, plan.layout) + activations
+    if need > memory.bytes:
+        _refuse(*_batch_field(config, micro), need, memory, "model states and the "
+                f"activations of a micro-batch of {micro} x {config.model.seq_len} tokens",
+                "lower train.global_batch or raise train.grad_accum (smaller "
+                "micro-batches), or lower model.seq_len")
+
+
+def rank_memory(config: Config, local_ranks: int) -> RankMemory:
+    """What one of ``local_ranks`` ranks on this host may use: one CUDA device's total
+    memory (ranks beyond the device count share), else the host's available memory
+    divided among the ranks."""
+    import torch
+
+    if on_gpu(config.train) and torch.cuda.is_available():  # else resolve() refuses cuda
+        devices = torch.cuda.device_count()
+        total = torch.cuda.get_device_properties(0).total_memory
+        per = total * min(devices, local_ranks) // local_ranks
+        return RankMemory(bytes=per, source=f"the GPU has {total / _GIB:.1f} GiB, "
+                          f"{devices} device(s) for {local_ranks} local rank(s)")
+    available = host_available_bytes()
+    return RankMemory(bytes=available // local_ranks,
+                      source=f"this host has {available / _GIB:.1f} GiB available for "
+                      f"{local_ranks} local rank(s)")
+
+
+def host_available_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``; where there is none, physical memory."""
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _state_bytes(config: Config, layout: Layout) -> int:
+    """fp32 model states on one rank, split evenly over pp x tp (a lower bound)."""
+    t = config.train
+    kind = _STATE_KIND.get(t.optimizer, "adamw")
+    states = model_state_bytes(num_params(config.model), dp=layout.dp, zero=layout.zero,
+                               optimizer=kind, momentum=t.momentum > 0).model_states
+    return states // (layout.pp * layout.tp)
+
+
+def _largest_dimension(config: Config) -> tuple[str, int]:
+    """The model size furthest above its default (the one to lower)."""
+    defaults = ModelConfig()
+    name = max(_SIZE_FIELDS, key=lambda f: getattr(config.model, f) / getattr(defaults, f))
+    return f"model.{name}", getattr(config.model, name)
+
+
+def _batch_field(config: Config, micro_batch: int) -> tuple[str, int]:
+    """The batch member the user set that sets the micro-batch size."""
+    if "train.micro_batch" in config.explicit:
+        return "train.micro_batch", micro_batch
+    return "train.global_batch", config.train.global_batch
+
+
+def _refuse(field: str, value: int, need: int, memory: RankMemory, what: str,
+            fix: str) -> None:
+    raise ConfigError(field, value, f"needs ~{_gib(need)} GiB per rank for {what}, "
+                      f"more than the {_gib(memory.bytes)} GiB a rank can have "
+                      f"({memory.source})", fix)
+
+
+def _gib(n: int) -> str:
+    gib = n / _GIB
+    return f"{gib:,.1f}" if gib < 1e6 else f"{gib:.2e}"

@@ -1,0 +1,37 @@
+"""Whether the byte corpus can feed the configured model, checked before launch:
+its token range against ``model.vocab_size``, and at least one sample (a window of
+``seq_len + 1`` tokens inside one shard) in each split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from disttrain.config.schema import DataConfig, ModelConfig
+from disttrain.data.corpus import TOKEN_RANGE, PreparedCorpus, stdlib_source_dir
+from disttrain.data.dataset import tokens_per_shard
+from disttrain.errors import ConfigError, DataError
+
+
+def check_vocab(model: ModelConfig) -> None:
+    """The byte corpus has token ids up to ``TOKEN_RANGE - 1``; the embedding must
+    cover them."""
+    if model.vocab_size < TOKEN_RANGE:
+        raise ConfigError("model.vocab_size", model.vocab_size,
+                          f"is below the byte corpus's token range (ids 0..{TOKEN_RANGE - 1})",
+                          f"set model.vocab_size to at least {TOKEN_RANGE}")
+
+
+def check_samples(corpus: PreparedCorpus, data: DataConfig, seq_len: int) -> None:
+    """Refuse a corpus whose train or val split holds no window of ``seq_len + 1``
+    tokens, naming the data directory and the largest seq_len that fits."""
+    for split, shards in (("train", corpus.train_shards), ("val", corpus.val_shards)):
+        tokens = tokens_per_shard(shards)
+        if max(tokens, default=0) >= seq_len + 1:
+            continue
+        where = str(Path(data.path).expanduser()) if data.path else str(stdlib_source_dir())
+        fits = max(tokens, default=0) - 1
+        fix = (f"lower model.seq_len to {fits} or less, or add text"
+               if fits >= 1 else "add text")
+        raise DataError(f"data.path={where!r}: its {split} split has {sum(tokens)} "
+                        f"token(s), fewer than one sample of model.seq_len+1={seq_len + 1} "
+                        f"({fix})")

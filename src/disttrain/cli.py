@@ -14,15 +14,20 @@ with code 2, before any worker or process group is started.
 from __future__ import annotations
 
 import argparse
+from contextlib import AbstractContextManager, nullcontext
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import EXIT_USAGE, UserError
+from .errors import EXIT_USAGE, Interrupted, UserError
 from .monitor.report import add_report_parser, run_report
 from .plan.command import add_plan_parser, run_plan
 from .names import METRICS_FILE, SUMMARY_FILE
+
+if TYPE_CHECKING:
+    from .launch import LaunchOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,8 +61,9 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
                    "rendezvous assigns ranks itself)")
     g.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
                    help="rendezvous endpoint shared by all nodes (multi-node)")
-    g.add_argument("--rdzv-id", default="disttrain", metavar="ID",
-                   help="job id, the same on all nodes (default disttrain)")
+    g.add_argument("--rdzv-id", default="", metavar="ID",
+                   help="job id, the same on all nodes (default: derived from the run "
+                   "directory's path, so jobs on different run directories never meet)")
     g.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...",
                    help="extra c10d rendezvous settings, e.g. is_host=1,read_timeout=30")
     g.add_argument("--local-addr", default="", metavar="ADDR",
@@ -112,11 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launch_options(ns: argparse.Namespace):
-    from .launch import LaunchOptions
+def _launch_options(ns: argparse.Namespace, job: str) -> LaunchOptions:
+    """Launch options; ``job`` (the run directory, or the script and its arguments)
+    names the default rendezvous id."""
+    from .launch import LaunchOptions, default_rdzv_id
 
     return LaunchOptions(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-                         rdzv_endpoint=ns.rdzv_endpoint, rdzv_id=ns.rdzv_id,
+                         rdzv_endpoint=ns.rdzv_endpoint,
+                         rdzv_id=ns.rdzv_id or default_rdzv_id(job),
                          rdzv_conf=ns.rdzv_conf, local_addr=ns.local_addr,
                          max_restarts=ns.max_restarts)
 
@@ -133,26 +142,41 @@ def _train(ns: argparse.Namespace) -> int:
 
         train_default(config, run_dir=ns.run_dir, progress=not ns.quiet)
         return 0
-    opts = _launch_options(ns)
+    from .train.rundir import new_run_dir_name
+
+    run_dir = ns.run_dir or str(new_run_dir_name())
+    opts = _launch_options(ns, os.path.abspath(run_dir))
+    if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
+        raise UserError("a multi-node job needs --run-dir, the same path on every node "
+                        "(it also names the job's rendezvous), or --rdzv-id")
     for world_size in opts.world_sizes():
         check_model_fits(config, world_size, opts.nproc)  # first: resolve's spec is O(n_layer)
         check_batch_fits(config, resolve(config, world_size), opts.nproc)
-    if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front
-        from .checkpoint import find_checkpoint
-
-        find_checkpoint(Path(ns.run_dir), warn=lambda _: None)
     from .data import corpus_from_config
     from .data.check import check_samples, check_vocab
-    from .train.rundir import new_run_dir_name
 
     check_vocab(config.model)
     corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
     check_samples(corpus, config.data, config.model.seq_len)
-    run_dir = ns.run_dir or str(new_run_dir_name())
-    target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
-              *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
-              *(["--quiet"] if ns.quiet else [])]
-    return launch(opts, target)
+    with _own_run_dir(Path(run_dir), opts):
+        if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front
+            from .checkpoint import find_checkpoint
+
+            find_checkpoint(Path(ns.run_dir), warn=lambda _: None)
+        target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
+                  *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
+                  *(["--quiet"] if ns.quiet else [])]
+        return launch(opts, target)
+
+
+def _own_run_dir(run_dir: Path, opts: LaunchOptions) -> AbstractContextManager:
+    """A single-node launcher owns the run directory for its workers; in a multi-node
+    job (one launcher per host) rank 0 of the job takes it."""
+    from .train.ownership import owned_for_workers
+
+    if opts.node_counts() != range(1, 2):
+        return nullcontext()
+    return owned_for_workers(run_dir)
 
 
 def _export(ns: argparse.Namespace) -> int:
@@ -173,7 +197,8 @@ def _run(ns: argparse.Namespace) -> int:
     if not Path(ns.script).is_file():
         raise UserError(f"script {ns.script!r} does not exist (give the path of a Python "
                         "file)")
-    return launch(_launch_options(ns), [ns.script, *ns.args])
+    job = " ".join([os.path.abspath(ns.script), *ns.args])
+    return launch(_launch_options(ns, job), [ns.script, *ns.args])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
             print(f"disttrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as exc:  # a worker that stopped on a signal (it said so)
+        return int(exc.code)
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)
         return 130

@@ -41,3 +41,15 @@ class CheckpointRejected(UserError):
     def __init__(self, path: Path, reason: str) -> None:
         self.path, self.reason = Path(path), " ".join(reason.split())
         super().__init__(f"{path}: {self.reason}")
+
+
+class Interrupted(SystemExit):
+    """The run stopped on a signal (after saving, under ``checkpoint.on_signal=save``).
+
+    A ``SystemExit`` with the shell's code for the signal (128 + its number: 143 for
+    SIGTERM, 130 for SIGINT), so a script calling ``Trainer.fit`` exits with it too.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum

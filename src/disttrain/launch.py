@@ -8,11 +8,15 @@ from the environment torchrun sets (:func:`inside_worker`).
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
 from .errors import UserError
+from .monitor.watchdog import HANG_EXIT_CODE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +25,7 @@ class LaunchOptions:
     nnodes: str = "1"
     node_rank: int | None = None
     rdzv_endpoint: str = ""
-    rdzv_id: str = "disttrain"
+    rdzv_id: str = "disttrain"  # the CLI passes default_rdzv_id(run directory)
     rdzv_conf: str = ""
     local_addr: str = ""
     max_restarts: int = 0
@@ -45,6 +49,17 @@ class LaunchOptions:
     def check_nproc(self) -> None:
         if self.nproc < 1:
             raise UserError(f"--nproc {self.nproc}: need at least one process per node")
+
+
+def default_rdzv_id(job: str) -> str:
+    """A rendezvous id derived from what names the job (its run directory's absolute
+    path): the same on every node given that path, different for another job."""
+    return "disttrain-" + hashlib.sha256(job.encode()).hexdigest()[:16]
+
+
+# a worker's exit status that the launcher passes on as its own (the same on every
+# failed worker): bad input, a hang the watchdog reported, a stop on SIGINT / SIGTERM
+PASSED_ON_CODES = (2, HANG_EXIT_CODE, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def inside_worker() -> bool:
@@ -92,14 +107,29 @@ def _worker_env(nproc: int) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
+# the agent's own lines while it passes a signal on: the launcher says it in one line
+_AGENT_SIGNAL_LINES = ("Received %s death signal", "Sending process %s closing signal")
+_AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api",
+                  "torch.distributed.elastic.multiprocessing.api")
+
+
+def _quiet_signal_lines(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_AGENT_SIGNAL_LINES)
+
+
 def launch(opts: LaunchOptions, target: list[str]) -> int:
-    """Run ``target`` on ``opts.nproc`` workers per node; return an exit code
-    (2 when a worker rejected its input, 1 for other failures)."""
+    """Run ``target`` on ``opts.nproc`` workers per node; return an exit code: the
+    workers' own when they agree on one of :data:`PASSED_ON_CODES`, 75 when any
+    reported a hang, 128 + the signal when this process was stopped by one (the
+    workers get it too and stop as ``checkpoint.on_signal`` says), 1 otherwise."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     _worker_env(opts.nproc)
+    for name in _AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(_quiet_signal_lines)
     try:
         run(parse_args(torchrun_args(opts, target)))
     except RendezvousError as exc:
@@ -108,10 +138,17 @@ def launch(opts: LaunchOptions, target: list[str]) -> int:
               f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''});"
               " is the network to that host up?", file=sys.stderr)
         return 1
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"disttrain: stopped by {name}; the workers finished their step "
+              f"(exit {128 + exc.sigval})", file=sys.stderr)
+        return 128 + exc.sigval
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})"
                           for r, f in sorted(exc.failures.items()))
         print(f"disttrain: worker failure: {ranks}", file=sys.stderr)
-        return 2 if codes == {2} else 1
+        if HANG_EXIT_CODE in codes:
+            return HANG_EXIT_CODE
+        return codes.pop() if len(codes) == 1 and codes <= set(PASSED_ON_CODES) else 1
     return 0

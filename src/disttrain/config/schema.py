@@ -201,6 +201,11 @@ class CheckpointConfig:
     keep: int = _f(3, "committed checkpoints kept", ge=1)
     async_: bool = _f(True, "copy and write in a background thread; training waits for "
                       "the copy only before its next optimizer step", key="async")
+    on_signal: str = _f("save", "on SIGTERM / SIGINT: save a checkpoint after the current "
+                        "step, then exit 143 / 130 (save), or exit without saving (exit)",
+                        choices=("save", "exit"))
+    allow_changes: bool = _f(False, "resume even when the seed, model, data or global "
+                             "batch differ from the checkpoint's")
 
 
 @dataclass(kw_only=True)

@@ -35,6 +35,7 @@ class RunCheckpoints:
         self.manager = CheckpointManager(run_dir, world.rank, world.size, keep=ck.keep,
                                          async_save=ck.async_)
         self.stall_s = 0.0
+        self.last_saved = -1  # the step of this run's latest save
 
     def resume(self, say: Callable[[str], None]) -> tuple[int, int] | None:
         """Load the newest intact checkpoint, if any: returns (step, sample position).
@@ -43,6 +44,8 @@ class RunCheckpoints:
         if self.world.rank == 0:
             try:
                 found = find_checkpoint(self.run_dir, warn=say)
+                if found and not self.config.checkpoint.allow_changes:
+                    self._check_unchanged(open_checkpoint(found).meta)
                 choice = ("load", str(found)) if found else ("none", None)
             except UserError as exc:
                 choice = ("error", str(exc))
@@ -61,6 +64,18 @@ class RunCheckpoints:
             f"{self.world.size})")
         return ckpt.step, int(ckpt.meta["position"])
 
+    def _check_unchanged(self, meta: dict[str, Any]) -> None:
+        """Refuse to continue a checkpoint under settings that change the trajectory."""
+        saved = _trajectory(meta.get("config", {}), meta.get("global_batch"))
+        now = _trajectory(self.config.to_dict(), self.plan.batch.global_batch)
+        changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
+        if changed:
+            diffs = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
+            raise UserError(f"{self.run_dir} holds a checkpoint of a different run "
+                            f"({diffs}); resuming would change its trajectory (give "
+                            "another run directory, or --set checkpoint.allow_changes=true "
+                            "to continue it anyway)")
+
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or
                                      step == self.config.train.steps)
@@ -75,6 +90,7 @@ class RunCheckpoints:
         self.manager.save(step, tensors, owners, self._meta(step, position), parts,
                           eager=frozenset(eager))
         self.stall_s = time.perf_counter() - start
+        self.last_saved = step
 
     def before_update(self) -> None:
         """Before the optimizer changes parameters and state: wait until an async save
@@ -91,6 +107,24 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self.manager.wait()
+
+
+# what a resumed run must share with the checkpoint to follow the same trajectory
+# (data.cache_dir only says where shards are cached; train.steps may grow)
+TRAJECTORY_SECTIONS = ("model", "data")
+TRAJECTORY_KEYS = ("train.seed",)
+TRAJECTORY_IGNORED = ("data.cache_dir",)
+
+
+def _trajectory(config: dict[str, dict[str, Any]], global_batch: Any) -> dict[str, Any]:
+    """The settings of ``config`` (a ``Config.to_dict()``) that fix the trajectory."""
+    out = {f"{s}.{k}": v for s in TRAJECTORY_SECTIONS for k, v in config.get(s, {}).items()}
+    for key in TRAJECTORY_KEYS:
+        section, _, name = key.partition(".")
+        out[key] = config.get(section, {}).get(name)
+    for key in TRAJECTORY_IGNORED:
+        out.pop(key, None)
+    return out | {"train.global_batch": global_batch}
 
 
 def _layout(pieces: list[StatePiece], rank: int

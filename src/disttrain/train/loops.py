@@ -47,6 +47,16 @@ class StepLoop:
         totals = StatsWindow()
         recent: deque[float] = deque(maxlen=10)
         last_eval = initial_eval
+        with trainer.signals.catching():
+            last_eval = self._steps(trainer, totals, recent, last_eval)
+        final_loss = sum(recent) / len(recent) if recent else float("nan")
+        return LoopResult(initial_eval, last_eval, totals, final_loss,
+                          time.perf_counter() - start)
+
+    @staticmethod
+    def _steps(trainer: Trainer, totals: StatsWindow, recent: deque[float],
+               last_eval: float | None) -> float | None:
+        train = trainer.config.train
         for step in range(trainer.start_step, train.steps):
             stats = trainer.train_step(step)
             totals.add(stats)
@@ -61,9 +71,9 @@ class StepLoop:
             if done % train.log_every == 0 or done == train.steps or evaluate_now:
                 trainer.log(done, last_eval if evaluate_now or done == train.steps
                             else None)
-        final_loss = sum(recent) / len(recent) if recent else float("nan")
-        return LoopResult(initial_eval, last_eval, totals, final_loss,
-                          time.perf_counter() - start)
+            if done < train.steps:  # a signal during the last step: the run completes
+                trainer.stop_if_signalled(done)
+        return last_eval
 
 
 class ParameterServerLoop:

@@ -22,6 +22,7 @@ declared interfaces.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from torch.utils.data import Dataset
 from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
+from ..errors import Interrupted, UserError
 from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
@@ -58,6 +60,8 @@ from .checkpointing import RunCheckpoints
 from .flops import count_flops_per_term
 from .loops import LoopResult, ParameterServerLoop, StepLoop, TrainingLoop
 from .optim import build_optimizer, lr_at, set_lr
+from .ownership import RunDirLock, owned_by_launcher
+from .preemption import SignalStop
 from .pipeline_step import PipelineStepRunner
 from .precision import LossScaler, autocast
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
@@ -107,6 +111,8 @@ class Trainer:
         self.progress = progress
         self.watchdog: HangWatchdog | None = None   # made by fit()
         self.telemetry: Telemetry | None = None
+        self.lock: RunDirLock | None = None  # rank 0's hold on the run directory
+        self.stopping = 0  # the signal every rank agreed to stop on (0: none)
 
     @property
     def rank(self) -> int:
@@ -144,6 +150,7 @@ class Trainer:
             for axis in ("dp", "pp", "tp")})
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, runtime.rank)
+        self.signals = SignalStop(self.world)
         self._build_data()
         self._build_model()
         self._build_outputs()
@@ -185,6 +192,7 @@ class Trainer:
         main, mon = self.runtime.is_main, self.config.monitor
         chosen = self.run_dir or (rundir.new_run_dir_name() if main else None)
         self.run_dir = Path(self.world.broadcast_object(str(chosen) if chosen else None))
+        self._take_ownership()
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             rundir.write_text_atomic(self.run_dir / CONFIG_FILE,
@@ -202,6 +210,19 @@ class Trainer:
                               if main and mon.tensorboard else None),
             StragglerDetector(mon.straggler_threshold, mon.straggler_window), peak,
             self.bar.message)
+
+    def _take_ownership(self) -> None:
+        """Rank 0 locks the run directory unless its launcher holds it; a refusal is
+        every rank's error."""
+        refusal = None
+        if self.runtime.is_main and not owned_by_launcher(self.run_dir):
+            try:
+                self.lock = RunDirLock(self.run_dir)
+            except UserError as exc:
+                refusal = str(exc)
+        refusal = self.world.broadcast_object(refusal)
+        if refusal is not None:
+            raise UserError(refusal)
 
     def _build_checkpoints(self) -> None:
         self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
@@ -277,6 +298,23 @@ class Trainer:
         if self.checkpoints.due(done) and self.parallel.sync.at_boundary(done):
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, self.position)
+
+    def stop_if_signalled(self, done: int) -> None:
+        """After step ``done``: if any rank got SIGTERM / SIGINT, save (unless
+        ``checkpoint.on_signal=exit``) at the first step where a save is valid, then
+        raise :class:`~disttrain.errors.Interrupted` on every rank."""
+        self.stopping = self.stopping or self.signals.agreed()
+        save = self.config.checkpoint.on_signal == "save"
+        if not self.stopping or (save and not self.parallel.sync.at_boundary(done)):
+            return
+        if save and self.checkpoints.last_saved != done:
+            with self.tracer.span("checkpoint"):
+                self.checkpoints.save(done, self.position)
+        self.checkpoints.close()  # an async save is complete before the exit
+        what = "checkpoint saved" if save else "not saved (checkpoint.on_signal=exit)"
+        name = signal.Signals(self.stopping).name
+        self.bar.message(f"stopped by {name} after step {done}; {what}")
+        raise Interrupted(self.stopping)
 
     def _load(self, indices: list[int]) -> Batch:
         batch = self.collate_fn(fetch_samples(self.dataset, indices))
@@ -414,6 +452,8 @@ class Trainer:
             self.watchdog.stop()
         if self.telemetry is not None:
             self.telemetry.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _device_name(device: torch.device) -> str:

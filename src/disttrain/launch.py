@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .errors import UserError
+from .errors import STOP_CODES, UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,8 +89,10 @@ def _worker_env(nproc: int) -> None:
 
 
 def launch(opts: LaunchOptions, target: list[str]) -> int:
-    """Run ``target`` on ``opts.nproc`` workers per node; return an exit code
-    (2 when a worker rejected its input, 1 for other failures)."""
+    """Run ``target`` on ``opts.nproc`` workers per node; return an exit code: the
+    workers' own when every failed worker exited with the same one of
+    :data:`~disttrain.errors.STOP_CODES` (2: bad input, 3: diverged, 4: a checkpoint
+    save failed; the agent passes each worker's code through), else 1."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
@@ -106,8 +108,12 @@ def launch(opts: LaunchOptions, target: list[str]) -> int:
         return 1
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
+        # workers the agent stopped because another failed show as signals (< 0)
+        own = {c for c in codes if isinstance(c, int) and c >= 0}
+        if len(own) == 1 and own <= STOP_CODES:
+            return own.pop()  # the worker has said why, in one line
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})"
                           for r, f in sorted(exc.failures.items()))
         print(f"disttrain: worker failure: {ranks}", file=sys.stderr)
-        return 2 if codes == {2} else 1
+        return 1
     return 0

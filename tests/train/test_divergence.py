@@ -43,12 +43,14 @@ class Pairs(Dataset):
 
 class NanAt(nn.Module):
     """A linear layer whose output is nan at training forward ``bad`` (1-based) on
-    ``rank`` (None: every rank)."""
+    ``rank`` (None: every rank); with ``in_buffer``, a buffer the loss does not see goes
+    inf instead."""
 
-    def __init__(self, bad: int, rank: int | None) -> None:
+    def __init__(self, bad: int, rank: int | None, in_buffer: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 1)
-        self.bad, self.rank, self.calls = bad, rank, 0
+        self.register_buffer("seen", torch.zeros(1))
+        self.bad, self.rank, self.in_buffer, self.calls = bad, rank, in_buffer, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.lin(x)
@@ -56,7 +58,10 @@ class NanAt(nn.Module):
             self.calls += 1
             here = self.rank is None or self.rank == int(os.environ.get("RANK", "0"))
             if self.calls == self.bad and here:
-                out = out * float("nan")
+                if self.in_buffer:
+                    self.seen.fill_(math.inf)
+                else:
+                    out = out * float("nan")
         return out
 
 
@@ -64,7 +69,8 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y)
 
 
-def _fit(run_dir: str, bad: int, rank: int | None, policy: str, async_save: bool = False):
+def _fit(run_dir: str, bad: int, rank: int | None, policy: str, async_save: bool = False,
+         in_buffer: bool = False):
     """Train NanAt; (what fit raised or None, the optimizer's step count, weights)."""
     from disttrain import Trainer
 
@@ -73,7 +79,7 @@ def _fit(run_dir: str, bad: int, rank: int | None, policy: str, async_save: bool
                      "log_every": 1, "on_nonfinite": policy},
            "checkpoint": {"every": 2, "keep": 1, "async": async_save},
            "monitor": {"peak_tflops": 1.0}}  # no peak measurement
-    trainer = Trainer(NanAt(bad, rank), Pairs(), _mse, cfg, run_dir=run_dir,
+    trainer = Trainer(NanAt(bad, rank, in_buffer), Pairs(), _mse, cfg, run_dir=run_dir,
                       flops_per_token=1, progress=False)
     try:
         trainer.fit()
@@ -107,6 +113,16 @@ def test_stop_names_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, asyn
     assert not list((tmp_path / "checkpoints").glob("*.tmp-*"))
 
 
+def test_a_non_finite_state_is_never_checkpointed(tmp_path):
+    # rank 1's buffer goes inf at step 5 while loss and gradients stay finite: the save
+    # of step 6 is refused on every rank, and keep=1 still holds step 4
+    results = run_distributed(_fit, 2, args=(str(tmp_path), 5, 1, "stop", False, True),
+                              timeout=60)
+    assert [r[0][:2] for r in results] == [(6, "model state (model/seen)")] * 2
+    assert find_checkpoint(tmp_path, warn=pytest.fail).name == "step-00000004"
+    assert not list((tmp_path / "checkpoints").glob("*.tmp-*"))
+
+
 def test_skip_drops_the_step_on_every_rank_and_goes_on(tmp_path):
     # only rank 1's loss is nan: both ranks must skip the update and stay equal
     results = run_distributed(_fit, 2, args=(str(tmp_path), 3, 1, "skip"), timeout=60)
@@ -134,3 +150,51 @@ def test_config_refuses_non_finite_numbers(key, value, capsys):
     assert main(["train", "--set", f"{key}={value}"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "finite" in err
+
+
+def _fit_gpt_nan_block(run_dir: str, bad: int, layout: dict):
+    """The tiny GPT under ``layout`` whose first block's output is nan at training
+    forward ``bad``; what DivergenceError said (step, what), or None."""
+    from support import SyntheticTokens, tiny_config
+
+    from disttrain import Trainer
+    from disttrain.data import collate_token_batch
+    from disttrain.models import GPT, token_loss
+
+    cfg = tiny_config(None, steps=STEPS, log_every=1, peak_tflops=1.0, **layout)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    calls = []
+
+    def poison(module, _inputs, output):
+        if module.training:
+            calls.append(1)
+            if len(calls) == bad:
+                return output * float("nan")
+        return None
+    model.blocks[0].register_forward_hook(poison)
+    try:
+        Trainer(model, SyntheticTokens(), token_loss, cfg, run_dir=run_dir,
+                collate_fn=collate_token_batch, progress=False).fit()
+    except DivergenceError as exc:
+        return exc.step, exc.what
+    return None
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_model_parallel_ranks_stop_together(tmp_path, layout):
+    # the nan starts in block 0: under pp=2 only stage 0 computes it, under tp=2 each
+    # shard does; every rank must stop at the same step
+    results = run_distributed(_fit_gpt_nan_block, 2, args=(str(tmp_path), 3, layout),
+                              timeout=60)
+    assert results == [(3, "loss and gradients")] * 2
+
+
+def test_fp16_gradient_overflow_stays_the_loss_scalers_to_skip():
+    from disttrain.train.step import nonfinite_part
+
+    assert nonfinite_part(1.0, math.inf, loss_scaled=True) is None  # the scaler skips
+    assert nonfinite_part(1.0, math.inf, loss_scaled=False) == "gradients"
+    assert nonfinite_part(math.nan, 1.0, loss_scaled=True) == "loss"
+    assert nonfinite_part(-math.inf, math.nan, loss_scaled=False) == "loss and gradients"
+    assert nonfinite_part(2.0, 3.0, loss_scaled=False) is None

@@ -120,11 +120,12 @@ class CheckpointManager:
         forward pass updates) are copied now.
 
         A failed write raises :class:`SaveFailed` (asynchronous: from :meth:`wait`),
-        one line naming the rank, the file and the error; this rank's files are gone
-        and rank 0's commit is abandoned (its staging directory removed), so the
-        previous checkpoint stays ``latest``. ``commit=False`` (synchronous saves only):
-        write this rank's part and return; rank 0 then calls :meth:`commit` (or
-        :meth:`abandon`) once every rank's write is known to have succeeded."""
+        one line naming the rank, the file and the error: this rank's files are removed
+        and a failure marker makes rank 0's commit give up, so the previous checkpoint
+        stays ``latest``; once every rank is done, the caller removes the staging
+        directory (:meth:`abandon`). ``commit=False`` (synchronous saves only): write
+        this rank's part and return; rank 0 then calls :meth:`commit` once every rank's
+        write is known to have succeeded."""
         self.wait()
         mine = {n: t.detach() for n, t in tensors.items() if owners[n] == self.rank}
         staging = storage.staging_dir(self.root, step, self.attempt)

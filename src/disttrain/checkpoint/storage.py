@@ -9,7 +9,9 @@ small ``rank-NNNNN.json`` marker describing what it wrote. Rank 0 waits for ever
 marker, writes ``index.json``, renames staging to its final name, and only then points
 ``latest`` at it. The pointer is the commit: a crash or failed write at any earlier
 moment leaves the previous checkpoint as ``latest``, intact. Directories newer than the
-pointer are leftovers of an interrupted save and are ignored (and removed).
+pointer are leftovers of an interrupted save and are ignored (and removed). A rank
+whose write fails (a full disk) leaves ``rank-NNNNN.failed`` instead of its marker; rank
+0's commit sees it and gives up, and the staging directory is removed.
 """
 
 from __future__ import annotations

@@ -70,13 +70,13 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(run_dir: str, bad: int, rank: int | None, policy: str, async_save: bool = False,
-         in_buffer: bool = False):
+         in_buffer: bool = False, **train):
     """Train NanAt; (what fit raised or None, the optimizer's step count, weights)."""
     from disttrain import Trainer
 
     torch.manual_seed(0)
     cfg = {"train": {"steps": STEPS, "global_batch": 4, "lr": 0.01, "warmup_steps": 0,
-                     "log_every": 1, "on_nonfinite": policy},
+                     "log_every": 1, "on_nonfinite": policy, **train},
            "checkpoint": {"every": 2, "keep": 1, "async": async_save},
            "monitor": {"peak_tflops": 1.0}}  # no peak measurement
     trainer = Trainer(NanAt(bad, rank, in_buffer), Pairs(), _mse, cfg, run_dir=run_dir,
@@ -121,6 +121,13 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path):
     assert [r[0][:2] for r in results] == [(6, "model state (model/seen)")] * 2
     assert find_checkpoint(tmp_path, warn=pytest.fail).name == "step-00000004"
     assert not list((tmp_path / "checkpoints").glob("*.tmp-*"))
+
+
+def test_replicas_that_step_apart_stop_together(tmp_path):
+    # local SGD: only rank 1 sees its nan, yet both ranks stop at step 3
+    results = run_distributed(_fit, 2, args=(str(tmp_path), 3, 1, "stop"),
+                              kwargs={"sync": "local_sgd", "sync_every": 4}, timeout=60)
+    assert [r[0][:2] for r in results] == [(3, "loss and gradients")] * 2
 
 
 def test_skip_drops_the_step_on_every_rank_and_goes_on(tmp_path):

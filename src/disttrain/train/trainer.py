@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..comm import CollectiveLedger, Communicator
+from ..comm import CollectiveLedger, Communicator, ReduceOp
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
 from ..errors import DivergenceError
@@ -256,8 +256,11 @@ class Trainer:
             # a fedavg client sitting this round out does not step
             stats = StepStats() if selected is None else self.stepper.run(
                 self._micro_batches(selected))
-        if selected is not None and self.stepper.nonfinite is not None:
-            self._on_nonfinite(step + 1, self.stepper.nonfinite)
+        bad = None if selected is None else self.stepper.nonfinite
+        if self.parallel.sync.steps_apart and self._stops_on_nonfinite:
+            bad = self._any_rank_nonfinite(bad)  # every rank stops at the same step
+        if bad is not None:
+            self._on_nonfinite(step + 1, bad)
         if self.stepper.terms_are_samples:
             self.bar.unit = "samples"
         self.position += self.plan.batch.global_batch
@@ -268,10 +271,26 @@ class Trainer:
         self.bar.update(done, stats.loss, stats.terms / max(stats.total_s, 1e-9))
         return stats
 
+    @property
+    def _stops_on_nonfinite(self) -> bool:
+        return self.config.train.on_nonfinite == NONFINITE_STOP
+
+    def _any_rank_nonfinite(self, mine: str | None) -> str | None:
+        """What went non-finite on any rank (replicas that step apart share no loss
+        total): one all-reduce of two flags, loss and gradients."""
+        flags = self.world.zeros(2)
+        flags[0] = float(mine is not None and "loss" in mine)
+        flags[1] = float(mine is not None and "gradients" in mine)
+        self.world.all_reduce(flags, op=ReduceOp.MAX)
+        loss, grads = flags.tolist()
+        return ("loss and gradients" if loss and grads else "loss" if loss
+                else "gradients" if grads else None)
+
     def _on_nonfinite(self, done: int, what: str) -> None:
-        """Step ``done`` computed a nan / inf ``what`` (every rank sees the same; its
-        update was not applied): stop the run, or go on without it."""
-        if self.config.train.on_nonfinite == NONFINITE_STOP:
+        """Step ``done`` computed a nan / inf ``what`` (its update was not applied; every
+        rank agrees, except that under skip replicas that step apart skip on their
+        own): stop the run, or go on without it."""
+        if self._stops_on_nonfinite:
             raise DivergenceError(done, what)
         self.bar.message(f"step {done}: the {what} went non-finite; update skipped "
                          f"({self.stepper.nonfinite_skipped} skipped so far)")

@@ -8,7 +8,9 @@
     disttrain plan calibrate --out cluster.json [--nproc N]
 
 Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
-with code 2, before any worker or process group is started.
+with code 2, before any worker or process group is started; a run that stops on purpose
+(divergence, a failed checkpoint save) prints one line and exits with its own code (see
+:mod:`disttrain.errors`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import EXIT_USAGE, Interrupted, UserError
+from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
 from .plan.command import add_plan_parser, run_plan
 from .names import METRICS_FILE, SUMMARY_FILE
@@ -212,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except Interrupted as exc:  # a worker that stopped on a signal (it said so)
         return int(exc.code)
+    except TrainingStopped as exc:  # every rank agrees on why: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"disttrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)
         return 130

@@ -2,7 +2,18 @@
 
 Every exception derived from :class:`UserError` is reported by the command-line tool as
 one line on stderr (what was wrong, the value, the fix) with exit code 2 and no
-traceback. Anything else is a bug in disttrain and keeps its traceback.
+traceback. A run that stops on purpose (:class:`TrainingStopped`) is reported the same
+way, with its own exit code. Anything else is a bug in disttrain and keeps its traceback.
+
+Exit codes of ``disttrain train`` (and of a worker):
+
+- 0: the run finished.
+- 1: a failure that is not one of the below (a bug, a lost worker).
+- 2 (:data:`EXIT_USAGE`): bad input, refused before training.
+- 3 (:data:`EXIT_DIVERGED`): the loss or the gradients went non-finite with
+  ``train.on_nonfinite = "stop"``; nothing was saved from the bad state.
+- 4 (:data:`EXIT_SAVE_FAILED`): a checkpoint could not be written (disk full, ...); the
+  previous checkpoint is untouched.
 """
 
 from __future__ import annotations
@@ -10,6 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_SAVE_FAILED = 4
+# the codes a worker exits with on purpose; the launcher returns them unchanged
+STOP_CODES = frozenset({EXIT_USAGE, EXIT_DIVERGED, EXIT_SAVE_FAILED})
 
 
 class UserError(Exception):
@@ -53,3 +68,31 @@ class Interrupted(SystemExit):
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
         self.signum = signum
+
+
+class TrainingStopped(Exception):
+    """Training stopped on purpose, every rank agreeing; ``exit_code`` says why. The
+    message is one line for the user."""
+
+    exit_code = 1
+
+
+class DivergenceError(TrainingStopped):
+    """What step ``step`` (1-based) computed is not finite: ``what`` is ``"loss"``,
+    ``"gradients"``, ``"loss and gradients"``, or the state a checkpoint would hold."""
+
+    exit_code = EXIT_DIVERGED
+
+    def __init__(self, step: int, what: str) -> None:
+        self.step, self.what = step, what
+        super().__init__(f"training diverged at step {step}: the {what} went non-finite "
+                         "(nan or inf); nothing was saved from that state (lower "
+                         "train.lr, set train.grad_clip, or set train.on_nonfinite=skip "
+                         "to skip such steps)")
+
+
+class CheckpointSaveError(TrainingStopped):
+    """A checkpoint could not be written; its staging directory was removed and the
+    previous checkpoint is untouched."""
+
+    exit_code = EXIT_SAVE_FAILED

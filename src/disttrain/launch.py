@@ -15,7 +15,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from .errors import UserError
+from .errors import STOP_CODES, UserError
 from .monitor.watchdog import HANG_EXIT_CODE
 
 
@@ -58,8 +58,10 @@ def default_rdzv_id(job: str) -> str:
 
 
 # a worker's exit status that the launcher passes on as its own (the same on every
-# failed worker): bad input, a hang the watchdog reported, a stop on SIGINT / SIGTERM
-PASSED_ON_CODES = (2, HANG_EXIT_CODE, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+# failed worker): bad input, divergence, a failed save, a hang the watchdog reported, a
+# stop on SIGINT / SIGTERM
+PASSED_ON_CODES = (*sorted(STOP_CODES), HANG_EXIT_CODE, 128 + signal.SIGINT,
+                   128 + signal.SIGTERM)
 
 
 def inside_worker() -> bool:
@@ -119,9 +121,11 @@ def _quiet_signal_lines(record: logging.LogRecord) -> bool:
 
 def launch(opts: LaunchOptions, target: list[str]) -> int:
     """Run ``target`` on ``opts.nproc`` workers per node; return an exit code: the
-    workers' own when they agree on one of :data:`PASSED_ON_CODES`, 75 when any
-    reported a hang, 128 + the signal when this process was stopped by one (the
-    workers get it too and stop as ``checkpoint.on_signal`` says), 1 otherwise."""
+    workers' own when every failed worker exited with the same one of
+    :data:`PASSED_ON_CODES` (2: bad input, 3: diverged, 4: a checkpoint save failed,
+    75: a hang, 130 / 143: a signal; the agent passes each worker's code through), 75
+    when any reported a hang, 128 + the signal when this process was stopped by one
+    (the workers get it too and stop as ``checkpoint.on_signal`` says), 1 otherwise."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -145,10 +149,12 @@ def launch(opts: LaunchOptions, target: list[str]) -> int:
         return 128 + exc.sigval
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
+        # workers the agent stopped because another failed show as signals (< 0)
+        own = {c for c in codes if isinstance(c, int) and c >= 0}
+        if len(own) == 1 and own <= set(PASSED_ON_CODES):
+            return own.pop()  # the worker has said why, in one line
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})"
                           for r, f in sorted(exc.failures.items()))
         print(f"disttrain: worker failure: {ranks}", file=sys.stderr)
-        if HANG_EXIT_CODE in codes:
-            return HANG_EXIT_CODE
-        return codes.pop() if len(codes) == 1 and codes <= set(PASSED_ON_CODES) else 1
+        return HANG_EXIT_CODE if HANG_EXIT_CODE in codes else 1
     return 0

@@ -41,6 +41,9 @@ SYNC_DILOCO = "diloco"
 SYNC_ASYNC = "async"
 SYNC_FEDAVG = "fedavg"
 SYNC_MODES = (SYNC_EVERY_STEP, SYNC_LOCAL_SGD, SYNC_DILOCO, SYNC_ASYNC, SYNC_FEDAVG)
+# train.on_nonfinite: what a step whose loss or gradient norm is nan / inf does
+NONFINITE_STOP = "stop"
+NONFINITE_SKIP = "skip"
 # the periodic modes whose per-round update goes through comm.codec
 CODEC_SYNC_MODES = (SYNC_LOCAL_SGD, SYNC_DILOCO)
 

@@ -14,6 +14,7 @@ included), warning in one line about the ones it skipped.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -116,7 +117,7 @@ class CheckpointManager:
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], owners: dict[str, int],
              meta: dict[str, Any], parts: dict[str, Part] | None = None, *,
-             eager: frozenset[str] = frozenset()) -> None:
+             eager: frozenset[str] = frozenset(), commit: bool = True) -> None:
         """Save the tensors this rank owns (``owners[key] == rank``). A key in ``parts``
         is a piece of a larger global tensor (a ZeRO shard): ``(global name, global
         shape, flat range)``; any other key is a whole tensor under its own name.
@@ -126,14 +127,24 @@ class CheckpointManager:
         must not change: call :meth:`before_update` before anything modifies them (the
         trainer does, before each optimizer step, so the copy overlaps the next forward
         and backward). Keys in ``eager`` (tensors that change sooner, e.g. buffers a
-        forward pass updates) are copied now."""
+        forward pass updates) are copied now.
+
+        A failed write raises :class:`SaveFailed` (asynchronous: from :meth:`wait`),
+        one line naming the rank, the file and the error: this rank's files are removed
+        and a failure marker makes rank 0's commit give up, so the previous checkpoint
+        stays ``latest``; once every rank is done, the caller removes the staging
+        directory (:meth:`abandon`). ``commit=False`` (synchronous saves only): write
+        this rank's part and return; rank 0 then calls :meth:`commit` once every rank's
+        write is known to have succeeded."""
         self.wait()
         mine = {n: t.detach() for n, t in tensors.items() if owners[n] == self.rank}
         staging = storage.staging_dir(self.root, step, self.attempt)
         staging.mkdir(parents=True, exist_ok=True)
         if not self.async_save:  # training waits for the write: CPU tensors in place
             host = {n: t.cpu().contiguous() for n, t in mine.items()}
-            self._write(staging, step, host, meta, parts or {})
+            self._write(staging, step, host, parts or {})
+            if commit and self.rank == 0:
+                self.commit(step, meta)
             return
         mine.update({n: mine[n].clone() for n in eager if n in mine})
         on_device = {n: t for n, t in mine.items() if t.is_cuda}
@@ -207,12 +218,48 @@ class CheckpointManager:
                 self._device_copy[0].synchronize()  # the GPU copies have landed
             host.update(pinned)
             self._host.update(pinned)
-            self._write(staging, step, host, meta, parts)
+            self._write(staging, step, host, parts)
+            if self.rank == 0:
+                self.commit(step, meta)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._error = exc
 
     def _write(self, staging: Path, step: int, host: dict[str, torch.Tensor],
-               meta: dict[str, Any], parts: dict[str, Part]) -> None:
+               parts: dict[str, Part]) -> None:
+        """This rank's shard and marker; on failure, its files are removed, a failure
+        marker tells rank 0, and :class:`SaveFailed` is raised."""
+        try:
+            self._write_part(staging, step, host, parts)
+        except Exception as exc:
+            for path in (staging / shard_file_name(self.rank),
+                         storage.marker_file(staging, self.rank)):
+                path.unlink(missing_ok=True)
+            problem = _problem(self.rank, exc)
+            storage.mark_failed(staging, self.rank, problem)
+            raise SaveFailed(f"checkpoint step {step}: {problem}", own=True) from exc
+
+    def commit(self, step: int, meta: dict[str, Any]) -> None:
+        """Rank 0: make the written step the latest checkpoint, or raise
+        :class:`SaveFailed` (another rank's write failed: the caller removes the staging
+        directory once every rank is done; this one's index failed: removed here)."""
+        staging = storage.staging_dir(self.root, step, self.attempt)
+        try:
+            storage.commit(self.root, staging, step, self.world_size, meta, self.keep)
+        except storage.SaveAbandoned as exc:  # other ranks may still be writing: the
+            raise SaveFailed(str(exc), own=False) from exc  # caller abandons it later
+        except Exception as exc:  # every rank's marker is in: nobody writes there now
+            self.abandon(step)
+            raise SaveFailed(f"checkpoint step {step}: {_problem(self.rank, exc)}",
+                             own=True) from exc
+
+    def abandon(self, step: int) -> None:
+        """Remove the staging directory of ``step`` (rank 0, once every rank is done
+        with it); ``latest`` and the committed checkpoints are not touched."""
+        shutil.rmtree(storage.staging_dir(self.root, step, self.attempt),
+                      ignore_errors=True)
+
+    def _write_part(self, staging: Path, step: int, host: dict[str, torch.Tensor],
+                    parts: dict[str, Part]) -> None:
         file_meta = storage.write_shard(staging, self.rank, host, step) if host else None
         name = shard_file_name(self.rank)
         entries: dict[str, TensorEntry] = {}
@@ -228,16 +275,45 @@ class CheckpointManager:
                          shape=tuple(where["shape"])) if isinstance(where, dict)
                 else ShardRef(name, key, flat=tuple(where)))
         storage.write_marker(staging, self.rank, file_meta, entries)
-        if self.rank == 0:
-            storage.commit(self.root, staging, step, self.world_size, meta, self.keep)
+
+    @property
+    def writing(self) -> bool:
+        """An asynchronous save is still running on this rank."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def pending(self) -> bool:
+        """An asynchronous save was started and :meth:`wait` has not collected it."""
+        return self._thread is not None
 
     def wait(self) -> None:
-        """Block until the previous save (and, on rank 0, its commit) is done."""
+        """Block until the previous save (and, on rank 0, its commit) is done; raise
+        :class:`SaveFailed` if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self._device_copy = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"checkpoint save failed on rank {self.rank}: {error}") \
-                from error
+            if isinstance(error, SaveFailed):
+                raise error
+            raise SaveFailed(f"checkpoint save failed: {_problem(self.rank, error)}",
+                             own=True) from error
+
+
+class SaveFailed(Exception):
+    """A checkpoint save failed: one line naming the rank, the file and the error.
+    ``own``: this rank's part failed (False: rank 0 abandoned the save because
+    another rank's did)."""
+
+    def __init__(self, message: str, *, own: bool) -> None:
+        super().__init__(message)
+        self.own = own
+
+
+def _problem(rank: int, exc: BaseException) -> str:
+    """``rank 1 could not write PATH: No space left on device``, for one line."""
+    if isinstance(exc, OSError) and exc.filename:
+        return f"rank {rank} could not write {exc.filename}: {exc.strerror or exc}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"rank {rank}: {type(exc).__name__}: {text}"

@@ -9,11 +9,14 @@ small ``rank-NNNNN.json`` marker describing what it wrote. Rank 0 waits for ever
 marker, writes ``index.json``, renames staging to its final name, and only then points
 ``latest`` at it. The pointer is the commit: a crash or failed write at any earlier
 moment leaves the previous checkpoint as ``latest``, intact. Directories newer than the
-pointer are leftovers of an interrupted save and are ignored (and removed).
+pointer are leftovers of an interrupted save and are ignored (and removed). A rank
+whose write fails (a full disk) leaves ``rank-NNNNN.failed`` instead of its marker; rank
+0's commit sees it and gives up, and the staging directory is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +24,7 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,13 +54,26 @@ def staging_dir(root: Path, step: int, attempt: int) -> Path:
     return root / f"{step_name(step)}.tmp-{attempt}"
 
 
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Give an ``OSError`` raised while writing ``path`` the file's name (a failed
+    ``write`` or ``fsync``, e.g. a full disk, carries none)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with naming(tmp):
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
@@ -68,7 +84,9 @@ def write_shard(staging: Path, rank: int, tensors: dict[str, torch.Tensor],
     a header built here, with no serialised copy in between."""
     maybe_fail("save.before_tensors", rank, step)
     name = shard_file_name(rank)
-    size, sha256 = _write_hashed(staging / name, _safetensors_pieces(tensors), rank, step)
+    with naming(staging / name):
+        size, sha256 = _write_hashed(staging / name, _safetensors_pieces(tensors), rank,
+                                     step)
     return {"file": name, "bytes": size, "sha256": sha256}
 
 
@@ -141,17 +159,47 @@ def _safetensors_dtype(name: str, dtype: torch.dtype) -> str:
     return SAFETENSORS_DTYPES[dtype]
 
 
+def marker_file(staging: Path, rank: int) -> Path:
+    """Where ``rank`` says it has written its part of the save."""
+    return staging / f"rank-{rank:05d}.json"
+
+
 def write_marker(staging: Path, rank: int, file_meta: dict[str, Any] | None,
                  entries: dict[str, TensorEntry]) -> None:
     payload = {"rank": rank, "file": file_meta,
                "tensors": {k: v.to_json() for k, v in entries.items()}}
-    write_atomic(staging / f"rank-{rank:05d}.json", json.dumps(payload).encode())
+    write_atomic(marker_file(staging, rank), json.dumps(payload).encode())
+
+
+def failure_marker(staging: Path, rank: int) -> Path:
+    return staging / f"rank-{rank:05d}.failed"
+
+
+def mark_failed(staging: Path, rank: int, problem: str) -> None:
+    """Tell rank 0's commit that this rank's part of the save failed (best effort: on a
+    full disk the message may not fit, but an empty file still says it)."""
+    try:
+        fd = os.open(failure_marker(staging, rank), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, problem.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class SaveAbandoned(Exception):
+    """Another rank's part of the save failed; the staging directory is removed."""
 
 
 def _wait_markers(staging: Path, world_size: int, timeout_s: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
-    paths = [staging / f"rank-{r:05d}.json" for r in range(world_size)]
+    paths = [marker_file(staging, r) for r in range(world_size)]
     while not all(p.exists() for p in paths):
+        failed = sorted(staging.glob("rank-*.failed"))
+        if failed:
+            raise SaveAbandoned(f"checkpoint {staging.name}: {failed[0].name} (another "
+                                "rank's write failed)")
         if time.monotonic() > deadline:
             missing = [r for r, p in enumerate(paths) if not p.exists()]
             raise TimeoutError(f"checkpoint {staging.name}: ranks {missing} did not finish "

@@ -8,6 +8,7 @@ the fix. Cross-field checks live in ``validate.py``.
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -169,6 +170,9 @@ def _check_bounds(dotted: str, value: Any, f: Any) -> None:
         if meta.get("optional"):
             return
         raise ConfigError(dotted, value, "must be set", f"give {dotted} a value")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(dotted, value, "must be a finite number",
+                          f"set {dotted} to a finite value")
     choices = meta.get("choices")
     if choices and value not in choices:
         raise ConfigError(dotted, value, "not a valid choice",

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..names import (CODEC_NONE, CODECS, SCHEDULE_1F1B, SCHEDULES, SYNC_EVERY_STEP,
-                     SYNC_MODES, TRACE_FILE)
+from ..names import (CODEC_NONE, CODECS, NONFINITE_SKIP, NONFINITE_STOP, SCHEDULE_1F1B,
+                     SCHEDULES, SYNC_EVERY_STEP, SYNC_MODES, TRACE_FILE)
 
 # Upper bounds that keep a value finite and usable: a bucket beyond any device's memory
 # buys nothing; a collective that waits a week is hung.
@@ -96,6 +96,11 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2", ge=0.0, le=1.0)
     momentum: float = _f(0.9, "SGD momentum", ge=0.0, le=1.0)
     grad_clip: float = _f(1.0, "clip gradients to this global norm; 0 = off", ge=0.0)
+    on_nonfinite: str = _f(NONFINITE_STOP, "a step whose loss or gradient norm is nan/inf: "
+                           "stop (exit code 3, nothing saved from it) or skip its "
+                           "update (counted in metrics); fp16 loss scaling skips "
+                           "gradient overflows itself",
+                           choices=(NONFINITE_STOP, NONFINITE_SKIP))
     seed: int = _f(1234, "seed for initialisation and the sample order", ge=0)
     eval_every: int = _f(0, "evaluate every N steps; 0 = at start and end only", ge=0)
     eval_samples: int = _f(256, "held-out samples per evaluation", ge=1)

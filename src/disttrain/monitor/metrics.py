@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ class MetricsWriter:
         """Append ``record`` (a dict is checked against the record's fields first)."""
         if self.path is None:
             return
-        line = json.dumps(as_record(record).to_dict(), sort_keys=True)
+        line = json.dumps(finite_or_null(as_record(record).to_dict()), sort_keys=True,
+                          allow_nan=False)
         if self._fh is None:
             self._fh = self.path.open("a", encoding="utf-8")
         self._fh.write(line + "\n")
@@ -32,6 +34,18 @@ class MetricsWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every nan / inf float (in nested dicts and lists too) replaced by
+    None, so that it is valid JSON (``null``): ``json.dumps`` would write ``NaN``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ class MetricsRecord:
     checkpoint_stall_s: float | None = None
     loss_scale: float | None = None          # fp16 only
     skipped_steps: int | None = None         # fp16 only: steps skipped on overflow
+    nonfinite_skipped: int | None = None     # train.on_nonfinite=skip: steps skipped
     eval_loss: float | None = None           # at steps with an evaluation
     memory_mb: dict[str, float] | None = None  # model state and activations by part
     comm_bytes_per_step: float | None = None

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.manager import CheckpointManager, find_checkpoint, open_checkpoint
+from ..checkpoint.manager import (CheckpointManager, SaveFailed, find_checkpoint,
+                                  open_checkpoint)
 from ..checkpoint.state import restore_rng, rng_tensors
-from ..comm import Communicator
+from ..comm import Communicator, ReduceOp
 from ..config import Config, RunPlan
-from ..errors import UserError
+from ..errors import CheckpointSaveError, DivergenceError, UserError
 from ..parallel.interfaces import ShardedState, StatePiece
 
 
@@ -36,6 +37,7 @@ class RunCheckpoints:
                                          async_save=ck.async_)
         self.stall_s = 0.0
         self.last_saved = -1  # the step of this run's latest save
+        self.saving: int | None = None  # the step of a save not yet known to be done
 
     def resume(self, say: Callable[[str], None]) -> tuple[int, int] | None:
         """Load the newest intact checkpoint, if any: returns (step, sample position).
@@ -81,16 +83,81 @@ class RunCheckpoints:
                                      step == self.config.train.steps)
 
     def save(self, step: int, position: int) -> None:
+        """Save after step ``step`` (a collective). Raises, on every rank alike,
+        :class:`~disttrain.errors.DivergenceError` if the state holds a nan / inf
+        (nothing written) and :class:`~disttrain.errors.CheckpointSaveError` if a rank
+        could not write its part (a synchronous save at once, an asynchronous one at
+        the first step boundary after every rank is done); either way ``latest`` still
+        names the previous checkpoint."""
         start = time.perf_counter()
-        tensors, parts, eager = _layout(self.state.state_pieces(self.optimizer),
-                                        self.world.rank)
+        self._collect()  # the previous asynchronous save, if still pending
+        pieces = self.state.state_pieces(self.optimizer)
+        self._refuse_nonfinite(step, pieces)
+        tensors, parts, eager = _layout(pieces, self.world.rank)
         own_rng = rng_tensors(self.world.rank)
         tensors.update(own_rng)
         owners = dict.fromkeys(tensors, self.world.rank)
-        self.manager.save(step, tensors, owners, self._meta(step, position), parts,
-                          eager=frozenset(eager))
+        meta = self._meta(step, position)
+        self.saving = step
+        if self.manager.async_save:
+            self.manager.save(step, tensors, owners, meta, parts, eager=frozenset(eager))
+        else:  # every rank's part is written before rank 0 commits
+            self._agree(_attempt(lambda: self.manager.save(
+                step, tensors, owners, meta, parts, eager=frozenset(eager), commit=False)))
+            if self.world.rank == 0:
+                committed = _attempt(lambda: self.manager.commit(step, meta))
+            self._agree(self.world.broadcast_object(
+                committed if self.world.rank == 0 else None))
+            self.saving = None
         self.stall_s = time.perf_counter() - start
         self.last_saved = step
+
+    def check(self) -> None:
+        """At a step boundary, while an asynchronous save is pending: once no rank is
+        still writing, collect its outcome (a failure stops training here). One
+        one-element all-reduce per step while a save is in flight, none otherwise."""
+        if not self.manager.pending:  # the same on every rank: saves start together
+            return
+        writing = self.world.zeros(1)
+        writing[0] = float(self.manager.writing)
+        self.world.all_reduce(writing, op=ReduceOp.MAX)
+        if not writing.item():
+            self._collect()
+
+    def _collect(self) -> None:
+        """Wait for this rank's asynchronous save and agree on every rank's outcome."""
+        if self.manager.pending:
+            self._agree(_attempt(self.manager.wait))
+
+    def _agree(self, problem: tuple[bool, str] | None) -> None:
+        """Every rank learns whether any rank's part of the save in progress failed
+        (``problem``: (the rank's own write failed, one line)); if one did, rank 0
+        removes the staging directory and every rank raises the failing rank's line."""
+        problems = [p for p in self.world.all_gather_object(problem) if p is not None]
+        if not problems:
+            return
+        step, self.saving = self.saving, None
+        if self.world.rank == 0 and step is not None:
+            self.manager.abandon(step)
+        own = [text for mine, text in problems if mine] or [problems[0][1]]
+        raise CheckpointSaveError(f"{own[0]}; the save was abandoned (staging removed), "
+                                  "the previous checkpoint is still the latest")
+
+    def _refuse_nonfinite(self, step: int, pieces: list[StatePiece]) -> None:
+        """A state holding nan / inf is never saved, so retention can never drop a
+        finite checkpoint for it: one all-reduce of a flag, then the name of the
+        first bad tensor."""
+        floats = [p for p in pieces if p.tensor.is_floating_point()]
+        flags = [torch.isfinite(p.tensor).all() for p in floats]
+        bad = self.world.zeros(1)
+        if flags:
+            bad[0] = (~torch.stack(flags).all()).float().to(bad.device)
+        self.world.all_reduce(bad, op=ReduceOp.MAX)
+        if not bad.item():
+            return
+        mine = next((p.name for p, ok in zip(floats, flags) if not ok), None)
+        names = [n for n in self.world.all_gather_object(mine) if n is not None]
+        raise DivergenceError(step, f"model state ({names[0]})")
 
     def before_update(self) -> None:
         """Before the optimizer changes parameters and state: wait until an async save
@@ -106,7 +173,18 @@ class RunCheckpoints:
                 "config": self.config.to_dict(), "saved_at": time.time()}
 
     def close(self) -> None:
-        self.manager.wait()
+        """Wait for a pending asynchronous save (a collective: it may have failed)."""
+        self._collect()
+
+
+def _attempt(save: Callable[[], None]) -> tuple[bool, str] | None:
+    """Run one part of a save: None if it worked, else (this rank's own write failed,
+    the one-line message)."""
+    try:
+        save()
+    except SaveFailed as exc:
+        return exc.own, str(exc)
+    return None
 
 
 # what a resumed run must share with the checkpoint to follow the same trajectory

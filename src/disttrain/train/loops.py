@@ -8,6 +8,7 @@ the progress line, metrics records, checkpoints).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ class StepLoop:
         for step in range(trainer.start_step, train.steps):
             stats = trainer.train_step(step)
             totals.add(stats)
-            if stats.terms:  # a fedavg client that sat the step out has no loss
+            # a fedavg client that sat the step out has no loss; a skipped nan step none
+            if stats.terms and math.isfinite(stats.loss):
                 recent.append(stats.loss)
             done = step + 1
             evaluate_now = train.eval_every and done % train.eval_every == 0

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 import torch
 from torch import nn
 
+from ..monitor.metrics import finite_or_null
 from ..names import SUMMARY_FILE, WEIGHTS_FILE
 
 
@@ -30,7 +31,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True))
+    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(finite_or_null(summary), indent=2,
+                                                         sort_keys=True, allow_nan=False))
 
 
 def save_weights(model: nn.Module | dict[str, torch.Tensor], run_dir: Path) -> Path:

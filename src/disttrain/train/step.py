@@ -9,6 +9,7 @@ the last backward, and the reduced gradients are divided by the global count.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class StepRunner:
     grad_norm: float = 0.0
     before_update: Callable[[], Any] = lambda: None  # e.g. an async checkpoint's snapshot
     token_loss: TokenLoss | None = None  # the default loss's per-token loss (None: full)
+    nonfinite: str | None = None  # what went non-finite in the last step (None: nothing)
+    nonfinite_skipped: int = 0  # steps whose update was skipped for a non-finite value
 
     def loss(self, outputs: Any, batch: Batch) -> tuple[torch.Tensor, int, bool]:
         """(summed loss, loss terms, whether the terms are samples) of a micro-batch."""
@@ -97,8 +100,11 @@ class StepRunner:
         stats.compute_s = to - t0 - stats.data_s - (waited_mid - waited0)
         with self.tracer.span("optimizer"):
             self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
+            self.nonfinite = nonfinite_part(loss, self.grad_norm, self.scaler.enabled)
             self.before_update()
-            if self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
+            if self.nonfinite is not None:  # the trainer stops, or counts the skip
+                self.nonfinite_skipped += 1
+            elif self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
                 self.optimizer.step()
                 self.grads.after_optimizer_step()
         stats.optim_s = time.perf_counter() - to - (self.ledger.wait_seconds - waited_mid)
@@ -148,6 +154,19 @@ class StepRunner:
         if saved is not None:
             self.activation_bytes = saved.peak
         return handle
+
+
+def nonfinite_part(loss_sum: float, grad_norm: float, loss_scaled: bool) -> str | None:
+    """Which of the step's loss / gradients is nan or inf (None: neither). Both are
+    values every rank already agrees on: the loss total is summed over the ranks whose
+    gradients are summed together (a nan or inf anywhere makes the sum non-finite) and
+    the norm is global, so no extra collective is needed. With fp16 loss scaling a
+    gradient overflow is the scaler's to skip, not a divergence."""
+    bad_loss = not math.isfinite(loss_sum)
+    bad_grads = not loss_scaled and not math.isfinite(grad_norm)
+    if bad_loss and bad_grads:
+        return "loss and gradients"
+    return "loss" if bad_loss else "gradients" if bad_grads else None
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):

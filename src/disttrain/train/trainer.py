@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..comm import CollectiveLedger, Communicator
+from ..comm import CollectiveLedger, Communicator, ReduceOp
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
-from ..errors import Interrupted, UserError
+from ..errors import DivergenceError, Interrupted, UserError
 from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
@@ -49,8 +49,8 @@ from ..monitor.stats import StragglerDetector, StepStats
 from ..monitor.telemetry import Telemetry, TensorBoardWriter
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
-from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, TENSORBOARD_DIR,
-                     TRACE_FILE, trace_rank_file)
+from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, NONFINITE_STOP,
+                     TENSORBOARD_DIR, TRACE_FILE, trace_rank_file)
 from ..parallel.balance import BatchSplitter, micro_batch_sizes
 from ..parallel.compose import PARAMETER_SERVER, PIPELINE, PLAIN, Groups, compose
 from ..topology import Topology, build_topology
@@ -132,7 +132,11 @@ class Trainer:
         try:
             self._build(runtime)
             loop: TrainingLoop = LOOPS[self.parallel.step]()
-            result = loop.run(self)
+            try:
+                result = loop.run(self)
+            except DivergenceError:
+                self.checkpoints.close()  # a save of an earlier, finite step completes
+                raise
             self.bar.close()
             self.checkpoints.close()
             return self._finish(result)
@@ -272,6 +276,11 @@ class Trainer:
             # a fedavg client sitting this round out does not step
             stats = StepStats() if selected is None else self.stepper.run(
                 self._micro_batches(selected))
+        bad = None if selected is None else self.stepper.nonfinite
+        if self.parallel.sync.steps_apart and self._stops_on_nonfinite:
+            bad = self._any_rank_nonfinite(bad)  # every rank stops at the same step
+        if bad is not None:
+            self._on_nonfinite(step + 1, bad)
         if self.stepper.terms_are_samples:
             self.bar.unit = "samples"
         self.position += self.plan.batch.global_batch
@@ -281,6 +290,30 @@ class Trainer:
         self.telemetry.window.add(stats)
         self.bar.update(done, stats.loss, stats.terms / max(stats.total_s, 1e-9))
         return stats
+
+    @property
+    def _stops_on_nonfinite(self) -> bool:
+        return self.config.train.on_nonfinite == NONFINITE_STOP
+
+    def _any_rank_nonfinite(self, mine: str | None) -> str | None:
+        """What went non-finite on any rank (replicas that step apart share no loss
+        total): one all-reduce of two flags, loss and gradients."""
+        flags = self.world.zeros(2)
+        flags[0] = float(mine is not None and "loss" in mine)
+        flags[1] = float(mine is not None and "gradients" in mine)
+        self.world.all_reduce(flags, op=ReduceOp.MAX)
+        loss, grads = flags.tolist()
+        return ("loss and gradients" if loss and grads else "loss" if loss
+                else "gradients" if grads else None)
+
+    def _on_nonfinite(self, done: int, what: str) -> None:
+        """Step ``done`` computed a nan / inf ``what`` (its update was not applied; every
+        rank agrees, except that under skip replicas that step apart skip on their
+        own): stop the run, or go on without it."""
+        if self._stops_on_nonfinite:
+            raise DivergenceError(done, what)
+        self.bar.message(f"step {done}: the {what} went non-finite; update skipped "
+                         f"({self.stepper.nonfinite_skipped} skipped so far)")
 
     def _micro_batches(self, indices: list[int]) -> list[list[int]]:
         """This rank's indices as the step's micro-batches: the same count on every
@@ -294,7 +327,9 @@ class Trainer:
         return out
 
     def maybe_checkpoint(self, done: int) -> None:
-        """Save after step ``done`` if it is due and the replicas agree."""
+        """Save after step ``done`` if it is due and the replicas agree (first, collect
+        a finished asynchronous save: a failed one stops training here)."""
+        self.checkpoints.check()
         if self.checkpoints.due(done) and self.parallel.sync.at_boundary(done):
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, self.position)
@@ -381,6 +416,7 @@ class Trainer:
             checkpoint_stall_s=self.checkpoints.stall_s,
             loss_scale=scaler.scale if scaler.enabled else None,
             skipped_steps=scaler.skipped if scaler.enabled else None,
+            nonfinite_skipped=self.stepper.nonfinite_skipped or None,
             eval_loss=eval_loss,
             memory_mb={k: v / 2**20 for k, v in self._memory().items()},
             comm_bytes_per_step=(self.step_bytes - self.logged_bytes) / max(window.steps, 1),
@@ -408,6 +444,7 @@ class Trainer:
             "comm_bytes_per_step": self.step_bytes / max(self.config.train.steps
                                                          - self.start_step, 1),
             "collectives": self.ledger.seq,
+            "nonfinite_skipped": self.stepper.nonfinite_skipped,
         }
         if self.flops_per_term:
             peak = self.telemetry.peak

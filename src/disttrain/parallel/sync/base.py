@@ -32,6 +32,9 @@ class SyncStrategy:
 
     name = SYNC_EVERY_STEP
     runs_own_loop = False  # the parameter server replaces the step loop with its own
+    # replicas step on their own gradients between rounds: a nan on one rank is not in
+    # any total the others see within the step
+    steps_apart = False
 
     def select(self, step: int, indices: list[int]) -> list[int] | None:
         """This rank's dataset indices for 0-based ``step`` (default: its share of the
@@ -53,6 +56,8 @@ class PeriodicSync(SyncStrategy):
     """A mode whose replicas train apart and are reconciled every ``every`` steps and
     after the last one (:meth:`_round`); checkpoints are taken only right after a round,
     when the replicas agree."""
+
+    steps_apart = True
 
     def __init__(self, model: nn.Module, comm: Communicator, every: int) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]

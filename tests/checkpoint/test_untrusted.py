@@ -327,8 +327,11 @@ def test_train_refuses_a_run_whose_only_checkpoint_is_crafted(trained, tmp_path)
     _edit_index(_step(run_dir, 4), lambda data: next(iter(data["tensors"].values()))
                 .__setitem__("dtype", "float128"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([DISTTRAIN, "train", "--run-dir", str(run_dir)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    # the fixture's vocabulary is smaller than the byte corpus the command line would
+    # train on: raise it, so that the checkpoint is the first thing refused
+    proc = subprocess.run([DISTTRAIN, "train", "--run-dir", str(run_dir), "--set",
+                           "model.vocab_size=256"], env=env, capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "index.json" in proc.stderr
     assert "unknown dtype 'float128'" in proc.stderr

@@ -83,8 +83,11 @@ def test_no_intact_checkpoint_is_a_one_line_error(run_copy):
     with pytest.raises(UserError, match="no intact checkpoint"):
         find_checkpoint(run_copy, warn=lambda _: None)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([DISTTRAIN, "train", "--run-dir", str(run_copy)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    # the run's vocabulary is below the byte corpus's: raise it, so that the checkpoints
+    # are what the command line refuses
+    proc = subprocess.run([DISTTRAIN, "train", "--run-dir", str(run_copy), "--set",
+                           "model.vocab_size=256"], env=env, capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no intact checkpoint" in proc.stderr
 

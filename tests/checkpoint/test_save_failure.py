@@ -57,3 +57,52 @@ def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     logged = [json.loads(line)["step"] for line in
               (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1] == 3 if not async_save else logged[-1] in (4, 5)
+
+
+def _mount_tmpfs(where: str, size_kib: int) -> bool:
+    """Mount a tmpfs of ``size_kib`` at ``where``; False where this process may not."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs",
+                           where], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+def _fit_on(run_dir: str, steps: int) -> str | None:
+    try:
+        fit_tiny(steps, run_dir, checkpoint={"every": 2, "keep": 2}, peak_tflops=1.0,
+                 log_every=1)
+    except CheckpointSaveError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_really_full_filesystem(tmp_path):
+    """The same on a real filesystem that fills up: a small tmpfs (root only)."""
+    import shutil
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if not _mount_tmpfs(str(mount), 8 * 1024):
+        pytest.skip("cannot mount a tmpfs here (needs root and mount)")
+    try:
+        run_dir = mount / "run"
+        assert run_distributed(_fit_on, 2, args=(str(run_dir), 2), timeout=60) == [None] * 2
+        saved = sum(f.stat().st_size for f in (run_dir / "checkpoints").rglob("*")
+                    if f.is_file())
+        # fill the disk, leaving room for the metrics but not for another checkpoint
+        free = shutil.disk_usage(mount).free
+        with open(mount / "filler", "wb") as fh:
+            fh.write(b"\0" * max(0, free - min(saved // 2, 64 * 1024)))
+        messages = run_distributed(_fit_on, 2, args=(str(run_dir), 6), timeout=60)
+        assert messages[0] == messages[1] and messages[0] is not None
+        assert "\n" not in messages[0] and "No space left on device" in messages[0]
+        root = run_dir / "checkpoints"
+        assert not list(root.glob("*.tmp-*"))  # the staging directory is gone
+        assert (root / "latest").read_text().strip() == "step-00000002"
+        assert find_checkpoint(run_dir, warn=pytest.fail).name == "step-00000002"
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=30)

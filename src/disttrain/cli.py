@@ -148,12 +148,12 @@ def _train(ns: argparse.Namespace) -> int:
 
     run_dir = ns.run_dir or str(new_run_dir_name())
     opts = _launch_options(ns, os.path.abspath(run_dir))
-    if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
-        raise UserError("a multi-node job needs --run-dir, the same path on every node "
-                        "(it also names the job's rendezvous), or --rdzv-id")
     for world_size in opts.world_sizes():
         check_model_fits(config, world_size, opts.nproc)  # first: resolve's spec is O(n_layer)
         check_batch_fits(config, resolve(config, world_size), opts.nproc)
+    if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
+        raise UserError("a multi-node job needs --run-dir, the same path on every node "
+                        "(it also names the job's rendezvous), or --rdzv-id")
     from .data import corpus_from_config
     from .data.check import check_samples, check_vocab
 

@@ -49,6 +49,8 @@ BAD = [
       "--set", "train.micro_batch=4"], "train.global_batch"),
     (["train", "--nproc", "2", "--nnodes", "1:3", "--set", "train.global_batch=8",
       "--set", "train.grad_accum=1"], "train.global_batch"),
+    # every node must name the same job: a run directory (or a rendezvous id)
+    (["train", "--nproc", "1", "--nnodes", "2"], "--run-dir"),
     (["train", "missing.toml"], "missing.toml"),
     (["train", "--set", "data.path=/no/such/place"], "data.path"),
     (["train", "--set", "noequals"], "noequals"),

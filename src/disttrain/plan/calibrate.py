@@ -43,8 +43,8 @@ from ..monitor.peaks import matmul_precision
 from ..launch import worker_threads
 from ..testing import run_distributed
 from .cluster import Cluster
-from .estimate import (attention_time, kernel_time_of_layer, ring_bytes_factor,
-                       ring_latency_steps)
+from .costs import (attention_time, kernel_time_of_layer, ring_bytes_factor,
+                    ring_latency_steps)
 from .fit import MatmulFit, MatmulPoint, fit_line, fit_matmul
 from .measure import (COLLECTIVES, CPU_PROBE, Effort, collective_sizes, collective_times,
                       device_memory_gib, matmul_shapes, time_attention, time_copy,

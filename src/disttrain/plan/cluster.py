@@ -132,23 +132,20 @@ _GPU_HOST = {"layer_overhead_s": 3e-4, "tensor_overhead_s": 0.0, "async_dispatch
 # Datasheet figures: HBM bandwidth (GB/s); NVLink per GPU (A100: 600 GB/s, H100/H200:
 # 900 GB/s, both directions, so 300 / 450 each way); DGX A100: 8 x 200 Gb/s HDR
 # (25 GB/s per GPU), DGX H100/H200: 8 x 400 Gb/s NDR (50 GB/s per GPU).
+_A100 = Cluster(name="a100-40gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
+                matmul_efficiency=0.8, attention_efficiency=0.5, memory_gib=40 * 1e9 / _GIB,
+                memory_gbps=1555.0, intra_gbps=0.8 * 300, inter_gbps=0.9 * 25, **_GPU_HOST)
+_H100 = Cluster(name="h100-80gb", gpus_per_node=8, peak_tflops=_peaks("H100-SXM"),
+                matmul_efficiency=0.75, attention_efficiency=0.45, memory_gib=80 * 1e9 / _GIB,
+                memory_gbps=3350.0, intra_gbps=0.8 * 450, inter_gbps=0.9 * 50, **_GPU_HOST)
+# the 80 GB A100 and the H200 differ from their siblings in memory only
 PRESETS: dict[str, Cluster] = {
-    "a100-40gb": Cluster(name="a100-40gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
-                         matmul_efficiency=0.8, attention_efficiency=0.5,
-                         memory_gib=40 * 1e9 / _GIB, memory_gbps=1555.0,
-                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25, **_GPU_HOST),
-    "a100-80gb": Cluster(name="a100-80gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
-                         matmul_efficiency=0.8, attention_efficiency=0.5,
-                         memory_gib=80 * 1e9 / _GIB, memory_gbps=2039.0,
-                         intra_gbps=0.8 * 300, inter_gbps=0.9 * 25, **_GPU_HOST),
-    "h100-80gb": Cluster(name="h100-80gb", gpus_per_node=8, peak_tflops=_peaks("H100-SXM"),
-                         matmul_efficiency=0.75, attention_efficiency=0.45,
-                         memory_gib=80 * 1e9 / _GIB, memory_gbps=3350.0,
-                         intra_gbps=0.8 * 450, inter_gbps=0.9 * 50, **_GPU_HOST),
-    "h200": Cluster(name="h200", gpus_per_node=8, peak_tflops=_peaks("H200-SXM"),
-                    matmul_efficiency=0.75, attention_efficiency=0.45,
-                    memory_gib=141 * 1e9 / _GIB, memory_gbps=4800.0,
-                    intra_gbps=0.8 * 450, inter_gbps=0.9 * 50, **_GPU_HOST),
+    "a100-40gb": _A100,
+    "a100-80gb": replace(_A100, name="a100-80gb", memory_gib=80 * 1e9 / _GIB,
+                         memory_gbps=2039.0),
+    "h100-80gb": _H100,
+    "h200": replace(_H100, name="h200", peak_tflops=_peaks("H200-SXM"),
+                    memory_gib=141 * 1e9 / _GIB, memory_gbps=4800.0),
 }
 PRESETS["h100"] = replace(PRESETS["h100-80gb"], name="h100")
 PRESETS["a100"] = replace(PRESETS["a100-80gb"], name="a100")

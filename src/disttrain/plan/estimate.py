@@ -46,12 +46,14 @@ import math
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .shape import ModelShape
+from .costs import (ACT_BYTES, layer_kernels, matmul_time, op_gbps, ring_time, tier,
+                    with_host)
+from .memory import model_state_bytes as _state_bytes
+from .shape import ModelShape, rank_params, rank_tensors
 
 _GIB = 2**30
 RECOMPUTE = ("none", "selective", "full")
 ACCOUNTING = ("disttrain", "mixed")
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +100,7 @@ class Options:
 
     @property
     def act_bytes(self) -> int:
-        return _ACT_BYTES[self.precision]
+        return ACT_BYTES[self.precision]
 
     @property
     def grad_bytes(self) -> int:
@@ -229,7 +231,7 @@ def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool =
     gathers it again in backward.
     """
     s, h, f = shape.seq, shape.hidden, shape.ffn_width
-    a = _ACT_BYTES[precision]
+    a = ACT_BYTES[precision]
     sbh = s * b * h
     disttrain = accounting == "disttrain"
     norm_in = (4 if disttrain else a) * sbh  # each of the two norms' input
@@ -264,7 +266,7 @@ def _layer_cast_bytes(shape: ModelShape, precision: str, accounting: str) -> flo
     ``disttrain`` accounting counts: autocast keeps one per weight for its whole region,
     a micro-batch's forward, or a pipeline's step, where every micro-batch in flight
     shares it."""
-    a = _ACT_BYTES[precision]
+    a = ACT_BYTES[precision]
     if accounting != "disttrain" or a == 4:
         return 0.0
     return a * sum(i * o for _, i, o in shape.matmul_shapes())
@@ -352,92 +354,15 @@ def _rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
     return tuple(sum(sizes[c::pp]) for c in range(pp))
 
 
-# parameters on one rank ------------------------------------------------------------
-
-@functools.lru_cache(maxsize=65536)
-def rank_params(shape: ModelShape, tp: int, layers: int, first: bool, last: bool,
-                pp: int) -> float:
-    """Parameters one tp rank of a stage holds: its layers, the vocabulary-parallel
-    embedding if first, the final norm and head (or the tied copy) if last."""
-    h = shape.hidden
-    n = 0.0
-    for name, i, o in shape.matmul_shapes():
-        n += i * o / tp
-        if shape.bias and (name != "qkv" or shape.qkv_bias):
-            n += o / tp if name in ("qkv", "gate", "up") else o
-    n += 2 * shape.norm_params()
-    n *= layers
-    if first:
-        n += shape.vocab * h / tp + shape.positions * h
-    if last:
-        n += shape.norm_params()
-        if not shape.tied or (pp > 1 and not first):
-            n += shape.vocab * h / tp
-    return n
-
+# model states on one rank ----------------------------------------------------------
 
 def model_state_bytes(params: float, dp: int, zero: int, accounting: str
                       ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes for ``params`` parameters under ZeRO ``zero``
-    over ``dp`` ranks (AdamW)."""
-    shard = math.ceil(params / dp)
-    if accounting == "mixed":
-        weight, grad, state = 2, 2, 12
-    else:
-        weight, grad, state = 4, 4, 8
-    return (weight * (shard if zero >= 3 else params),
-            grad * (shard if zero >= 2 else params),
-            state * (shard if zero >= 1 else params))
-
-
-# time ------------------------------------------------------------------------------
-
-def matmul_time(cluster: Cluster, m: float, n: float, k: float, precision: str,
-                bytes_per: int) -> float:
-    """One [m, k] x [k, n] matmul: the slower of its FLOPs at the cluster's matmul
-    efficiency and its operands through memory, plus the per-kernel overhead."""
-    flops = 2 * m * n * k
-    compute = flops / (cluster.peak_flops(precision) * cluster.matmul_efficiency)
-    memory = (m * k + k * n + m * n) * bytes_per / (cluster.memory_gbps * 1e9)
-    return max(compute, memory) + cluster.kernel_overhead_s
-
-
-def attention_time(cluster: Cluster, b: float, s: float, width: float,
-                   precision: str) -> float:
-    """Fused attention's forward over ``b`` sequences of ``s`` tokens, ``width`` =
-    heads x head_dim (on one tp rank): q.k and the weighted sum of v, 2 x 2bs^2 x width
-    FLOPs (causal masking not subtracted), at the cluster's attention efficiency."""
-    flops = 2 * 2 * b * s * s * width
-    return flops / (cluster.peak_flops(precision) * cluster.attention_efficiency)
-
-
-def ring_bytes_factor(ranks: int, kind: str = "all_reduce") -> float:
-    """The share of the whole buffer each rank sends: all-reduce 2(n-1)/n,
-    reduce-scatter and all-gather (n-1)/n (NCCL's bus bandwidth over its algorithm
-    bandwidth)."""
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
-
-
-def ring_latency_steps(ranks: int) -> int:
-    """Latency terms a collective pays: the cheaper of the ring's and a tree's."""
-    return min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
-
-
-def ring_time(nbytes: float, ranks: int, gbps: float, latency: float, *,
-              kind: str = "all_reduce") -> float:
-    """NCCL-style ring (bus bandwidth ``gbps``, ``latency`` per step): see
-    :func:`ring_bytes_factor` and :func:`ring_latency_steps`."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    return (nbytes * ring_bytes_factor(ranks, kind) / (gbps * 1e9)
-            + ring_latency_steps(ranks) * latency)
-
-
-def _tier(cluster: Cluster, span: int) -> tuple[float, float]:
-    """(bus GB/s, latency) of a group whose ranks span ``span`` consecutive devices."""
-    if span <= cluster.gpus_per_node:
-        return cluster.intra_gbps, cluster.intra_latency_s
-    return cluster.inter_gbps, cluster.inter_latency_s
+    over ``dp`` ranks (AdamW): :func:`~.memory.model_state_bytes`, whose
+    ``master_copy`` is the ``mixed`` accounting."""
+    est = _state_bytes(params, dp=dp, zero=zero, master_copy=accounting == "mixed")
+    return est.params, est.grads, est.optimizer
 
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
@@ -544,13 +469,13 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
     tokens = b * s
     a = o.act_bytes
     # one layer, one micro-batch, on one tp rank
-    kernels, attn = _layer_kernels(shape, cluster, tp, b, o.precision)
-    layer_fwd = _with_host(cluster, kernels, cluster.layer_overhead_s / 3)
-    layer_bwd = _with_host(cluster, 2 * kernels, cluster.layer_overhead_s * 2 / 3)
+    kernels, attn = layer_kernels(shape, cluster, tp, b, o.precision)
+    layer_fwd = with_host(cluster, kernels, cluster.layer_overhead_s / 3)
+    layer_bwd = with_host(cluster, 2 * kernels, cluster.layer_overhead_s * 2 / 3)
     recompute = {"none": 0.0, "selective": attn, "full": layer_fwd}[lay.recompute]
     # tp: two all-reduces forward, two backward (sp: the same bytes as gathers and
     # reduce-scatters), again when a full recompute reruns the forward
-    tp_gbps, tp_lat = _tier(cluster, tp)
+    tp_gbps, tp_lat = tier(cluster, tp)
     act = tokens * h * a
     one = ring_time(act, tp, tp_gbps, tp_lat)
     tp_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
@@ -580,14 +505,14 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
     # dp: the gradients of this rank's parameters
     params = max(rank_params(shape, tp, layers, st == 0, st == lay.pp - 1, lay.pp)
                  for st, layers in enumerate(counts))
-    dp_gbps, dp_lat = _tier(cluster, lay.dp * tp)
+    dp_gbps, dp_lat = tier(cluster, lay.dp * tp)
     grad_bytes = params * o.grad_bytes
     dp_exposed = 0.0
     dp_total = 0.0
     if lay.dp > 1:
         # one collective per bucket
         buckets = max(1, math.ceil(grad_bytes / (o.bucket_mb * 2**20)))
-        rs_gbps, ag_gbps = (_op_gbps(cluster, kind, lay.dp * tp, dp_gbps)
+        rs_gbps, ag_gbps = (op_gbps(cluster, kind, lay.dp * tp, dp_gbps)
                             for kind in ("reduce_scatter", "all_gather"))
         if lay.zero <= 1:
             dp_total = buckets * ring_time(grad_bytes / buckets, lay.dp, dp_gbps, dp_lat)
@@ -629,60 +554,6 @@ def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
              "full": layers_total * (shape.layer_matmul_flops()
                                      + shape.layer_attention_flops())}[lay.recompute]
     est.hardware_flops = est.model_flops + extra * tokens_step
-
-
-def _layer_kernels(shape: ModelShape, cluster: Cluster, tp: int, b: int,
-                   precision: str) -> tuple[float, float]:
-    """(every kernel, the attention kernel alone) of one layer's forward on one tp
-    rank for a micro-batch of ``b``: each matmul from its shape, fused attention,
-    elementwise work through memory (norms, residuals, activation)."""
-    tokens, h, a = b * shape.seq, shape.hidden, _ACT_BYTES[precision]
-    total = 0.0
-    for name, i, out in shape.matmul_shapes():
-        n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
-        total += matmul_time(cluster, tokens, n, k, precision, a)
-    attn = attention_time(cluster, b, shape.seq, h / tp, precision)
-    elementwise = (12 * h + (4 if shape.gated else 2) * shape.ffn_width / tp) * tokens * a
-    return total + attn + elementwise / (cluster.memory_gbps * 1e9), attn
-
-
-def kernel_time_of_layer(shape: ModelShape, cluster: Cluster, b: int,
-                         precision: str) -> float:
-    """Kernel seconds of one layer's forward and backward (backward = 2 x forward) on
-    one device, without framework time."""
-    return 3 * _layer_kernels(shape, cluster, 1, b, precision)[0]
-
-
-def _with_host(cluster: Cluster, device_s: float, host_s: float) -> float:
-    """A piece of work that takes ``device_s`` in kernels and ``host_s`` of framework
-    time: the longer of the two when the host runs ahead of the device, else both."""
-    return max(device_s, host_s) if cluster.async_dispatch else device_s + host_s
-
-
-def _op_gbps(cluster: Cluster, kind: str, span: int, default: float) -> float:
-    """Bus bandwidth of collective ``kind`` on a group spanning ``span`` devices: the
-    cluster's own figure for it inside a node, if it has one."""
-    if span <= cluster.gpus_per_node and cluster.op_gbps.get(kind):
-        return cluster.op_gbps[kind]
-    return default
-
-
-def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, pp: int,
-                 zero: int) -> int:
-    """Parameter tensors the optimizer of one rank walks: each weight, bias and norm
-    parameter, or under ZeRO two flat shards (decayed or not) per block and per end."""
-    if zero >= 1:
-        return 2 * (layers + int(first) + int(last))
-    linears = shape.matmul_shapes()
-    biases = sum(1 for name, _, _ in linears if shape.bias and (name != "qkv"
-                                                               or shape.qkv_bias))
-    norm = 2 if shape.norm == "layernorm" and shape.bias else 1
-    n = layers * (len(linears) + biases + 2 * norm)
-    if first:
-        n += 1 + int(shape.positions > 0)
-    if last:
-        n += norm + int(not shape.tied or (pp > 1 and not first))
-    return n
 
 
 def _chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd: float,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .cluster import Cluster
-from .estimate import Options, matmul_time
+from .costs import matmul_time
+from .estimate import Options
 
 _GOLDEN = (math.sqrt(5) - 1) / 2
 

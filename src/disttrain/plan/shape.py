@@ -13,6 +13,7 @@ a transformers ``config.json`` (``path.json[,seq=S,...]``), or ``gpt`` for the
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -229,3 +230,45 @@ def hf_shape(path: Path) -> ModelShape:
                       qkv_bias=True, norm="layernorm",
                       tied=bool(cfg.get("tie_word_embeddings", True)), positions=seq,
                       dropout=dropout)
+
+
+# parameters on one rank ------------------------------------------------------------
+
+@functools.lru_cache(maxsize=65536)
+def rank_params(shape: ModelShape, tp: int, layers: int, first: bool, last: bool,
+                pp: int) -> float:
+    """Parameters one tp rank of a stage holds: its layers, the vocabulary-parallel
+    embedding if first, the final norm and head (or the tied copy) if last."""
+    h = shape.hidden
+    n = 0.0
+    for name, i, o in shape.matmul_shapes():
+        n += i * o / tp
+        if shape.bias and (name != "qkv" or shape.qkv_bias):
+            n += o / tp if name in ("qkv", "gate", "up") else o
+    n += 2 * shape.norm_params()
+    n *= layers
+    if first:
+        n += shape.vocab * h / tp + shape.positions * h
+    if last:
+        n += shape.norm_params()
+        if not shape.tied or (pp > 1 and not first):
+            n += shape.vocab * h / tp
+    return n
+
+
+def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, pp: int,
+                 zero: int) -> int:
+    """Parameter tensors the optimizer of one rank walks: each weight, bias and norm
+    parameter, or under ZeRO two flat shards (decayed or not) per block and per end."""
+    if zero >= 1:
+        return 2 * (layers + int(first) + int(last))
+    linears = shape.matmul_shapes()
+    biases = sum(1 for name, _, _ in linears if shape.bias and (name != "qkv"
+                                                               or shape.qkv_bias))
+    norm = 2 if shape.norm == "layernorm" and shape.bias else 1
+    n = layers * (len(linears) + biases + 2 * norm)
+    if first:
+        n += 1 + int(shape.positions > 0)
+    if last:
+        n += norm + int(not shape.tied or (pp > 1 and not first))
+    return n

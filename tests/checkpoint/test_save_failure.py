@@ -79,8 +79,18 @@ def _fit_on(run_dir: str, steps: int) -> str | None:
     return None
 
 
-def test_a_really_full_filesystem(tmp_path):
-    """The same on a real filesystem that fills up: a small tmpfs (root only)."""
+def _refused_on(run_dir: str) -> str:
+    from disttrain.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        fit_tiny(2, run_dir, peak_tflops=1.0)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("room_kib", [64, 4])
+def test_a_really_full_filesystem(tmp_path, room_kib):
+    """The same on a real filesystem that fills up: a small tmpfs (root only). With
+    4 KiB left the metrics file may fill up too (its records then wait in memory)."""
     import shutil
     import subprocess
 
@@ -96,7 +106,7 @@ def test_a_really_full_filesystem(tmp_path):
         # fill the disk, leaving room for the metrics but not for another checkpoint
         free = shutil.disk_usage(mount).free
         with open(mount / "filler", "wb") as fh:
-            fh.write(b"\0" * max(0, free - min(saved // 2, 64 * 1024)))
+            fh.write(b"\0" * max(0, free - min(saved // 2, room_kib * 1024)))
         messages = run_distributed(_fit_on, 2, args=(str(run_dir), 6), timeout=60)
         assert messages[0] == messages[1] and messages[0] is not None
         assert "\n" not in messages[0] and "No space left on device" in messages[0]
@@ -104,5 +114,16 @@ def test_a_really_full_filesystem(tmp_path):
         assert not list(root.glob("*.tmp-*"))  # the staging directory is gone
         assert (root / "latest").read_text().strip() == "step-00000002"
         assert find_checkpoint(run_dir, warn=pytest.fail).name == "step-00000002"
+        # with no byte left, a new run is refused on every rank before training
+        with open(mount / "filler", "ab") as fh:
+            try:
+                fh.write(b"\0" * shutil.disk_usage(mount).free)
+                fh.flush()
+            except OSError:
+                pass
+        refused = run_distributed(_refused_on, 2, args=(str(mount / "new"),), timeout=60)
+        assert refused[0] == refused[1] and "\n" not in refused[0]
+        assert "cannot write the run directory" in refused[0]
+        assert "No space left on device" in refused[0]
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True, timeout=30)

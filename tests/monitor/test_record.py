@@ -79,3 +79,59 @@ def test_tensorboard_gets_every_number_but_the_step_under_its_field_name():
     board.writer = _Scalars()
     board.write(MetricsRecord(step=7, loss=2.0, sync="diloco", ranks=[], sync_rounds=3))
     assert sorted(board.writer.calls) == [("loss", 2.0, 7), ("sync_rounds", 3, 7)]
+
+
+def _flaky_disk(monkeypatch, fails: int, first_takes: int):
+    """os.write for files under test: the first call writes ``first_takes`` bytes, the
+    next ``fails`` calls raise ENOSPC, then writes succeed."""
+    import errno
+    import os
+
+    from disttrain.monitor import metrics
+
+    real, calls = os.write, []
+
+    def write(fd, data):
+        if fd <= 2:  # the terminal, pytest's capture
+            return real(fd, data)
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, bytes(data[:first_takes]))
+        if len(calls) <= 1 + fails:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+    monkeypatch.setattr(metrics.os, "write", write)
+
+
+def test_a_full_disk_holds_records_until_it_has_room(tmp_path, monkeypatch):
+    path, said = tmp_path / "metrics.jsonl", []
+    _flaky_disk(monkeypatch, fails=2, first_takes=5)
+    writer = MetricsWriter(path, said.append)
+    for step in (1, 2, 3, 4):
+        writer.write(MetricsRecord(step=step))  # 1: 5 bytes, then ENOSPC; 2, 3: ENOSPC
+    writer.close()
+    assert [r[rec.STEP] for r in read_metrics(path)] == [1, 2, 3, 4]
+    assert path.read_text().count("\n") == 4
+    assert len(said) == 2 and "No space left on device" in said[0]
+    assert "writable again" in said[1]
+
+
+def test_a_disk_that_stays_full_loses_whole_records_and_says_how_many(tmp_path,
+                                                                       monkeypatch):
+    path, said = tmp_path / "metrics.jsonl", []
+    writer = MetricsWriter(path, said.append)
+    writer.write(MetricsRecord(step=1))
+    _flaky_disk(monkeypatch, fails=100, first_takes=7)
+    for step in (2, 3):
+        writer.write(MetricsRecord(step=step))
+    writer.close()
+    assert path.read_text() == '{"step": 1}\n'  # the partial line is cut off
+    assert said[-1] == f"warning: 2 metrics record(s) could not be written to {path}"
+
+
+def test_a_line_cut_short_by_a_crash_is_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    assert [r[rec.STEP] for r in read_metrics(path)] == [1, 2]
+    truncate_metrics(path, 5)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 import torch
 from torch import nn
@@ -25,9 +26,14 @@ def new_run_dir_name() -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` to ``path`` through a temporary file: ``path`` is either the old file
+    or the new one; the temporary file does not outlive a failed write."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
@@ -49,6 +55,11 @@ def save_weights(model: nn.Module | dict[str, torch.Tensor], run_dir: Path) -> P
             state[name] = t.detach().cpu().contiguous().clone()
     path = run_dir / WEIGHTS_FILE
     tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp))
-    os.replace(tmp, path)
+    try:
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+    except SafetensorError as exc:  # raised for its I/O errors too (a full disk)
+        raise OSError(f"{tmp}: {exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

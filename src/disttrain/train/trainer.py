@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 from ..comm import CollectiveLedger, Communicator, ReduceOp
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
-from ..errors import DivergenceError, Interrupted, UserError
+from ..errors import CheckpointSaveError, DivergenceError, Interrupted, UserError
 from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
@@ -197,19 +197,12 @@ class Trainer:
         chosen = self.run_dir or (rundir.new_run_dir_name() if main else None)
         self.run_dir = Path(self.world.broadcast_object(str(chosen) if chosen else None))
         self._take_ownership()
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            rundir.write_text_atomic(self.run_dir / CONFIG_FILE,
-                                     config_to_toml(self.config, self.plan))
-            if self.spec.config_json is not None:
-                rundir.write_text_atomic(self.run_dir / MODEL_CONFIG_FILE,
-                                         self.spec.config_json)
         self.bar = ProgressBar(self.config.train.steps, enabled=main, show_bar=self.progress,
                                every=self.config.train.log_every)
         peak = resolve_peak(mon.peak_tflops, self.runtime.device, self.config.train.precision)
         self.telemetry = Telemetry(
             self.world, self.runtime.device,
-            MetricsWriter(self.run_dir / METRICS_FILE if main else None),
+            MetricsWriter(self.run_dir / METRICS_FILE if main else None, self.bar.message),
             TensorBoardWriter(str(self.run_dir / TENSORBOARD_DIR)
                               if main and mon.tensorboard else None),
             StragglerDetector(mon.straggler_threshold, mon.straggler_window), peak,
@@ -219,14 +212,26 @@ class Trainer:
         """Rank 0 locks the run directory unless its launcher holds it; a refusal is
         every rank's error."""
         refusal = None
-        if self.runtime.is_main and not owned_by_launcher(self.run_dir):
+        if self.runtime.is_main:
             try:
-                self.lock = RunDirLock(self.run_dir)
+                if not owned_by_launcher(self.run_dir):
+                    self.lock = RunDirLock(self.run_dir)
+                self._write_config()
             except UserError as exc:
                 refusal = str(exc)
+            except OSError as exc:
+                refusal = (f"cannot write the run directory {self.run_dir}: "
+                           f"{exc.strerror or exc}")
         refusal = self.world.broadcast_object(refusal)
         if refusal is not None:
             raise UserError(refusal)
+
+    def _write_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.write_text_atomic(self.run_dir / CONFIG_FILE,
+                                 config_to_toml(self.config, self.plan))
+        if self.spec.config_json is not None:
+            rundir.write_text_atomic(self.run_dir / MODEL_CONFIG_FILE, self.spec.config_json)
 
     def _build_checkpoints(self) -> None:
         self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
@@ -236,7 +241,11 @@ class Trainer:
         if resumed is not None:
             self.start_step, self.position = resumed
             if self.runtime.is_main:  # records past the checkpoint are redone
-                truncate_metrics(self.run_dir / METRICS_FILE, self.start_step)
+                try:
+                    truncate_metrics(self.run_dir / METRICS_FILE, self.start_step)
+                except OSError as exc:
+                    self.bar.message(f"warning: could not drop the metrics records past "
+                                     f"step {self.start_step}: {exc.strerror or exc}")
 
     def _build_step(self) -> None:
         train = self.config.train
@@ -460,9 +469,18 @@ class Trainer:
         summary |= self.parallel.sync.metrics()
         self.parallel.grads.finalize()  # the model keeps its full parameters
         full = self.parallel.full_state()
+        failure = None
         if self.runtime.is_main:
-            rundir.save_weights(full, self.run_dir)
-            rundir.write_summary(self.run_dir, summary)
+            try:
+                rundir.save_weights(full, self.run_dir)
+                rundir.write_summary(self.run_dir, summary)
+            except OSError as exc:
+                failure = (f"could not write the final weights and summary in "
+                           f"{self.run_dir}: {exc.strerror or exc}")
+        failure = self.world.broadcast_object(failure)
+        if failure is not None:
+            raise CheckpointSaveError(failure)
+        if self.runtime.is_main:
             self.bar.message(_summary_text(summary, self.bar.unit))
         self._write_trace()
         return summary

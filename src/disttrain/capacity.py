@@ -16,15 +16,16 @@ anything proportional to it is computed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config.layout import Layout, resolve_layout
 from .config.schema import Config, ModelConfig
 from .config.validate import RunPlan, on_gpu
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .models import num_params
 from .plan.memory import gpt_activation_bytes, model_state_bytes
+from .plan.shape import ModelShape, hf_shape
 
 _GIB = 2**30
 _MEMINFO = Path("/proc/meminfo")
@@ -63,8 +64,9 @@ def check_batch_fits(config: Config, plan: RunPlan, local_ranks: int,
     micro-batch) exceed ``memory`` per rank, naming the batch setting to lower."""
     memory = memory or rank_memory(config, local_ranks)
     t, micro = config.train, plan.batch.micro_batch
-    activations = gpt_activation_bytes(
-        config.model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
+    model = _estimated_model(config)
+    activations = 0 if model is None else gpt_activation_bytes(
+        model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
         activation_checkpointing=t.activation_checkpointing,
         every_k=t.activation_checkpointing_k) // (plan.layout.pp * plan.layout.tp)
     need = _state_bytes(config, plan.layout) + activations
@@ -108,13 +110,43 @@ def _state_bytes(config: Config, layout: Layout) -> int:
     """fp32 model states on one rank, split evenly over pp x tp (a lower bound)."""
     t = config.train
     kind = _STATE_KIND.get(t.optimizer, "adamw")
-    states = model_state_bytes(num_params(config.model), dp=layout.dp, zero=layout.zero,
+    if config.model.hf_config:
+        shape = _hf_shape(config)
+        params = 0 if shape is None else shape.num_params()
+    else:
+        params = num_params(config.model)
+    states = model_state_bytes(params, dp=layout.dp, zero=layout.zero,
                                optimizer=kind, momentum=t.momentum > 0).model_states
     return states // (layout.pp * layout.tp)
 
 
-def _largest_dimension(config: Config) -> tuple[str, int]:
-    """The model size furthest above its default (the one to lower)."""
+def _hf_shape(config: Config) -> ModelShape | None:
+    """The dimensions of ``model.hf_config`` (GPT-2 and Llama families); None for a
+    config the estimator cannot read (the transformers model is then not estimated)."""
+    try:
+        return hf_shape(Path(config.model.hf_config))
+    except (UserError, ValueError, TypeError):
+        return None
+
+
+def _estimated_model(config: Config) -> ModelConfig | None:
+    """The [model] section the activation estimate walks: a transformers config's
+    dimensions at ``model.seq_len`` (its gated MLP counted as a plain one: a lower
+    bound), or None when there is none to read."""
+    if not config.model.hf_config:
+        return config.model
+    shape = _hf_shape(config)
+    if shape is None:
+        return None
+    return replace(config.model, n_layer=shape.layers, d_model=shape.hidden,
+                   n_head=shape.heads, vocab_size=shape.vocab)
+
+
+def _largest_dimension(config: Config) -> tuple[str, int | str]:
+    """The model size furthest above its default (the one to lower); for a
+    transformers model, its config."""
+    if config.model.hf_config:
+        return "model.hf_config", config.model.hf_config
     defaults = ModelConfig()
     name = max(_SIZE_FIELDS, key=lambda f: getattr(config.model, f) / getattr(defaults, f))
     return f"model.{name}", getattr(config.model, name)

@@ -18,6 +18,8 @@ Exit codes of ``disttrain train`` (and of a worker):
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -96,3 +98,16 @@ class CheckpointSaveError(TrainingStopped):
     previous checkpoint is untouched."""
 
     exit_code = EXIT_SAVE_FAILED
+
+
+def nonfinite_part(loss_sum: float, grad_norm: float, loss_scaled: bool) -> str | None:
+    """Which of the step's loss / gradients is nan or inf (None: neither). Both are
+    values every rank already agrees on: the loss total is summed over the ranks whose
+    gradients are summed together (a nan or inf anywhere makes the sum non-finite) and
+    the norm is global, so no extra collective is needed (in a training step). With fp16 loss scaling a
+    gradient overflow is the scaler's to skip, not a divergence."""
+    bad_loss = not math.isfinite(loss_sum)
+    bad_grads = not loss_scaled and not math.isfinite(grad_norm)
+    if bad_loss and bad_grads:
+        return "loss and gradients"
+    return "loss" if bad_loss else "gradients" if bad_grads else None

@@ -59,6 +59,9 @@ def test_a_diverging_run_exits_diverged_and_keeps_its_last_finite_checkpoint(cac
     ({0: EXIT_USAGE}, EXIT_USAGE),
     ({0: EXIT_DIVERGED, 1: 1}, 1),
     ({0: 86}, 1),
+    ({0: 75, 1: -15}, 75),  # a hang: the watchdog's code
+    ({0: 75, 1: 1}, 75),  # a hang beside another failure is still a hang
+    ({0: 130, 1: 130}, 130),  # SIGINT to the workers alone
 ])
 def test_launcher_returns_the_workers_own_stop_code(monkeypatch, codes, expected):
     import torch.distributed.run as torchrun

@@ -168,3 +168,26 @@ def test_gpu_ranks_get_one_device_each(monkeypatch):
     config = load_config()
     assert rank_memory(config, 2).bytes == 80 * GIB
     assert rank_memory(config, 4).bytes == 40 * GIB  # two ranks per device
+
+
+def test_a_transformers_model_is_estimated_from_its_own_config(no_launch, capsys,
+                                                              tmp_path):
+    """A Llama config.json of ~70B parameters: refused from its own dimensions (the
+    [model] defaults are tiny); a small one passes the same check."""
+    import json
+
+    def llama(path, layers, hidden, ffn):
+        path.write_text(json.dumps({
+            "model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": ffn,
+            "vocab_size": 32000, "max_position_embeddings": 4096}))
+        return path
+    big = llama(tmp_path / "big.json", 80, 8192, 28672)
+    line = refused(capsys, ["--set", f"model.hf_config={big}"], "model.hf_config")
+    assert "GiB per rank for model states" in line
+    config = load_config(overrides=[f"model.hf_config={big}"])
+    with pytest.raises(ConfigError, match=r"needs ~1,0\d\d.\d GiB per rank"):  # 69e9 x 16 B
+        check_model_fits(config, 1, 1, RankMemory(bytes=GIB, source="test"))
+    small = llama(tmp_path / "small.json", 2, 256, 512)
+    check_model_fits(load_config(overrides=[f"model.hf_config={small}"]), 1, 1,
+                     RankMemory(bytes=GIB, source="test"))

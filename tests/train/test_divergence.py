@@ -70,7 +70,7 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(run_dir: str, bad: int, rank: int | None, policy: str, async_save: bool = False,
-         in_buffer: bool = False, **train):
+         in_buffer: bool = False, comm: dict | None = None, **train):
     """Train NanAt; (what fit raised or None, the optimizer's step count, weights)."""
     from disttrain import Trainer
 
@@ -78,7 +78,10 @@ def _fit(run_dir: str, bad: int, rank: int | None, policy: str, async_save: bool
     cfg = {"train": {"steps": STEPS, "global_batch": 4, "lr": 0.01, "warmup_steps": 0,
                      "log_every": 1, "on_nonfinite": policy, **train},
            "checkpoint": {"every": 2, "keep": 1, "async": async_save},
-           "monitor": {"peak_tflops": 1.0}}  # no peak measurement
+           "monitor": {"peak_tflops": 1.0},  # no peak measurement
+           "comm": comm or {}}
+    if train.get("sync") == "async":  # the servers write no checkpoints
+        cfg["checkpoint"] = {"every": 0}
     trainer = Trainer(NanAt(bad, rank, in_buffer), Pairs(), _mse, cfg, run_dir=run_dir,
                       flops_per_token=1, progress=False)
     try:
@@ -130,6 +133,28 @@ def test_replicas_that_step_apart_stop_together(tmp_path):
     assert [r[0][:2] for r in results] == [(3, "loss and gradients")] * 2
 
 
+def test_a_parameter_server_never_applies_a_non_finite_push(tmp_path):
+    # one server, two workers; worker rank 2's third gradient is nan. stop: every rank
+    # raises (the step is the equivalent synchronous one, which depends on arrival order)
+    results = run_distributed(_fit, 3, args=(str(tmp_path / "stop"), 3, 2, "stop"),
+                              kwargs={"sync": "async", "ps_servers": 1}, timeout=60)
+    steps = {r[0][0] for r in results}
+    assert len(steps) == 1 and 2 <= steps.pop() <= STEPS  # at least 3 pushes were in
+    assert {r[0][1] for r in results} == {"loss and gradients"}
+    assert not (tmp_path / "stop" / "model.safetensors").exists()
+    _strict_json_lines(tmp_path / "stop" / "metrics.jsonl")
+    # skip: the push is dropped, the run ends with finite weights, the count is reported
+    results = run_distributed(_fit, 3, args=(str(tmp_path / "skip"), 3, 2, "skip"),
+                              kwargs={"sync": "async", "ps_servers": 1}, timeout=60)
+    assert all(raised is None for raised, _, _ in results)
+    for _, _, state in results:
+        assert all(torch.isfinite(t).all() for t in state.values())
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text(),
+                         parse_constant=pytest.fail)
+    assert summary["nonfinite_skipped"] == 1
+    assert summary["updates"] + summary["dropped"] == STEPS * 2 - 1  # of the 2 x 8 pushes
+
+
 def test_skip_drops_the_step_on_every_rank_and_goes_on(tmp_path):
     # only rank 1's loss is nan: both ranks must skip the update and stay equal
     results = run_distributed(_fit, 2, args=(str(tmp_path), 3, 1, "skip"), timeout=60)
@@ -146,6 +171,30 @@ def test_skip_drops_the_step_on_every_rank_and_goes_on(tmp_path):
     assert all(torch.isfinite(t).all() for t in weights.values())
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=pytest.fail)
     assert summary["nonfinite_skipped"] == 1 and math.isfinite(summary["final_train_loss"])
+
+
+@pytest.mark.parametrize("codec", ["topk", "onebit"])
+def test_skip_leaves_no_nan_in_a_codecs_error_feedback(tmp_path, codec):
+    # rank 1's step-3 gradients are nan: its residual must not carry them into step 4
+    results = run_distributed(_fit, 2, args=(str(tmp_path), 3, 1, "skip"),
+                              kwargs={"comm": {"codec": codec, "error_feedback": True}},
+                              timeout=60)
+    for raised, steps, state in results:
+        assert raised is None and set(steps) == {STEPS - 1}  # only step 3 was skipped
+        assert all(torch.isfinite(t).all() for t in state.values())
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=pytest.fail)
+    assert summary["nonfinite_skipped"] == 1
+
+
+def test_powersgd_forgets_a_warm_start_a_nan_reached():
+    from disttrain.comm.codecs import PowerSGDCodec
+
+    codec = PowerSGDCodec(rank=1, error_feedback=True)
+    codec.residuals = {0: torch.tensor([1.0, math.nan, -math.inf])}
+    codec.q = {(0, 0): torch.tensor([[math.nan], [1.0]]), (0, 1): torch.ones(2, 1)}
+    codec.drop_nonfinite_state()
+    assert codec.residuals[0].tolist() == [1.0, 0.0, 0.0]  # the finite part is still owed
+    assert list(codec.q) == [(0, 1)]
 
 
 @pytest.mark.parametrize("key", ["train.lr", "train.weight_decay", "train.grad_clip"])

@@ -113,6 +113,12 @@ class GradientCodec(ABC):
         """Launch the reduction of ``x`` (error feedback already added); each codec's
         own wire format."""
 
+    def drop_nonfinite_state(self) -> None:
+        """Zero the nan / inf entries of the kept state, after a step whose gradients
+        were not finite was skipped: the rest of the residual is still owed."""
+        for residual in self.residuals.values():
+            residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
     def _keep_residual(self, key: Hashable, residual: torch.Tensor) -> None:
         if self.error_feedback:
             self.residuals[key] = residual
@@ -366,6 +372,12 @@ class PowerSGDCodec(GradientCodec):
                 rest.append((offset, size))
             offset += size
         return mats, rest
+
+    def drop_nonfinite_state(self) -> None:
+        """Also forget a warm-start Q that a non-finite gradient reached: it is drawn
+        again from the seed."""
+        super().drop_nonfinite_state()
+        self.q = {k: q for k, q in self.q.items() if bool(torch.isfinite(q).all())}
 
     def _q(self, key: Hashable, j: int, step: int, cols: int, r: int,
            device: torch.device) -> torch.Tensor:

@@ -147,6 +147,12 @@ class DataParallel:
     def after_optimizer_step(self) -> None:
         """Nothing to do: every replica applied the same update."""
 
+    def after_skipped_step(self) -> None:
+        """The codec's residuals and warm starts lose what the skipped gradients put
+        in them (otherwise one nan would poison every later step)."""
+        if self.reducer.codec is not None:
+            self.reducer.codec.drop_nonfinite_state()
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients (the buckets) and optimizer
         state."""

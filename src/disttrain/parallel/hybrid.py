@@ -198,6 +198,9 @@ class ModelParallelGrads:
     def after_optimizer_step(self) -> None:
         self.inner.after_optimizer_step()
 
+    def after_skipped_step(self) -> None:
+        self.inner.after_skipped_step()
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.inner.model_state_bytes(optimizer)
 

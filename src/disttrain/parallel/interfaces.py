@@ -66,6 +66,10 @@ class GradSync(Protocol):
     def after_optimizer_step(self) -> None:
         """Whatever the optimizer's update must be followed by (e.g. all-gathers)."""
 
+    def after_skipped_step(self) -> None:
+        """A step whose update was not applied (its loss or gradients were nan / inf):
+        clear whatever those gradients reached (a codec's error-feedback state)."""
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
 

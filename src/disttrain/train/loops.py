@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ..errors import DivergenceError
 from ..faults import maybe_fail
 from ..monitor.record import MetricsRecord
 from ..monitor.stats import StatsWindow, StepStats
@@ -93,6 +94,11 @@ class ParameterServerLoop:
             compute=trainer.stepper.gradients,
             lr_at=lambda s: lr_at(s, train, trainer.plan.lr),
             log=lambda record: self._log(trainer, record), log_every=train.log_every)
+        if result["diverged"] is not None:  # every rank holds the same summary
+            raise DivergenceError(*result["diverged"])
+        if result["nonfinite_skipped"]:
+            trainer.bar.message(f"{result['nonfinite_skipped']} push(es) with a non-finite "
+                                "loss or gradient norm were skipped")
         trainer.position = result["samples"]
         totals = StatsWindow()
         totals.add(StepStats(terms=result["terms"], total_s=result["loop_s"]))

@@ -9,7 +9,6 @@ the last backward, and the reduced gradients are divided by the global count.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm import CollectiveLedger, Communicator
+from ..errors import nonfinite_part
 from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
@@ -104,19 +104,23 @@ class StepRunner:
             self.before_update()
             if self.nonfinite is not None:  # the trainer stops, or counts the skip
                 self.nonfinite_skipped += 1
+                self.grads.after_skipped_step()
             elif self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
                 self.optimizer.step()
                 self.grads.after_optimizer_step()
+            else:
+                self.grads.after_skipped_step()
         stats.optim_s = time.perf_counter() - to - (self.ledger.wait_seconds - waited_mid)
         stats.total_s = time.perf_counter() - t0
         stats.comm_s = self.ledger.wait_seconds - waited0
         stats.loss, stats.terms = loss / max(count, 1.0), int(count)
         return stats
 
-    def gradients(self, micro_batches: list[list[int]]) -> tuple[float, int]:
+    def gradients(self, micro_batches: list[list[int]]) -> tuple[float, int, float]:
         """Forward and backward only (an async worker's half of a step; the servers
         own the optimizer): leaves this rank's gradient, normalised by its own loss-term
-        count and clipped, in ``.grad``; returns (summed loss, loss terms)."""
+        count and clipped, in ``.grad``; returns (summed loss, loss terms, the
+        gradient's norm before clipping)."""
         self.grads.zero_grad()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for indices in micro_batches:
@@ -124,7 +128,7 @@ class StepRunner:
         loss, count = totals.tolist()
         self.grads.finish_gradient_sync(1.0 / max(count, 1.0))
         self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
-        return loss, int(count)
+        return loss, int(count), self.grad_norm
 
     def eval_totals(self, batch: Batch) -> tuple[float, float]:
         """(summed loss, loss terms) of one held-out micro-batch on this rank."""
@@ -154,19 +158,6 @@ class StepRunner:
         if saved is not None:
             self.activation_bytes = saved.peak
         return handle
-
-
-def nonfinite_part(loss_sum: float, grad_norm: float, loss_scaled: bool) -> str | None:
-    """Which of the step's loss / gradients is nan or inf (None: neither). Both are
-    values every rank already agrees on: the loss total is summed over the ranks whose
-    gradients are summed together (a nan or inf anywhere makes the sum non-finite) and
-    the norm is global, so no extra collective is needed. With fp16 loss scaling a
-    gradient overflow is the scaler's to skip, not a divergence."""
-    bad_loss = not math.isfinite(loss_sum)
-    bad_grads = not loss_scaled and not math.isfinite(grad_norm)
-    if bad_loss and bad_grads:
-        return "loss and gradients"
-    return "loss" if bad_loss else "gradients" if bad_grads else None
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):

@@ -44,7 +44,8 @@ def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
     if mode == SYNC_ASYNC:
         return AsyncParameterServer(model, comm, servers=train.ps_servers,
                                     staleness_bound=train.staleness_bound,
-                                    accumulate=train.ps_accumulate)
+                                    accumulate=train.ps_accumulate,
+                                    on_nonfinite=train.on_nonfinite)
     return SyncStrategy()
 
 

@@ -9,10 +9,11 @@ A worker repeats, with no barrier with the other workers:
 
 1. compute a gradient on its next batch (normalised by its own loss-term count, clipped
    to ``train.grad_clip`` by its own norm);
-2. send server ``s`` the control message ``[PUSH, version, loss_sum, terms]`` (fp32,
-   where ``version`` is the version of shard ``s`` the gradient was computed on), then
-   shard ``s`` of the gradient;
-3. receive ``[PARAMS, new version, applied, staleness]`` from every server, then that
+2. send server ``s`` the control message ``[PUSH, version, loss_sum, terms, norm]``
+   (fp32, where ``version`` is the version of shard ``s`` the gradient was computed on
+   and ``norm`` the whole gradient's norm before clipping), then shard ``s`` of the
+   gradient;
+3. receive ``[PARAMS, new version, applied, staleness, 0]`` from every server, then that
    server's parameters, and load them.
 
 Control messages travel on a Gloo group on the CPU (``control``), created beside the
@@ -35,6 +36,13 @@ staleness <= bound by construction; the count of dropped ones shows how often th
 bit. The LR at a server follows the schedule at ``pushes received // W`` (the
 equivalent synchronous step). Pushes still in the accumulator when the budget ends are
 applied as one last (smaller) step.
+
+Divergence: a push whose loss or gradient norm is nan / inf is never applied (every
+server sees the same loss and norm in its header, so all servers judge it alike). Under
+``train.on_nonfinite = stop`` the server answers it, and every later push, with
+``STOP``, so the loop ends as at the end of the budget, and every rank then raises
+:class:`~disttrain.errors.DivergenceError` naming the equivalent synchronous step;
+under ``skip`` the push is counted and the worker gets the current parameters.
 
 Data: worker ``w``'s ``k``-th batch is positions ``[(k W + w) b, (k W + w + 1) b)`` of
 the global sample order (``b = global_batch / W``), so workers take distinct samples and
@@ -65,17 +73,18 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
+from ...errors import nonfinite_part
 from ...faults import maybe_slow_down
 from ...monitor.record import MetricsRecord
-from ...names import SYNC_ASYNC
+from ...names import NONFINITE_STOP, SYNC_ASYNC
 from .base import SyncStrategy, flatten, unflatten_into
 
-HEADER = 4
+HEADER = 5
 PUSH, BYE, PARAMS, STOP = 1.0, 2.0, 3.0, 4.0
 
-# (micro-batches of dataset indices) -> (summed loss, loss terms); leaves the
-# normalised, clipped gradient in each parameter's .grad
-ComputeGradients = Callable[[list[list[int]]], tuple[float, int]]
+# (micro-batches of dataset indices) -> (summed loss, loss terms, gradient norm before
+# clipping); leaves the normalised, clipped gradient in each parameter's .grad
+ComputeGradients = Callable[[list[list[int]]], tuple[float, int, float]]
 
 
 def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
@@ -105,6 +114,9 @@ class AsyncReport:
     recent_losses: list[float] = field(default_factory=list)
     loop_s: float = 0.0
     ledger_bytes: int = 0
+    nonfinite: int = 0       # server: non-finite pushes (skipped, or the one that stopped)
+    diverged_step: int = 0   # server, on_nonfinite=stop: the step that went non-finite
+    diverged_what: str = ""  # "loss", "gradients" or "loss and gradients"
 
 
 @dataclass
@@ -125,11 +137,13 @@ class AsyncParameterServer(SyncStrategy):
 
     def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
                  staleness_bound: int, accumulate: int = 0,
-                 control: Communicator | None = None) -> None:
+                 control: Communicator | None = None,
+                 on_nonfinite: str = NONFINITE_STOP) -> None:
         if comm.size <= servers:
             raise ValueError(f"async training needs more than {servers} rank(s)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.comm, self.servers, self.bound = comm, servers, staleness_bound
+        self.stops_on_nonfinite = on_nonfinite == NONFINITE_STOP
         # every rank of the job builds this at the same point, so the group is created
         # collectively
         self.control = control or Communicator(
@@ -197,14 +211,25 @@ class AsyncParameterServer(SyncStrategy):
                 finished.add(src)
                 continue
             data.irecv(grad, src).wait()  # every push carries its gradient
-            if report.pushes >= budget:
+            if report.pushes >= budget or report.diverged_step:
                 self._reply(src, replies, sending, STOP, version, 0, 0, shard)
                 finished.add(src)
                 continue
-            base, loss_sum, terms = inbox[1:HEADER].tolist()
+            base, loss_sum, terms, norm = inbox[1:HEADER].tolist()
             staleness = version - int(base)
             lr = lr_at(report.pushes // self.workers)
             report.pushes += 1
+            bad = nonfinite_part(loss_sum, norm, loss_scaled=False)
+            if bad is not None:
+                report.nonfinite += 1
+                if self.stops_on_nonfinite:
+                    report.diverged_step = (report.pushes - 1) // self.workers + 1
+                    report.diverged_what = bad
+                    self._reply(src, replies, sending, STOP, version, 0, 0, shard)
+                    finished.add(src)
+                    continue
+                self._reply(src, replies, sending, PARAMS, version, 0, staleness, shard)
+                continue
             if staleness <= self.bound:
                 acc.add_(grad)
                 waiting += 1
@@ -241,7 +266,7 @@ class AsyncParameterServer(SyncStrategy):
         for work in sending.pop(dst, []):
             work.wait()
         header, params = replies[dst]
-        header.copy_(torch.tensor([kind, version, float(applied), staleness]))
+        header.copy_(torch.tensor([kind, version, float(applied), staleness, 0.0]))
         works = [self.control.isend(header, dst)]
         if kind == PARAMS:
             params.copy_(flatten(shard))
@@ -264,12 +289,12 @@ class AsyncParameterServer(SyncStrategy):
             first = (report.pushes * self.workers + w) * per_worker
             indices = sampler.indices(first, per_worker)
             t0 = time.perf_counter()
-            loss_sum, terms = compute([indices[i:i + micro_batch]
-                                       for i in range(0, per_worker, micro_batch)])
+            loss_sum, terms, norm = compute([indices[i:i + micro_batch]
+                                             for i in range(0, per_worker, micro_batch)])
             maybe_slow_down(rank, time.perf_counter() - t0)
             works = []
             for s, shard in enumerate(self.shards):
-                headers[s].copy_(torch.tensor([PUSH, versions[s], loss_sum, terms]))
+                headers[s].copy_(torch.tensor([PUSH, versions[s], loss_sum, terms, norm]))
                 pushes[s].copy_(flatten([_grad(p) for p in shard]))
                 works += [self.control.isend(headers[s], s), data.isend(pushes[s], s)]
             stopped = []
@@ -350,6 +375,8 @@ def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str,
     applied = sum(r.applied for r in servers)
     losses = [x for r in workers_ for x in r.recent_losses]
     steps = max(r.pushes for r in servers) / workers
+    diverged = [r for r in servers if r.diverged_step]
+    first = min(diverged, key=lambda r: r.diverged_step) if diverged else None
     return {
         "sync": SYNC_ASYNC, "ps_servers": len(servers), "workers": workers,
         "staleness_bound": bound,
@@ -362,6 +389,9 @@ def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str,
         "loop_s": max(r.loop_s for r in reports),
         "train_loss": sum(losses) / len(losses) if losses else float("nan"),
         "equivalent_steps": steps,
+        # every server sees the same loss and norm: the largest count is the push count
+        "nonfinite_skipped": 0 if first else max(r.nonfinite for r in servers),
+        "diverged": [first.diverged_step, first.diverged_what] if first else None,
         # each message is in the sender's and the receiver's ledger
         "comm_bytes_per_step": sum(r.ledger_bytes for r in reports) / 2
         / len(reports) / max(steps, 1e-9),

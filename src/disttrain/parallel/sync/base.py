@@ -136,6 +136,9 @@ class LocalGradients:
     def after_optimizer_step(self) -> None:
         """Nothing: replicas are reconciled by the sync mode, not here."""
 
+    def after_skipped_step(self) -> None:
+        """Nothing: no state outlives the step's gradients."""
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         grads = sum(p.numel() * p.element_size() for p in self.params)

@@ -151,6 +151,9 @@ class ZeroDataParallel:
                     f.shard.grad.mul_(max_norm / (norm + 1e-6))
         return norm
 
+    def after_skipped_step(self) -> None:
+        """Nothing: ZeRO's codecs (casts) keep no state."""
+
     def after_optimizer_step(self) -> None:
         """Stages 1-2: all-gather the updated shards into the full parameters."""
         if self.stage == 3:

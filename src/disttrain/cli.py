@@ -29,6 +29,7 @@ from .plan.command import add_plan_parser, run_plan
 from .names import METRICS_FILE, SUMMARY_FILE
 
 if TYPE_CHECKING:
+    from .config.schema import Config
     from .launch import LaunchOptions
 
 
@@ -140,10 +141,7 @@ def _train(ns: argparse.Namespace) -> int:
 
     config = load_run_config(ns.config, ns.overrides, ns.run_dir)
     if inside_worker():
-        from .train import train_default
-
-        train_default(config, run_dir=ns.run_dir, progress=not ns.quiet)
-        return 0
+        return _train_worker(config, ns)
     from .train.rundir import new_run_dir_name
 
     run_dir = ns.run_dir or str(new_run_dir_name())
@@ -169,6 +167,37 @@ def _train(ns: argparse.Namespace) -> int:
                   *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
                   *(["--quiet"] if ns.quiet else [])]
         return launch(opts, target)
+
+
+def _train_worker(config: Config, ns: argparse.Namespace) -> int:
+    """One worker of ``disttrain train``. Under ``--max-restarts``, an attempt after one
+    that stopped on purpose (a divergence, a failed save, refused input: the same would
+    happen again) stops at once with its exit code."""
+    from .train import train_default
+    from .train.rundir import earlier_stop, forget_stop, record_stop
+
+    run_dir = Path(ns.run_dir) if ns.run_dir else None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > attempt
+    main = os.environ.get("RANK", "0") == "0"
+    if run_dir is not None and attempt > 0:
+        code = earlier_stop(run_dir)
+        if code is not None:
+            stop = TrainingStopped(f"not restarting (restart {attempt}): an earlier "
+                                   f"attempt stopped on purpose (exit {code}, said above) "
+                                   "and would again")
+            stop.exit_code = code
+            raise stop
+    elif run_dir is not None and main:
+        forget_stop(run_dir)
+    try:
+        train_default(config, run_dir=ns.run_dir, progress=not ns.quiet)
+    except (TrainingStopped, UserError) as exc:
+        code = exc.exit_code if isinstance(exc, TrainingStopped) else EXIT_USAGE
+        if run_dir is not None and main and restartable and run_dir.is_dir():
+            record_stop(run_dir, code, str(exc))
+        raise
+    return 0
 
 
 def _own_run_dir(run_dir: Path, opts: LaunchOptions) -> AbstractContextManager:

@@ -60,6 +60,7 @@ REPORT_FILE = "report.html"
 CHECKPOINT_DIR = "checkpoints"       # one step-NNNNNNNN directory per committed save
 CHECKPOINT_INDEX_FILE = "index.json"  # in each checkpoint: global shapes, shards, checksums
 CHECKPOINT_LATEST_FILE = "latest"    # names the newest committed checkpoint (the commit)
+STOPPED_FILE = "stopped.json"       # why the last attempt stopped on purpose (restarts skip)
 OWNER_FILE = "owner.lock"            # flock-ed by the run that owns the directory: "pid host"
 # set by the launcher for its workers: the run directory it already owns (they must not
 # lock it again)

@@ -1,6 +1,6 @@
 """Exit codes: a diverging run, through torch's elastic agent, exits with EXIT_DIVERGED
-and keeps its last finite checkpoint as ``latest``; the launcher passes the workers' own
-stop codes through."""
+and keeps its last finite checkpoint as ``latest`` (its restarts, under --max-restarts,
+stop at once); the launcher passes the workers' own stop codes through."""
 
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ def test_a_diverging_run_exits_diverged_and_keeps_its_last_finite_checkpoint(cac
     proc = run_cli(["train", "--nproc", "2", *TINY, "--set", "train.steps=6",
                     "--set", "train.lr=1e4", "--set", "train.grad_clip=0",
                     "--set", "checkpoint.every=1", "--set", "train.log_every=1",
-                    "--run-dir", str(run_dir), "--quiet"], cache_env)
+                    "--max-restarts", "2", "--run-dir", str(run_dir), "--quiet"], cache_env)
     assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
     diverged = re.search(r"training diverged at step (\d+)", proc.stderr)
     assert diverged and proc.stderr.count("training diverged") == 1, proc.stderr[-3000:]
+    # the elastic agent's restarts stop at once instead of diverging again
+    for attempt in (1, 2):
+        assert f"not restarting (restart {attempt})" in proc.stderr, proc.stderr[-3000:]
     assert not (run_dir / "model.safetensors").exists()
     # latest: the newest checkpoint before the bad step, saved from a finite state
     found = find_checkpoint(run_dir, warn=pytest.fail)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..monitor.metrics import finite_or_null
-from ..names import SUMMARY_FILE, WEIGHTS_FILE
+from ..names import STOPPED_FILE, SUMMARY_FILE, WEIGHTS_FILE
 
 
 def new_run_dir_name() -> Path:
@@ -63,3 +63,31 @@ def save_weights(model: nn.Module | dict[str, torch.Tensor], run_dir: Path) -> P
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+# --------------------------------------------------------------------- restarts
+# torch's elastic agent restarts the workers after any failure (--max-restarts). A run
+# that stopped on purpose (diverged, a failed save, refused input) would only do the
+# same again, so its rank 0 leaves STOPPED_FILE, and a restarted attempt that finds it
+# stops at once with the same exit code. The first attempt of a launch removes it.
+
+def record_stop(run_dir: Path, code: int, message: str) -> None:
+    """Rank 0 of a worker group that may be restarted: why it stopped (best effort)."""
+    try:
+        write_text_atomic(run_dir / STOPPED_FILE, json.dumps({"exit_code": code,
+                                                               "message": message}))
+    except OSError:
+        pass
+
+
+def earlier_stop(run_dir: Path) -> int | None:
+    """The exit code a previous attempt of this launch stopped with on purpose."""
+    try:
+        code = json.loads((run_dir / STOPPED_FILE).read_text(encoding="utf-8"))["exit_code"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, int) and 0 < code < 126 else None
+
+
+def forget_stop(run_dir: Path) -> None:
+    (run_dir / STOPPED_FILE).unlink(missing_ok=True)

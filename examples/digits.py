@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +42,13 @@ class DigitsDataset(Dataset):
 
 def load_digits_split() -> tuple[DigitsDataset, DigitsDataset]:
     """(train, held-out): a fixed-seed shuffle, then the last 20% held out."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # one line from rank 0, not a traceback from every rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("digits.py needs scikit-learn: pip install scikit-learn (from a disttrain "
+                  "checkout: pip install -e '.[examples]')", file=sys.stderr)
+        raise SystemExit(2) from None
 
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0

@@ -156,6 +156,10 @@ def _train(ns: argparse.Namespace) -> int:
     from .data.check import check_samples, check_vocab
 
     check_vocab(config.model)
+    from .monitor.progress import status
+
+    status(f"preparing the data in {config.data.path or 'the standard library sources'} "
+           "(tokenized once, then cached)...")
     corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
     check_samples(corpus, config.data, config.model.seq_len)
     with _own_run_dir(Path(run_dir), opts):
@@ -166,6 +170,7 @@ def _train(ns: argparse.Namespace) -> int:
         target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
                   *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
                   *(["--quiet"] if ns.quiet else [])]
+        status(f"starting {opts.nproc} worker(s)...")
         return launch(opts, target)
 
 

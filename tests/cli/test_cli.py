@@ -142,7 +142,7 @@ def test_without_transformers_the_setting_names_the_extra(monkeypatch):
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     with pytest.raises(ConfigError) as info:
         resolve(load_config(overrides=["model.name=gpt2"]), 1)
-    assert info.value.field == "model.name" and "disttrain[hf]" in str(info.value)
+    assert info.value.field == "model.name" and "pip install -e '.[hf]'" in str(info.value)
 
 
 def test_train_help_documents_every_option(cache_env):

@@ -40,7 +40,7 @@ class ModelConfig:
     GPT-2 / Llama built with the same dimensions (random init, the `hf` extra)."""
 
     name: str = _f("gpt", "model family: gpt (disttrain's), gpt2 or llama (transformers "
-                   "models with these dimensions; pip install 'disttrain[hf]')",
+                   "models with these dimensions; needs transformers: pip install -e '.[hf]')",
                    choices=("gpt", "gpt2", "llama"))
     hf_config: str = _f("", "path to a transformers config.json: trains that model "
                         "(random init) instead of model.name")

@@ -113,7 +113,8 @@ def _check_model(config: Config) -> None:
         field, value = ("model.hf_config", m.hf_config) if m.hf_config else ("model.name",
                                                                             m.name)
         raise ConfigError(field, value, "needs the transformers package",
-                          "pip install 'disttrain[hf]' (or model.name=gpt)")
+                          "pip install transformers (from a disttrain checkout: pip install -e "
+                          "'.[hf]'), or model.name=gpt")
     if m.hf_config and not Path(m.hf_config).expanduser().is_file():
         raise ConfigError("model.hf_config", m.hf_config, "no such file",
                           "point it at a transformers config.json")

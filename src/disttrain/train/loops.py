@@ -44,6 +44,7 @@ class StepLoop:
     def run(self, trainer: Trainer) -> LoopResult:
         train = trainer.config.train
         start = time.perf_counter()
+        trainer.bar.status("first evaluation...")
         initial_eval = trainer.evaluate()
         trainer.bar.message(trainer.banner(initial_eval))
         totals = StatsWindow()
@@ -108,5 +109,5 @@ class ParameterServerLoop:
 
     @staticmethod
     def _log(trainer: Trainer, record: MetricsRecord) -> None:
-        trainer.bar.update(record.step, record.loss, 0.0)
+        trainer.bar.update(record.step, record.loss, lr=record.lr)
         trainer.telemetry.writer.write(record)

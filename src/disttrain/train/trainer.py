@@ -297,7 +297,7 @@ class Trainer:
         self.parallel.sync.after_step(done, last=done == self.config.train.steps)
         self.step_bytes += self.ledger.payload_bytes - sent
         self.telemetry.window.add(stats)
-        self.bar.update(done, stats.loss, stats.terms / max(stats.total_s, 1e-9))
+        self.bar.update(done, stats.loss, stats.terms, stats.total_s, lr=lr)
         return stats
 
     @property

@@ -78,8 +78,9 @@ class BucketReducer:
     With a ``codec``, each bucket is reduced through it instead (keyed by the bucket
     index, segmented by its parameters' shapes); without one, the bucket's buffer (or its
     ``reduce_dtype`` copy) is all-reduced as is. Either way the result is the SUM over
-    ranks. ``sent_bytes`` / ``dense_bytes`` count, since the last :meth:`reset`, the
-    payload the ledger recorded for the buckets and their size as fp32.
+    ranks. ``sent_bytes`` / ``wire_sent`` / ``dense_bytes`` count, since the last
+    :meth:`reset`, the payload and the wire bytes sent that the ledger recorded for the
+    buckets, and their size as fp32.
     """
 
     def __init__(self, buckets: list[GradBucket], comm: Communicator,
@@ -90,7 +91,7 @@ class BucketReducer:
         self.comm = comm
         self.tracer = tracer
         self.codec = codec
-        self.sent_bytes = 0
+        self.sent_bytes = self.wire_sent = 0
         self.dense_bytes = 0
         self._next = 0
         self._started: dict[int, float] = {}
@@ -103,7 +104,7 @@ class BucketReducer:
 
     def reset(self) -> None:
         self._next = 0
-        self.sent_bytes = self.dense_bytes = 0
+        self.sent_bytes = self.dense_bytes = self.wire_sent = 0
         for b in self.buckets:
             b.pending, b.handle = len(b.params), None
             b.ready.clear()
@@ -123,7 +124,8 @@ class BucketReducer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: GradBucket) -> None:
-        start, sent = now_us(), self.comm.ledger.payload_bytes
+        ledger = self.comm.ledger
+        start, sent, wire0 = now_us(), ledger.payload_bytes, ledger.wire_sent_bytes
         if self.codec is not None:
             bucket.handle = self.codec.start(bucket.buffer, self.comm, key=bucket.index,
                                              segments=[p.shape for p in bucket.params])
@@ -133,7 +135,8 @@ class BucketReducer:
                 wire.copy_(bucket.buffer)
             bucket.handle = self.comm.all_reduce(bucket.buffer if wire is None else wire,
                                                  async_op=True)
-        self.sent_bytes += self.comm.ledger.payload_bytes - sent
+        self.sent_bytes += ledger.payload_bytes - sent
+        self.wire_sent += ledger.wire_sent_bytes - wire0
         self.dense_bytes += bucket.buffer.numel() * 4
         self._next += 1
         if self.tracer is not None and self.tracer.enabled:
@@ -159,9 +162,11 @@ class BucketReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for b in self.buckets:
-            sent = self.comm.ledger.payload_bytes  # a codec's later rounds are sent here
+            ledger = self.comm.ledger  # a codec's later rounds are sent here
+            sent, wire0 = ledger.payload_bytes, ledger.wire_sent_bytes
             b.handle.wait()
-            self.sent_bytes += self.comm.ledger.payload_bytes - sent
+            self.sent_bytes += ledger.payload_bytes - sent
+            self.wire_sent += ledger.wire_sent_bytes - wire0
             if b.index in self._started:
                 self.tracer.complete(f"{self.codec.name} bucket {b.index}",
                                      self._started.pop(b.index), now_us(), "comm")

@@ -1,8 +1,11 @@
 """The single place that issues collectives.
 
 A :class:`Communicator` wraps one process group. Every call is recorded in the rank's
-:class:`CollectiveLedger` (sequence number, op, group, shape, call site) and its payload
-bytes are counted, so diagnostics and byte accounting see all traffic.
+:class:`CollectiveLedger` (sequence number, op, group, shape, call site) and its bytes
+are counted, so diagnostics and byte accounting see all traffic: the *payload* (the
+tensor this rank hands to the op) and the *wire* bytes this rank sends and receives for
+the op's algorithm (:func:`wire_bytes`), which differ by op: a ring all-reduce of P
+bytes over N ranks sends 2 (N-1)/N P, an all-gather of a P-byte block sends (N-1) P.
 
 Device discipline: a group has one device (``Communicator.device``: the current CUDA
 device for NCCL, the CPU for Gloo); buffers that travel are made with
@@ -52,6 +55,34 @@ class CollectiveRecord:
         return f"{self.op} #{self.seq} ({self.site})"
 
 
+def wire_bytes(op: str, payload: int, size: int, root: bool = False) -> tuple[int, int]:
+    """(sent, received) bytes of one rank in ``op`` over ``size`` ranks, where
+    ``payload`` is the tensor the rank passes in, as the bandwidth-optimal algorithms
+    NCCL and Gloo use move them: ring all-reduce 2 (N-1)/N P each way (a reduce-scatter
+    then an all-gather); reduce-scatter of a [N x n] input (N-1)/N P; all-gather of an
+    [n] block (N-1) P (every other rank's block passes through); broadcast P sent by the
+    root and P received by every other rank (the least any algorithm moves; a ring also
+    forwards); a point-to-point message P. Object collectives and barriers: 0 (their
+    pickled size is not known here)."""
+    if size <= 1:
+        return 0, 0
+    if op == "all_reduce":
+        each = 2 * (size - 1) * payload // size
+        return each, each
+    if op == "reduce_scatter":
+        each = (size - 1) * payload // size
+        return each, each
+    if op == "all_gather":
+        return (size - 1) * payload, (size - 1) * payload
+    if op == "broadcast":
+        return (payload, 0) if root else (0, payload)
+    if op == "send":
+        return payload, 0
+    if op in ("recv", "recv_any"):
+        return 0, payload
+    return 0, 0
+
+
 @dataclass
 class CollectiveLedger:
     """The last ``capacity`` collectives this rank issued, running totals, and the one
@@ -61,17 +92,25 @@ class CollectiveLedger:
     records: deque = field(default_factory=deque)
     seq: int = 0
     payload_bytes: int = 0
+    wire_sent_bytes: int = 0   # what this rank put on the wire (wire_bytes)
+    wire_recv_bytes: int = 0
     waiting: CollectiveRecord | None = None
     waiting_since: float = 0.0
     wait_seconds: float = 0.0  # total time blocked in collectives (exposed communication)
 
     def record(self, op: str, group: str, tensor: torch.Tensor | None,
-               site: str) -> CollectiveRecord:
+               site: str, size: int = 1, root: bool = False) -> CollectiveRecord:
+        """Record ``op`` on a group of ``size`` ranks (``root``: this rank is a
+        broadcast's source)."""
         self.seq += 1
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else ""
         if tensor is not None:
-            self.payload_bytes += tensor.numel() * tensor.element_size()
+            payload = tensor.numel() * tensor.element_size()
+            self.payload_bytes += payload
+            sent, received = wire_bytes(op, payload, size, root)
+            self.wire_sent_bytes += sent
+            self.wire_recv_bytes += received
         rec = CollectiveRecord(self.seq, op, group, shape, dtype, site)
         self.records.append(rec)
         if len(self.records) > self.capacity:
@@ -202,10 +241,10 @@ class Communicator:
         return self
 
     def _run(self, op: str, tensor: torch.Tensor | None, call: Callable[[bool], Any],
-             async_op: bool) -> Any:
+             async_op: bool, root: bool = False) -> Any:
         """Record ``op``, then issue it (``call(async_op)``); a blocking call is marked
         as waiting in the ledger, an async one returns a :class:`TrackedWork`."""
-        rec = self.ledger.record(op, self.name, tensor, _call_site(3))
+        rec = self.ledger.record(op, self.name, tensor, _call_site(3), self.size, root)
         if async_op:
             return TrackedWork(call(True) if self.size > 1 else None, self.ledger, rec)
         if self.size == 1:
@@ -222,9 +261,10 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int = 0,
                   async_op: bool = False) -> TrackedWork | None:
         self._check("broadcast", tensor)
+        root = src == self.rank
         src = dist.get_global_rank(self.group, src) if self.size > 1 else src
         return self._run("broadcast", tensor, lambda a: dist.broadcast(
-            tensor, src=src, group=self.group, async_op=a), async_op)
+            tensor, src=src, group=self.group, async_op=a), async_op, root)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> TrackedWork | None:

@@ -39,7 +39,8 @@ class MetricsRecord:
     nonfinite_skipped: int | None = None     # train.on_nonfinite=skip: steps skipped
     eval_loss: float | None = None           # at steps with an evaluation
     memory_mb: dict[str, float] | None = None  # model state and activations by part
-    comm_bytes_per_step: float | None = None
+    comm_bytes_per_step: float | None = None       # payload handed to collectives
+    comm_wire_bytes_per_step: float | None = None  # sent on the wire (their algorithms)
     # telemetry: averages over the logging window, gathered from every rank
     loss: float | None = None
     tokens_per_s: float | None = None

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..comm.buckets import BucketReducer, GradBucket, assign_buckets
 from ..comm.codecs import GradientCodec
-from ..comm.collectives import Communicator
+from ..comm.collectives import Communicator, wire_bytes
 from ..monitor.trace import Tracer
 
 
@@ -44,7 +44,7 @@ class DataParallel:
         # Backward visits layers roughly in reverse registration order.
         self.buckets = assign_buckets(list(reversed(params)), bucket_bytes)
         self.reducer = BucketReducer(self.buckets, comm, tracer, reduce_dtype, codec)
-        self._last_bytes = (0, 0)  # (sent, fp32 size) of the last gradient sync
+        self._last_bytes = (0, 0, 0)  # (payload, fp32 size, wire sent) of the last sync
         self._sync = True
         self._slots: dict[nn.Parameter, tuple[GradBucket, int]] = {}
         self._hooks = []
@@ -115,18 +115,24 @@ class DataParallel:
         ``scale`` (the trainer passes 1 / global target-token count)."""
         self._adopt_unready_grads()
         self.reducer.wait(scale)
-        self._last_bytes = (self.reducer.sent_bytes, self.reducer.dense_bytes)
+        self._last_bytes = (self.reducer.sent_bytes, self.reducer.dense_bytes,
+                            self.reducer.wire_sent)
         self.reducer.reset()
 
     def comm_stats(self) -> dict[str, float]:
-        """The last gradient sync: payload bytes this rank sent for the buckets
-        (``grad_sync_bytes``, as the ledger counted them; the trainer's
-        ``comm_bytes_per_step`` is the whole step's ledger payload) and
-        ``compression_ratio`` = the buckets' fp32 bytes / the bytes sent (1.0 for a
-        plain fp32 all-reduce)."""
-        sent, dense = self._last_bytes
+        """The last gradient sync: payload bytes this rank handed to collectives for
+        the buckets (``grad_sync_bytes``; the trainer's ``comm_bytes_per_step`` is the
+        whole step's ledger payload), ``compression_ratio`` = the buckets' fp32 bytes /
+        that payload (1.0 for a plain fp32 all-reduce), and on the wire:
+        ``grad_sync_wire_bytes`` this rank sent, ``wire_compression_ratio`` = what a
+        ring all-reduce of the fp32 buckets sends / that (an all-gathering codec's
+        ratio falls with the world size)."""
+        sent, dense, wire = self._last_bytes
+        dense_wire, _ = wire_bytes("all_reduce", dense, self.comm.size)
         return {"grad_sync_bytes": sent,
-                "compression_ratio": dense / sent if sent else 1.0}
+                "compression_ratio": dense / sent if sent else 1.0,
+                "grad_sync_wire_bytes": wire,
+                "wire_compression_ratio": dense_wire / wire if wire else 1.0}
 
     def zero_grad(self) -> None:
         """Zero the buckets and point every ``.grad`` back at its view."""

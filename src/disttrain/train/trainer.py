@@ -257,6 +257,7 @@ class Trainer:
             before_update=self.checkpoints.before_update,
             token_loss=self.parallel.token_loss)
         self.step_bytes = self.logged_bytes = 0  # ledger payload of steps and syncs
+        self.step_wire = self.logged_wire = 0  # and the wire bytes this rank sent
 
     def _flops_per_term(self) -> float:
         """Training FLOPs per loss term: given, or from the spec, else counted on the
@@ -276,7 +277,7 @@ class Trainer:
         lr = lr_at(step, self.config.train, self.plan.lr)
         set_lr(self.optimizer, lr)
         self.current_lr = lr
-        sent = self.ledger.payload_bytes
+        sent, wire0 = self.ledger.payload_bytes, self.ledger.wire_sent_bytes
         rank = self.topology.dp_rank
         share = self.splitter.shares[rank]
         indices = self.sampler.indices(self.position + self.splitter.offsets()[rank], share)
@@ -296,6 +297,7 @@ class Trainer:
         done = step + 1
         self.parallel.sync.after_step(done, last=done == self.config.train.steps)
         self.step_bytes += self.ledger.payload_bytes - sent
+        self.step_wire += self.ledger.wire_sent_bytes - wire0
         self.telemetry.window.add(stats)
         self.bar.update(done, stats.loss, stats.terms, stats.total_s, lr=lr)
         return stats
@@ -429,9 +431,11 @@ class Trainer:
             eval_loss=eval_loss,
             memory_mb={k: v / 2**20 for k, v in self._memory().items()},
             comm_bytes_per_step=(self.step_bytes - self.logged_bytes) / max(window.steps, 1),
+            comm_wire_bytes_per_step=(self.step_wire - self.logged_wire)
+            / max(window.steps, 1),
         ).with_figures({**self.parallel.sync.metrics(),
                         **self.parallel.grads.comm_stats()})  # bytes sent, compression ratio
-        self.logged_bytes = self.step_bytes
+        self.logged_bytes, self.logged_wire = self.step_bytes, self.step_wire
         ranks = self.telemetry.log(record, self.flops_per_term)
         self.splitter.update([r[RANK_SAMPLES] for r in ranks],
                              [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],
@@ -452,6 +456,8 @@ class Trainer:
             "parameters": self.total_params,
             "comm_bytes_per_step": self.step_bytes / max(self.config.train.steps
                                                          - self.start_step, 1),
+            "comm_wire_bytes_per_step": self.step_wire / max(self.config.train.steps
+                                                             - self.start_step, 1),
             "collectives": self.ledger.seq,
             "nonfinite_skipped": self.stepper.nonfinite_skipped,
         }

@@ -114,6 +114,7 @@ class AsyncReport:
     recent_losses: list[float] = field(default_factory=list)
     loop_s: float = 0.0
     ledger_bytes: int = 0
+    wire_sent: int = 0
     nonfinite: int = 0       # server: non-finite pushes (skipped, or the one that stopped)
     diverged_step: int = 0   # server, on_nonfinite=stop: the step that went non-finite
     diverged_what: str = ""  # "loss", "gradients" or "loss and gradients"
@@ -164,14 +165,16 @@ class AsyncParameterServer(SyncStrategy):
             log: Callable[[MetricsRecord], None], log_every: int) -> dict[str, Any]:
         """Train for ``steps x W`` pushes per server; every rank returns the same
         summary (see :meth:`metrics`) and holds the final parameters."""
-        start, bytes0 = time.perf_counter(), self.comm.ledger.payload_bytes
+        ledger = self.comm.ledger
+        start, bytes0, wire0 = time.perf_counter(), ledger.payload_bytes, ledger.wire_sent_bytes
         if self.is_server:
             report = self._serve(optimizer, steps * self.workers, lr_at, log, log_every,
                                  per_worker)
         else:
             report = self._work(sampler, per_worker, micro_batch, compute)
         report.loop_s = time.perf_counter() - start
-        report.ledger_bytes = self.comm.ledger.payload_bytes - bytes0
+        report.ledger_bytes = ledger.payload_bytes - bytes0
+        report.wire_sent = ledger.wire_sent_bytes - wire0
         self._assemble()
         reports = self.comm.all_gather_object(asdict(report))
         self.summary = summarise([AsyncReport(**r) for r in reports], self.workers,
@@ -395,4 +398,6 @@ def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str,
         # each message is in the sender's and the receiver's ledger
         "comm_bytes_per_step": sum(r.ledger_bytes for r in reports) / 2
         / len(reports) / max(steps, 1e-9),
+        "comm_wire_bytes_per_step": sum(r.wire_sent for r in reports) / len(reports)
+        / max(steps, 1e-9),
     }

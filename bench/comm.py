@@ -25,7 +25,7 @@ run's ``summary.json`` (rank 0):
 - step time: ``train_time_s`` / steps (async: the loop's wall time / equivalent steps);
 - held-out loss: ``final_eval_loss`` of the final model.
 
-Prints one JSON line: ``wire_reduction`` (baseline wire bytes / its wire bytes, what
+Prints one JSON line: ``bytes_reduction`` (baseline wire bytes / its wire bytes, what
 the targets judge), ``payload_reduction`` (the same for payload bytes) and
 ``loss_ratio`` (its loss / baseline loss), each keyed by codec or mode name, plus
 ``wire_bytes_per_step``, ``payload_bytes_per_step``, ``step_time_s``, ``eval_loss``,
@@ -54,7 +54,7 @@ VARIANTS = {"powersgd_batched": ["train.sync=every_step", "comm.codec=powersgd",
             "update_topk": ["train.sync=local_sgd", "train.sync_every=1", "comm.codec=topk"],
             "update_onebit": ["train.sync=local_sgd", "train.sync_every=1",
                               "comm.codec=onebit"]}
-# name -> (minimum wire_reduction, maximum loss_ratio)
+# name -> (minimum bytes_reduction on the wire, maximum loss_ratio)
 # (the margins: codecs 3%, local_sgd and diloco 5%, async and fedavg 10%)
 TARGETS = {**{c: (None, 1.03) for c in CODECS[1:]},
            "powersgd": (50.0, 1.03), "topk": (50.0, 1.03), "diloco": (50.0, 1.05),
@@ -136,8 +136,8 @@ def main() -> None:
         "bench": "comm", "world_size": args.nproc, "backend": "gloo", "steps": args.steps,
         "global_batch": args.global_batch, "sync_every": args.sync_every,
         "baseline": base,
-        "wire_reduction": {k: base["wire"] / max(v["wire"], 1e-9)
-                           for k, v in results.items()},
+        "bytes_reduction": {k: base["wire"] / max(v["wire"], 1e-9)  # on the wire
+                            for k, v in results.items()},
         "payload_reduction": {k: base["bytes"] / max(v["bytes"], 1e-9)
                               for k, v in results.items()},
         "loss_ratio": {k: v["loss"] / base["loss"] for k, v in results.items()},
@@ -145,7 +145,7 @@ def main() -> None:
         "payload_bytes_per_step": {k: v["bytes"] for k, v in results.items()},
         "step_time_s": {k: v["step_s"] for k, v in results.items()},
         "eval_loss": {k: v["loss"] for k, v in results.items()},
-        "targets": {k: {"min_wire_reduction": b, "max_loss_ratio": l}
+        "targets": {k: {"min_bytes_reduction": b, "max_loss_ratio": l}
                     for k, (b, l) in TARGETS.items() if k in results},
         "machine": f"{os.cpu_count()} cpu cores",
     }

@@ -6,6 +6,7 @@
     disttrain report RUN_DIR [--out DIR]
     disttrain plan --model SPEC --cluster SPEC --global-batch B [--layout ...] [--json]
     disttrain plan calibrate --out cluster.json [--nproc N]
+    disttrain slurm --nodes N --gpus-per-node G [-- train options] > job.sbatch
 
 Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
 with code 2, before any worker or process group is started; a run that stops on purpose
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
 from .plan.command import add_plan_parser, run_plan
+from .slurm import add_slurm_parser, run_slurm
 from .names import METRICS_FILE, SUMMARY_FILE
 
 if TYPE_CHECKING:
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(run)
     add_report_parser(sub)
     add_plan_parser(sub)
+    add_slurm_parser(sub)
     return parser
 
 
@@ -140,6 +143,10 @@ def _train(ns: argparse.Namespace) -> int:
     from .launch import inside_worker, launch
 
     config = load_run_config(ns.config, ns.overrides, ns.run_dir)
+    if ns.nnodes == "1" and not ns.rdzv_endpoint:  # not one elastic agent per node
+        from .slurm import adopt_slurm_env
+
+        adopt_slurm_env()  # a task srun started as one rank: a worker, no launcher
     if inside_worker():
         return _train_worker(config, ns)
     from .train.rundir import new_run_dir_name
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return {"train": _train, "run": _run, "export": _export,
-                "report": run_report, "plan": run_plan}[ns.command](ns)
+                "report": run_report, "plan": run_plan, "slurm": run_slurm}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
             print(f"disttrain: error: {exc}", file=sys.stderr)

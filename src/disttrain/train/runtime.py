@@ -1,7 +1,8 @@
 """Process-group start-up from the environment torchrun (or the test harness) sets.
 
-A worker learns its rank from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; without them
-it is a world of one. :func:`world_size_from_env` is readable before any process group
+A worker learns its rank from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (set by
+torchrun, or from SLURM's variables for a task ``srun`` started as one rank); without
+them it is a world of one. :func:`world_size_from_env` is readable before any process group
 exists, so the config can be validated first.
 """
 
@@ -13,6 +14,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..slurm import adopt_slurm_env
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Runtime:
 def world_size_from_env() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
+    adopt_slurm_env()  # a task srun started as one rank
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -54,6 +58,8 @@ def init_runtime(device_preference: str = "auto", backend: str = "auto",
     """Initialise the default process group unless one exists; pick the device (cuda
     with NCCL when a GPU is present and nothing says otherwise, else the CPU with
     Gloo)."""
+    if not dist.is_initialized():
+        adopt_slurm_env()  # a task srun started as one rank: SLURM's variables
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     existing = dist.get_backend() if dist.is_initialized() else None
     device = pick_device(device_preference, local_rank, existing)

@@ -147,6 +147,11 @@ def _train(ns: argparse.Namespace) -> int:
         from .slurm import adopt_slurm_env
 
         adopt_slurm_env()  # a task srun started as one rank: a worker, no launcher
+    elif "TORCHELASTIC_RUN_ID" not in os.environ:
+        # this node's agent: a scheduler's RANK / WORLD_SIZE (a PyTorchJob pod's) count
+        # nodes, not workers; torchrun sets each worker's own
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(var, None)
     if inside_worker():
         return _train_worker(config, ns)
     from .train.rundir import new_run_dir_name

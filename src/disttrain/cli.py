@@ -165,14 +165,15 @@ def _train(ns: argparse.Namespace) -> int:
         raise UserError("a multi-node job needs --run-dir, the same path on every node "
                         "(it also names the job's rendezvous), or --rdzv-id")
     from .data import corpus_from_config
-    from .data.check import check_samples, check_vocab
-
-    check_vocab(config.model)
+    from .data.check import check_corpus_vocab, check_samples, check_vocab
     from .monitor.progress import status
 
+    if config.data.format == "text":  # before preparing: refused without the work
+        check_vocab(config.model)
     status(f"preparing the data in {config.data.path or 'the standard library sources'} "
            "(tokenized once, then cached)...")
     corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
+    check_corpus_vocab(config.model, corpus)
     check_samples(corpus, config.data, config.model.seq_len)
     with _own_run_dir(Path(run_dir), opts):
         if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front

@@ -65,6 +65,11 @@ class DataConfig:
                         "$DISTTRAIN_CACHE or ~/.cache/disttrain")
     val_fraction: float = _f(0.05, "fraction of files held out for evaluation",
                              gt=0.0, le=0.5)
+    format: str = _f("text", "text: files tokenized as bytes and cached; tokens: "
+                     "pre-tokenized shards (.bin / .npy) under data.path, memory-mapped "
+                     "in place (files named val* held out)", choices=("text", "tokens"))
+    token_dtype: str = _f("uint16", "dtype of .bin token shards (data.format=tokens)",
+                          choices=("uint16", "uint32"))
 
 
 @dataclass(kw_only=True)

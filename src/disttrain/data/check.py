@@ -12,20 +12,26 @@ from disttrain.data.dataset import tokens_per_shard
 from disttrain.errors import ConfigError, DataError
 
 
-def check_vocab(model: ModelConfig) -> None:
-    """The byte corpus has token ids up to ``TOKEN_RANGE - 1``; the embedding must
-    cover them."""
-    if model.vocab_size < TOKEN_RANGE:
+def check_vocab(model: ModelConfig, needed: int = TOKEN_RANGE,
+                what: str = "the byte corpus") -> None:
+    """The corpus has token ids up to ``needed - 1`` (the byte corpus: ``TOKEN_RANGE -
+    1``); the embedding must cover them."""
+    if model.vocab_size < needed:
         raise ConfigError("model.vocab_size", model.vocab_size,
-                          f"is below the byte corpus's token range (ids 0..{TOKEN_RANGE - 1})",
-                          f"set model.vocab_size to at least {TOKEN_RANGE}")
+                          f"is below {what}'s token range (ids 0..{needed - 1})",
+                          f"set model.vocab_size to at least {needed}")
+
+
+def check_corpus_vocab(model: ModelConfig, corpus: PreparedCorpus) -> None:
+    """:func:`check_vocab` against a prepared corpus's own largest token id."""
+    check_vocab(model, corpus.vocab_needed, f"the corpus in {corpus.directory}")
 
 
 def check_samples(corpus: PreparedCorpus, data: DataConfig, seq_len: int) -> None:
     """Refuse a corpus whose train or val split holds no window of ``seq_len + 1``
     tokens, naming the data directory and the largest seq_len that fits."""
     for split, shards in (("train", corpus.train_shards), ("val", corpus.val_shards)):
-        tokens = tokens_per_shard(shards)
+        tokens = tokens_per_shard(shards, corpus.token_dtype)
         if max(tokens, default=0) >= seq_len + 1:
             continue
         where = str(Path(data.path).expanduser()) if data.path else str(stdlib_source_dir())

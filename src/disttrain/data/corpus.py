@@ -48,7 +48,9 @@ META_NAME = "meta.json"
 
 @dataclass(frozen=True)
 class PreparedCorpus:
-    """A prepared corpus: shard files of ``uint16`` byte tokens, split into train / val."""
+    """A prepared corpus: token shard files split into train / val (``uint16`` byte
+    tokens for text; a pre-tokenized corpus's own dtype), and the vocabulary a model
+    needs to embed every token id."""
 
     directory: Path
     train_shards: list[Path]
@@ -56,6 +58,8 @@ class PreparedCorpus:
     train_tokens: int
     val_tokens: int
     num_files: int
+    token_dtype: str = "uint16"
+    vocab_needed: int = TOKEN_RANGE
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,12 @@ def prepare_corpus(root: Path | None, pattern: str, cache_dir: Path, val_fractio
 
 
 def corpus_from_config(data: DataConfig) -> PreparedCorpus:
-    """``prepare_corpus`` for a ``[data]`` config section (empty strings = the defaults)."""
+    """``prepare_corpus`` for a ``[data]`` config section (empty strings = the defaults),
+    or the pre-tokenized shards of ``data.format = "tokens"``."""
+    if data.format == "tokens":
+        from disttrain.data.pretokenized import tokens_corpus
+
+        return tokens_corpus(data)
     root = Path(data.path).expanduser() if data.path else None
     cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     return prepare_corpus(root, data.pattern, cache_dir, data.val_fraction)

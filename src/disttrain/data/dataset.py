@@ -1,4 +1,5 @@
-"""Fixed-length training windows over token shards."""
+"""Fixed-length training windows over token shards: flat files of one integer dtype
+(``.bin``; ``uint16`` for the byte corpus) or 1-D ``.npy`` arrays, memory-mapped."""
 
 from __future__ import annotations
 
@@ -13,12 +14,22 @@ from torch.utils.data import Dataset
 
 from disttrain.errors import DataError
 
-TOKEN_BYTES = np.dtype(np.uint16).itemsize
 
 
-def tokens_per_shard(shards: list[Path]) -> list[int]:
-    """Tokens in each shard file, from its size (nothing is read)."""
-    return [os.path.getsize(s) // TOKEN_BYTES for s in shards]
+def open_shard(path: Path, dtype: str = "uint16") -> np.ndarray:
+    """A shard's tokens, memory-mapped (never read whole): a ``.npy`` file as its own
+    1-D array, any other file as flat ``dtype`` values."""
+    if Path(path).suffix == ".npy":
+        return np.load(path, mmap_mode="r")
+    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+def tokens_per_shard(shards: list[Path], dtype: str = "uint16") -> list[int]:
+    """Tokens in each shard file, from its size or its ``.npy`` header (no token is
+    read)."""
+    itemsize = np.dtype(dtype).itemsize
+    return [len(open_shard(s)) if Path(s).suffix == ".npy" else os.path.getsize(s) // itemsize
+            for s in shards]
 
 
 class TokenWindowDataset(Dataset):
@@ -32,12 +43,12 @@ class TokenWindowDataset(Dataset):
     maps are dropped when pickled (so a dataset crosses process boundaries cheaply).
     """
 
-    def __init__(self, shards: list[Path], seq_len: int) -> None:
+    def __init__(self, shards: list[Path], seq_len: int, dtype: str = "uint16") -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.shards = [Path(s) for s in shards]
-        self.seq_len = seq_len
-        sizes = tokens_per_shard(self.shards)
+        self.seq_len, self.dtype = seq_len, dtype
+        sizes = tokens_per_shard(self.shards, dtype)
         counts = [n // (seq_len + 1) for n in sizes]
         self._ends = np.cumsum(counts).tolist()  # _ends[s] = windows in shards 0..s
         self._maps: dict[int, np.memmap] = {}
@@ -69,7 +80,7 @@ class TokenWindowDataset(Dataset):
 
     def _map(self, shard: int) -> np.memmap:
         if shard not in self._maps:
-            self._maps[shard] = np.memmap(self.shards[shard], dtype=np.uint16, mode="r")
+            self._maps[shard] = open_shard(self.shards[shard], self.dtype)
         return self._maps[shard]
 
     def __getstate__(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import Config
 from ..data import TokenWindowDataset, collate_token_batch, corpus_from_config
-from ..data.check import check_samples, check_vocab
+from ..data.check import check_corpus_vocab, check_samples, check_vocab
 from ..models import GPT, flops_per_token, token_loss
 from ..models.hf import build_hf_model, hf_dimensions, is_hf, matmul_flops_per_token
 from .batch import LossFn
@@ -31,8 +31,10 @@ class DefaultJob:
 def build_default_job(config: Config) -> DefaultJob:
     """Prepare (or reuse) the token shards and build the model, seeded. The data checks
     the launcher makes are repeated here for jobs started with torchrun directly."""
-    check_vocab(config.model)
+    if config.data.format == "text":  # before preparing: refused without the work
+        check_vocab(config.model)
     corpus = corpus_from_config(config.data)
+    check_corpus_vocab(config.model, corpus)
     seq_len = config.model.seq_len
     check_samples(corpus, config.data, seq_len)
     torch.manual_seed(config.train.seed)
@@ -44,8 +46,10 @@ def build_default_job(config: Config) -> DefaultJob:
         model = GPT(config.model)
         flops, loss_fn = flops_per_token(config.model), token_loss
     return DefaultJob(model=model,
-                      train_data=TokenWindowDataset(corpus.train_shards, seq_len),
-                      eval_data=TokenWindowDataset(corpus.val_shards, seq_len),
+                      train_data=TokenWindowDataset(corpus.train_shards, seq_len,
+                                                    corpus.token_dtype),
+                      eval_data=TokenWindowDataset(corpus.val_shards, seq_len,
+                                                   corpus.token_dtype),
                       flops_per_token=flops, loss_fn=loss_fn)
 
 

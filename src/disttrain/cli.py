@@ -173,7 +173,7 @@ def _train(ns: argparse.Namespace) -> int:
     status(f"preparing the data in {config.data.path or 'the standard library sources'} "
            "(tokenized once, then cached)...")
     corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
-    check_corpus_vocab(config.model, corpus)
+    check_corpus_vocab(config.model, corpus, config.explicit)
     check_samples(corpus, config.data, config.model.seq_len)
     with _own_run_dir(Path(run_dir), opts):
         if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front

@@ -70,6 +70,9 @@ class DataConfig:
                      "in place (files named val* held out)", choices=("text", "tokens"))
     token_dtype: str = _f("uint16", "dtype of .bin token shards (data.format=tokens)",
                           choices=("uint16", "uint32"))
+    tokenizer: str = _f("bytes", "text to ids (data.format=text): bytes, the path of a "
+                        "Hugging Face tokenizer.json, or bpe:N (a byte-level BPE of N "
+                        "tokens trained on the training split, cached with the shards)")
 
 
 @dataclass(kw_only=True)

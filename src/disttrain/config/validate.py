@@ -8,6 +8,7 @@ format) and :func:`resolve_batch` (the batch triple with its third member derive
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,11 @@ def _check_data(config: Config) -> None:
         raise ConfigError("data.path", d.path, "no such directory",
                           "point data.path at a directory of text files, or leave it "
                           "empty for the built-in corpus")
+    if d.format == "tokens" and d.tokenizer != TOKENIZER_BYTES:
+        raise ConfigError("data.tokenizer", d.tokenizer, "applies to text; "
+                          "data.format=tokens reads ids already tokenized",
+                          "leave data.tokenizer=bytes, or set data.format=text")
+    check_tokenizer(d.tokenizer)
 
 
 def data_parallel_degree(config: Config, layout: Layout) -> int:
@@ -176,3 +182,35 @@ def _check_device(config: Config) -> None:
     if backend == "nccl" and not gpu:
         raise ConfigError("parallel.backend", backend, "NCCL needs CUDA devices",
                           "use parallel.backend=gloo or auto on CPU")
+
+
+TOKENIZER_BYTES = "bytes"
+BPE_PATTERN = re.compile(r"bpe:(\d+)$")
+MIN_BPE, MAX_BPE = 260, 1 << 20  # the 256 byte symbols and a few merges; a sane bound
+
+
+def check_tokenizer(value: str) -> None:
+    """Refuse a ``data.tokenizer`` that names nothing usable (one line, the fix)."""
+    if value == TOKENIZER_BYTES:
+        return
+    match = BPE_PATTERN.match(value)
+    if match:
+        n = int(match.group(1))
+        if not MIN_BPE <= n <= MAX_BPE:
+            raise ConfigError("data.tokenizer", value, f"trains a BPE of {n} tokens",
+                              f"use bpe:N with N from {MIN_BPE} to {MAX_BPE}")
+        _need_tokenizers(value)
+        return
+    if value.startswith("bpe:"):
+        raise ConfigError("data.tokenizer", value, "is not bpe:N", "e.g. bpe:8192")
+    if not Path(value).expanduser().is_file():
+        raise ConfigError("data.tokenizer", value, "is neither bytes, bpe:N nor a file",
+                          "give the path of a Hugging Face tokenizer.json")
+    _need_tokenizers(value)
+
+
+def _need_tokenizers(value: str) -> None:
+    if importlib.util.find_spec("tokenizers") is None:
+        raise ConfigError("data.tokenizer", value, "needs the tokenizers package",
+                          "pip install tokenizers (it comes with transformers: "
+                          "pip install -e '.[hf]' from a checkout)")

@@ -4,6 +4,7 @@ its token range against ``model.vocab_size``, and at least one sample (a window 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from disttrain.config.schema import DataConfig, ModelConfig
@@ -22,9 +23,34 @@ def check_vocab(model: ModelConfig, needed: int = TOKEN_RANGE,
                           f"set model.vocab_size to at least {needed}")
 
 
-def check_corpus_vocab(model: ModelConfig, corpus: PreparedCorpus) -> None:
-    """:func:`check_vocab` against a prepared corpus's own largest token id."""
-    check_vocab(model, corpus.vocab_needed, f"the corpus in {corpus.directory}")
+def check_corpus_vocab(model: ModelConfig, corpus: PreparedCorpus,
+                       explicit: frozenset[str] = frozenset({"model.vocab_size"})) -> None:
+    """:func:`check_vocab` against a prepared corpus's own token range. Unless the user
+    set ``model.vocab_size`` (it is not in ``explicit``), the model's vocabulary follows
+    the corpus instead: raised to its range, rounded up to a multiple of 64 (the
+    embedding's rows then fill whole matmul tiles)."""
+    what = f"the corpus in {corpus.directory}"
+    if model.hf_config:  # the transformers config's own vocabulary
+        vocab = _hf_vocab(Path(model.hf_config).expanduser())
+        if vocab is not None and vocab < corpus.vocab_needed:
+            raise ConfigError("model.hf_config", model.hf_config,
+                              f"has vocab_size {vocab}, below {what}'s token range (ids "
+                              f"0..{corpus.vocab_needed - 1})",
+                              "use a config whose vocab_size covers the tokenizer's")
+        return
+    if "model.vocab_size" not in explicit:
+        if model.vocab_size < corpus.vocab_needed:
+            model.vocab_size = -(-corpus.vocab_needed // 64) * 64
+        return
+    check_vocab(model, corpus.vocab_needed, what)
+
+
+def _hf_vocab(path: Path) -> int | None:
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
 
 
 def check_samples(corpus: PreparedCorpus, data: DataConfig, seq_len: int) -> None:

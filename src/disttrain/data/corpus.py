@@ -1,9 +1,12 @@
-"""Text files -> byte-level token shards, prepared once and cached.
+"""Text files -> token shards, prepared once and cached.
 
-Tokens are the raw bytes of each text file (values 0..255), stored as ``uint16`` in flat
-shard files (``train_00000.bin``, ``val_00000.bin``, ... written with ``ndarray.tofile``).
-Every document is followed by one ``0`` token: NUL never occurs in a text file, so it
-marks document boundaries unambiguously. A shard holds at most ``SHARD_TOKENS`` tokens and
+By default tokens are the raw bytes of each text file (values 0..255), stored as
+``uint16`` in flat shard files (``train_00000.bin``, ``val_00000.bin``, ... written with
+``ndarray.tofile``), and every document is followed by one ``0`` token: NUL never occurs
+in a text file, so it marks document boundaries unambiguously. ``data.tokenizer`` may
+name a Hugging Face ``tokenizer.json`` or ``bpe:N`` instead (:mod:`.tokenize`): the ids,
+their separator and the shard dtype then follow that tokenizer, and ``meta.json``
+records its vocabulary. A shard holds at most ``SHARD_TOKENS`` tokens and
 a document never spans two shards unless it alone is longer than a shard.
 
 The held-out split is by file and depends only on each file's relative path, so adding a
@@ -33,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from disttrain.config.schema import DataConfig
+from disttrain.data.tokenize import BYTES, Encoder, build_encoder, tokenizer_key
 from disttrain.errors import DataError
 from disttrain.fsutil import fsync_dir, write_durably
 
@@ -41,7 +45,7 @@ SHARD_TOKENS = 8 * 1024 * 1024
 STDLIB_PATTERN = "**/*.py"
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TEXT_PROBE_BYTES = 8192
-DOC_SEPARATOR = 0
+DOC_SEPARATOR = 0  # the byte tokenizer's (tokenize.Encoder.separator)
 TOKEN_RANGE = 256  # byte tokens take ids 0..255: a model needs at least this vocabulary
 META_NAME = "meta.json"
 
@@ -95,7 +99,8 @@ def corpus_files(root: Path, pattern: str) -> list[Path]:
 
 
 def prepare_corpus(root: Path | None, pattern: str, cache_dir: Path, val_fraction: float,
-                   *, shard_tokens: int = SHARD_TOKENS) -> PreparedCorpus:
+                   *, shard_tokens: int = SHARD_TOKENS,
+                   tokenizer: str = BYTES) -> PreparedCorpus:
     """Tokenise the text files under ``root`` into cached shards (once) and describe them.
 
     ``root=None`` means the standard library's own ``**/*.py`` files (``pattern`` is
@@ -106,13 +111,14 @@ def prepare_corpus(root: Path | None, pattern: str, cache_dir: Path, val_fractio
     root, pattern = _source(root, pattern)
     cache_dir = Path(cache_dir)
     entries = _stat_entries(root, pattern)
-    key = _cache_key(root, pattern, val_fraction, shard_tokens, entries)
+    key = _cache_key(root, pattern, val_fraction, shard_tokens, entries,
+                     tokenizer_key(tokenizer))
     final = cache_dir / f"corpus-{key}"
     if not (final / META_NAME).exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(cache_dir / f"corpus-{key}.lock"):
             if not (final / META_NAME).exists():
-                _build(root, pattern, val_fraction, shard_tokens, final)
+                _build(root, pattern, val_fraction, shard_tokens, final, tokenizer)
     return _load(final)
 
 
@@ -125,7 +131,8 @@ def corpus_from_config(data: DataConfig) -> PreparedCorpus:
         return tokens_corpus(data)
     root = Path(data.path).expanduser() if data.path else None
     cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
-    return prepare_corpus(root, data.pattern, cache_dir, data.val_fraction)
+    return prepare_corpus(root, data.pattern, cache_dir, data.val_fraction,
+                          tokenizer=data.tokenizer)
 
 
 # ---- discovery -------------------------------------------------------------------------
@@ -192,9 +199,11 @@ def _no_text_files(root: Path, pattern: str) -> DataError:
 
 
 def _cache_key(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
-               entries: list[tuple[str, int, int]]) -> str:
+               entries: list[tuple[str, int, int]], tokenizer: str = BYTES) -> str:
+    # the byte tokenizer keeps the keys it always had
+    extra = [] if tokenizer == BYTES else [tokenizer]
     blob = json.dumps([FORMAT_VERSION, str(root), pattern, val_fraction, shard_tokens,
-                       entries])
+                       entries, *extra])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -235,24 +244,28 @@ def _split_one_file(path: Path, val_fraction: float) -> tuple[list[_Doc], list[_
 # ---- writing ---------------------------------------------------------------------------
 
 def _build(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
-           final: Path) -> None:
+           final: Path, tokenizer: str = BYTES) -> None:
     """Write shards and meta.json into a temporary sibling, then rename it to ``final``."""
     files = corpus_files(root, pattern)
     if not files:
         raise _no_text_files(root, pattern)
     train, val = _split(root, files, val_fraction)
+    encoder = build_encoder(tokenizer, (doc.read() for doc in train))
     for stale in final.parent.glob(f"{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)  # left by a crashed preparer; we hold the lock
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
-        train_shards, train_tokens = _write_split(tmp, "train", train, shard_tokens)
-        val_shards, val_tokens = _write_split(tmp, "val", val, shard_tokens)
+        train_shards, train_tokens = _write_split(tmp, "train", train, shard_tokens, encoder)
+        val_shards, val_tokens = _write_split(tmp, "val", val, shard_tokens, encoder)
+        encoder.save(tmp)
         meta = {"version": FORMAT_VERSION, "root": str(root), "pattern": pattern,
                 "val_fraction": val_fraction, "num_files": len(files),
                 "train_files": len(train), "val_files": len(val),
                 "train_tokens": train_tokens, "val_tokens": val_tokens,
-                "train_shards": train_shards, "val_shards": val_shards}
+                "train_shards": train_shards, "val_shards": val_shards,
+                "tokenizer": encoder.key, "vocab_size": encoder.vocab_size,
+                "separator": encoder.separator, "token_dtype": encoder.dtype}
         write_durably(tmp / META_NAME, json.dumps(meta, indent=2).encode())
         fsync_dir(tmp)
         os.replace(tmp, final)
@@ -262,33 +275,36 @@ def _build(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
         raise
 
 
-def _write_split(directory: Path, split: str, docs: list[_Doc],
-                 shard_tokens: int) -> tuple[list[str], int]:
-    """Pack documents (each followed by a 0 token) into shards; (shard names, tokens)."""
+def _write_split(directory: Path, split: str, docs: list[_Doc], shard_tokens: int,
+                 encoder: Encoder | None = None) -> tuple[list[str], int]:
+    """Pack documents (each followed by the separator) into shards; (shard names,
+    tokens)."""
+    encoder = encoder or Encoder()
     names: list[str] = []
-    pending: list[bytes | memoryview] = []
+    pending: list[np.ndarray] = []
     pending_len = total = 0
     for doc in docs:
-        data = memoryview(doc.read() + bytes([DOC_SEPARATOR]))
+        data = np.append(encoder.encode(doc.read()).astype(np.int64), encoder.separator)
         total += len(data)
         if pending and pending_len + len(data) > shard_tokens:
-            names.append(_write_shard(directory, split, len(names), pending))
+            names.append(_write_shard(directory, split, len(names), pending, encoder.dtype))
             pending, pending_len = [], 0
         while len(data) > shard_tokens:  # only a document bigger than a whole shard
-            names.append(_write_shard(directory, split, len(names), [data[:shard_tokens]]))
+            names.append(_write_shard(directory, split, len(names), [data[:shard_tokens]],
+                                      encoder.dtype))
             data = data[shard_tokens:]
         pending.append(data)
         pending_len += len(data)
     if pending:
-        names.append(_write_shard(directory, split, len(names), pending))
+        names.append(_write_shard(directory, split, len(names), pending, encoder.dtype))
     return names, total
 
 
-def _write_shard(directory: Path, split: str, index: int,
-                 chunks: list[bytes | memoryview]) -> str:
-    """One shard file: the chunks' bytes widened to uint16, raw ``tofile`` layout."""
+def _write_shard(directory: Path, split: str, index: int, chunks: list[np.ndarray],
+                 dtype: str = "uint16") -> str:
+    """One shard file: the chunks' ids as ``dtype``, raw ``tofile`` layout."""
     name = f"{split}_{index:05d}.bin"
-    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
+    tokens = np.concatenate(chunks).astype(dtype)
     with open(directory / name, "wb") as f:
         tokens.tofile(f)
         f.flush()
@@ -312,4 +328,6 @@ def _load(directory: Path) -> PreparedCorpus:
                           train_shards=[directory / n for n in meta["train_shards"]],
                           val_shards=[directory / n for n in meta["val_shards"]],
                           train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
-                          num_files=meta["num_files"])
+                          num_files=meta["num_files"],
+                          token_dtype=meta.get("token_dtype", "uint16"),
+                          vocab_needed=meta.get("vocab_size", TOKEN_RANGE))

@@ -34,7 +34,7 @@ def build_default_job(config: Config) -> DefaultJob:
     if config.data.format == "text":  # before preparing: refused without the work
         check_vocab(config.model)
     corpus = corpus_from_config(config.data)
-    check_corpus_vocab(config.model, corpus)
+    check_corpus_vocab(config.model, corpus, config.explicit)
     seq_len = config.model.seq_len
     check_samples(corpus, config.data, seq_len)
     torch.manual_seed(config.train.seed)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import tomllib
 import types
 import typing
 from dataclasses import fields
@@ -19,6 +18,11 @@ from typing import Any
 from ..errors import ConfigError, UserError
 from ..names import CONFIG_FILE
 from .schema import SECTIONS, Config, config_key
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 "report": run_report, "plan": run_plan}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
-            print(f"disttrain: error: {exc}", file=sys.stderr)
+            for line in str(exc).splitlines():  # InputErrors: one line per problem
+                print(f"disttrain: error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as exc:  # a worker that stopped on a signal (it said so)
         return int(exc.code)

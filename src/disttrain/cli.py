@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 from contextlib import AbstractContextManager, nullcontext
 import os
+import shutil
 import sys
-from dataclasses import fields
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .config.describe import config_keys_help
 from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
 from .plan.command import add_plan_parser, run_plan
@@ -39,17 +41,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"disttrain: error: {message} (see {self.prog} --help)\n")
 
 
-def _config_keys_help() -> str:
-    from .config.schema import SECTIONS, config_key
-
-    lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
-    for name, cls in SECTIONS.items():
-        for f in fields(cls):
-            choices = f.metadata.get("choices")
-            extra = f" {{{'|'.join(choices)}}}" if choices else ""
-            lines.append(f"  {name}.{config_key(f):<16} {f.default!r:<10} "
-                         f"{f.metadata.get('help', '')}{extra}")
-    return "\n".join(lines)
+def _help_width() -> int:
+    """Columns for help text: the terminal's (as argparse does), 100 when not a terminal."""
+    return max(shutil.get_terminal_size((100, 24)).columns - 2, 60)
 
 
 def _add_launch_options(p: argparse.ArgumentParser) -> None:
@@ -75,16 +69,23 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="restart the worker group up to R times after a failure")
 
 
+def _raw_epilog_formatter(prog: str) -> argparse.HelpFormatter:
+    """Options wrapped by argparse to the same width as the pre-wrapped epilog."""
+    return argparse.RawDescriptionHelpFormatter(prog, width=_help_width())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="disttrain", description="Distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser(
         "train", help="train the default model (or the configured one)",
-        description="Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
-        "validating the whole configuration first. With no arguments: the byte-level GPT "
-        "on the Python standard library's source, 2 workers.",
-        epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=textwrap.fill(
+            "Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
+            "validating the whole configuration first. With no arguments: the byte-level "
+            "GPT on the Python standard library's source, 2 workers. Show the resolved "
+            "configuration without training: disttrain config show.", _help_width()),
+        epilog=config_keys_help(_help_width()), formatter_class=_raw_epilog_formatter)
     train.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                        help="TOML file with [model] [data] [train] [parallel] sections")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

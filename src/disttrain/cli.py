@@ -24,6 +24,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .commands.config_show import add_config_parser, run_config
 from .config.describe import config_keys_help
 from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(run)
     add_report_parser(sub)
     add_plan_parser(sub)
+    add_config_parser(sub)
     return parser
 
 
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return {"train": _train, "run": _run, "export": _export,
-                "report": run_report, "plan": run_plan}[ns.command](ns)
+                "report": run_report, "plan": run_plan,
+                "config": run_config}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
             for line in str(exc).splitlines():  # InputErrors: one line per problem

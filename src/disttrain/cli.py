@@ -157,6 +157,14 @@ def _train(ns: argparse.Namespace) -> int:
     if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
         raise UserError("a multi-node job needs --run-dir, the same path on every node "
                         "(it also names the job's rendezvous), or --rdzv-id")
+    if ns.run_dir:  # before anything is written: a finished run stays as it is, and a
+        # run directory whose checkpoints are all damaged is refused up front
+        from .train.checkpointing import finished_run
+
+        finished = finished_run(Path(ns.run_dir), config.train.steps, warn=lambda _: None)
+        if finished is not None:
+            print(f"disttrain: {finished}", file=sys.stderr)
+            return 0
     from .data import corpus_from_config
     from .data.check import check_samples, check_vocab
 
@@ -164,10 +172,6 @@ def _train(ns: argparse.Namespace) -> int:
     corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
     check_samples(corpus, config.data, config.model.seq_len)
     with _own_run_dir(Path(run_dir), opts):
-        if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front
-            from .checkpoint import find_checkpoint
-
-            find_checkpoint(Path(ns.run_dir), warn=lambda _: None)
         target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
                   *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
                   *(["--quiet"] if ns.quiet else [])]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .commands.config_show import add_config_parser, run_config
+from .commands.env import add_env_parser, run_env
 from .config.describe import config_keys_help
 from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_plan_parser(sub)
     add_config_parser(sub)
+    add_env_parser(sub)
     return parser
 
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": _train, "run": _run, "export": _export,
                 "report": run_report, "plan": run_plan,
-                "config": run_config}[ns.command](ns)
+                "config": run_config, "env": run_env}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
             for line in str(exc).splitlines():  # InputErrors: one line per problem

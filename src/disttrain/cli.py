@@ -6,9 +6,11 @@
     disttrain report RUN_DIR [--out DIR]
     disttrain plan --model SPEC --cluster SPEC --global-batch B [--layout ...] [--json]
     disttrain plan calibrate --out cluster.json [--nproc N]
+    disttrain config show [CONFIG] [--set section.key=value ...] [--nproc N]
+    disttrain env [--json]
 
-Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
-with code 2, before any worker or process group is started; a run that stops on purpose
+Bad input (a config key, a value, a path, a flag) prints one line on stderr per problem
+and exits with code 2, before any worker or process group is started; a run that stops on purpose
 (divergence, a failed checkpoint save) prints one line and exits with its own code (see
 :mod:`disttrain.errors`).
 """

@@ -7,9 +7,11 @@
     disttrain plan --model SPEC --cluster SPEC --global-batch B [--layout ...] [--json]
     disttrain plan calibrate --out cluster.json [--nproc N]
     disttrain slurm --nodes N --gpus-per-node G [-- train options] > job.sbatch
+    disttrain config show [CONFIG] [--set section.key=value ...] [--nproc N]
+    disttrain env [--json]
 
-Bad input (a config key, a value, a path, a flag) prints one line on stderr and exits
-with code 2, before any worker or process group is started; a run that stops on purpose
+Bad input (a config key, a value, a path, a flag) prints one line on stderr per problem
+and exits with code 2, before any worker or process group is started; a run that stops on purpose
 (divergence, a failed checkpoint save) prints one line and exits with its own code (see
 :mod:`disttrain.errors`).
 """
@@ -19,11 +21,15 @@ from __future__ import annotations
 import argparse
 from contextlib import AbstractContextManager, nullcontext
 import os
+import shutil
 import sys
-from dataclasses import fields
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .commands.config_show import add_config_parser, run_config
+from .commands.env import add_env_parser, run_env
+from .config.describe import config_keys_help
 from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
 from .plan.command import add_plan_parser, run_plan
@@ -42,17 +48,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"disttrain: error: {message} (see {self.prog} --help)\n")
 
 
-def _config_keys_help() -> str:
-    from .config.schema import SECTIONS, config_key
-
-    lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
-    for name, cls in SECTIONS.items():
-        for f in fields(cls):
-            choices = f.metadata.get("choices")
-            extra = f" {{{'|'.join(choices)}}}" if choices else ""
-            lines.append(f"  {name}.{config_key(f):<16} {f.default!r:<10} "
-                         f"{f.metadata.get('help', '')}{extra}")
-    return "\n".join(lines)
+def _help_width() -> int:
+    """Columns for help text: the terminal's (as argparse does), 100 when not a terminal."""
+    return max(shutil.get_terminal_size((100, 24)).columns - 2, 60)
 
 
 def _add_launch_options(p: argparse.ArgumentParser) -> None:
@@ -78,16 +76,23 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="restart the worker group up to R times after a failure")
 
 
+def _raw_epilog_formatter(prog: str) -> argparse.HelpFormatter:
+    """Options wrapped by argparse to the same width as the pre-wrapped epilog."""
+    return argparse.RawDescriptionHelpFormatter(prog, width=_help_width())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="disttrain", description="Distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser(
         "train", help="train the default model (or the configured one)",
-        description="Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
-        "validating the whole configuration first. With no arguments: the byte-level GPT "
-        "on the Python standard library's source, 2 workers.",
-        epilog=_config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=textwrap.fill(
+            "Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
+            "validating the whole configuration first. With no arguments: the byte-level "
+            "GPT on the Python standard library's source, 2 workers. Show the resolved "
+            "configuration without training: disttrain config show.", _help_width()),
+        epilog=config_keys_help(_help_width()), formatter_class=_raw_epilog_formatter)
     train.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                        help="TOML file with [model] [data] [train] [parallel] sections")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -121,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_plan_parser(sub)
     add_slurm_parser(sub)
+    add_config_parser(sub)
+    add_env_parser(sub)
     return parser
 
 
@@ -164,6 +171,14 @@ def _train(ns: argparse.Namespace) -> int:
     if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
         raise UserError("a multi-node job needs --run-dir, the same path on every node "
                         "(it also names the job's rendezvous), or --rdzv-id")
+    if ns.run_dir:  # before anything is written: a finished run stays as it is, and a
+        # run directory whose checkpoints are all damaged is refused up front
+        from .train.checkpointing import finished_run
+
+        finished = finished_run(Path(ns.run_dir), config.train.steps, warn=lambda _: None)
+        if finished is not None:
+            print(f"disttrain: {finished}", file=sys.stderr)
+            return 0
     from .data import corpus_from_config
     from .data.check import check_corpus_vocab, check_samples, check_vocab
     from .monitor.progress import status
@@ -176,10 +191,6 @@ def _train(ns: argparse.Namespace) -> int:
     check_corpus_vocab(config.model, corpus, config.explicit)
     check_samples(corpus, config.data, config.model.seq_len)
     with _own_run_dir(Path(run_dir), opts):
-        if ns.run_dir:  # refuse a run directory whose checkpoints are all damaged, up front
-            from .checkpoint import find_checkpoint
-
-            find_checkpoint(Path(ns.run_dir), warn=lambda _: None)
         target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
                   *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
                   *(["--quiet"] if ns.quiet else [])]
@@ -254,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return {"train": _train, "run": _run, "export": _export,
-                "report": run_report, "plan": run_plan, "slurm": run_slurm}[ns.command](ns)
+                "report": run_report, "plan": run_plan, "slurm": run_slurm,
+                "config": run_config, "env": run_env}[ns.command](ns)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":  # in a worker group, rank 0 speaks for all
-            print(f"disttrain: error: {exc}", file=sys.stderr)
+            for line in str(exc).splitlines():  # InputErrors: one line per problem
+                print(f"disttrain: error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as exc:  # a worker that stopped on a signal (it said so)
         return int(exc.code)

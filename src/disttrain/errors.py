@@ -19,7 +19,8 @@ Exit codes of ``disttrain train`` (and of a worker):
 from __future__ import annotations
 
 import math
-
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -46,6 +47,37 @@ class ConfigError(UserError):
         if fix:
             msg += f" ({fix})"
         super().__init__(msg)
+
+
+class InputErrors(UserError):
+    """Several independent problems with the input, found in one pass: ``errors`` holds
+    each one; the message has one line per error, so they can all be fixed at once."""
+
+    def __init__(self, errors: list[UserError]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
+class ErrorCollector:
+    """Gathers the :class:`UserError` s raised inside :meth:`check` blocks, so a
+    validation pass reports every problem instead of the first."""
+
+    def __init__(self) -> None:
+        self.errors: list[UserError] = []
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except UserError as exc:
+            self.errors.append(exc)
+
+    def raise_any(self) -> None:
+        """Raise nothing, the one error as it is, or all of them as :class:`InputErrors`."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise InputErrors(self.errors)
 
 
 class DataError(UserError):

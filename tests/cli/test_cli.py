@@ -200,8 +200,12 @@ def test_resume_is_announced_and_finished_runs_stay_finished(cache_env, tmp_path
     proc = run_cli([*args, "--set", "train.steps=8"], cache_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step-00000006: step 6, sample 48" in proc.stderr
+    assert "training steps 7-8 of 8" in proc.stderr and "done: steps 7-8 of 8" in proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["start_step"], summary["steps"], summary["samples_seen"]) == (6, 8, 64)
+    proc = run_cli(["train", "--nproc", "1", "--run-dir", str(run_dir)], cache_env)
+    assert proc.returncode == 0 and "finished run: it reached step 8" in proc.stderr
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
 
 
 def test_same_entry_works_under_torchrun(cache_env, tmp_path):

@@ -191,3 +191,10 @@ def test_a_transformers_model_is_estimated_from_its_own_config(no_launch, capsys
     small = llama(tmp_path / "small.json", 2, 256, 512)
     check_model_fits(load_config(overrides=[f"model.hf_config={small}"]), 1, 1,
                      RankMemory(bytes=GIB, source="test"))
+
+
+def test_two_bad_values_in_one_command_are_both_reported(no_launch, capsys):
+    assert main(["train", "--set", "train.steps=0", "--set", "comm.codec=zip"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(l.startswith("disttrain: error: ") for l in lines), lines
+    assert "train.steps=0" in lines[0] and "comm.codec='zip'" in lines[1]

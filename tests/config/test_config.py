@@ -7,7 +7,7 @@ import pytest
 from disttrain.config import load_config
 from disttrain.validation import resolve
 from disttrain.config.dump import config_to_toml
-from disttrain.errors import ConfigError, UserError
+from disttrain.errors import ConfigError, InputErrors, UserError
 
 
 def test_defaults_resolve_for_two_ranks():
@@ -98,3 +98,24 @@ def test_snapshot_round_trips_at_any_world_size(tmp_path):
     # the same global batch on another world size: the derived member adapts
     assert resolve(again, 4).batch.global_batch == 32
     assert resolve(again, 4).batch.grad_accum == 2
+
+
+def test_every_bad_value_is_reported_not_only_the_first():
+    with pytest.raises(InputErrors) as err:
+        load_config(overrides=["train.steps=many", "train.lr=0", "model.nlayer=2", "oops"])
+    fields = [getattr(e, "field", None) for e in err.value.errors]
+    assert fields == [None, "model.nlayer", "train.steps", "train.lr"]  # --set, then by section
+    lines = str(err.value).splitlines()
+    assert len(lines) == 4 and "oops" in lines[0] and "did you mean model.n_layer" in lines[1]
+
+
+def test_independent_section_checks_are_reported_together():
+    with pytest.raises(InputErrors) as err:
+        resolve(load_config(overrides=["model.d_model=30", "data.path=/no/such/dir"]), 2)
+    assert [e.field for e in err.value.errors] == ["model.d_model", "data.path"]
+
+
+def test_one_bad_value_is_still_one_config_error():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["train.steps=0", "train.lr=1e-3"])
+    assert not isinstance(err.value, InputErrors) and err.value.field == "train.steps"

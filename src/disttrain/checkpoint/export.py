@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from ..errors import UserError
+from ..fsutil import new_file_mode
 from ..names import MODEL_CONFIG_FILE
 from .manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
 from .state import MODEL
@@ -27,6 +29,7 @@ def _write(tensors: dict, out: Path, metadata: dict[str, str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, new_file_mode())  # safetensors creates it 0600
     tmp.replace(out)
 
 

@@ -9,11 +9,14 @@ from .schema import Config
 from .validate import RunPlan
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """``value`` written as TOML: ``true``, ``0.0003``, ``"gpt"``, ``[1, 2]``."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
 
 
@@ -33,6 +36,6 @@ def config_to_toml(config: Config, plan: RunPlan | None = None) -> str:
                      f"grad_accum {b.grad_accum} x dp {b.dp}")
     for section, table in data.items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
         lines.append("")
     return "\n".join(lines)

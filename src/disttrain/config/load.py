@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import difflib
 import math
-import tomllib
 import types
 import typing
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, ErrorCollector, UserError
 from ..names import CONFIG_FILE
 from .schema import SECTIONS, Config, config_key
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -34,10 +38,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if values:
         _merge(raw, {s: dict(v) for s, v in values.items()} if _is_nested(values)
                else _raise_not_nested(values))
+    errors = ErrorCollector()
     for item in overrides or []:
-        section, key, value = _parse_override(item)
-        raw.setdefault(section, {})[key] = value
-    return _build(raw)
+        with errors.check():
+            section, key, value = _parse_override(item)
+            raw.setdefault(section, {})[key] = value
+    return _build(raw, errors)
 
 
 def load_run_config(path: str | Path | None, overrides: list[str],
@@ -101,29 +107,42 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _build(raw: dict[str, dict[str, Any]]) -> Config:
+def _build(raw: dict[str, dict[str, Any]], errors: ErrorCollector) -> Config:
+    """The Config of ``raw``; every unknown name and bad value is collected in ``errors``
+    (with those found before) and raised together."""
     sections: dict[str, Any] = {}
     explicit: set[str] = set()
     for section, table in raw.items():
         if section not in SECTIONS:
-            raise ConfigError(f"[{section}]", sorted(table) if isinstance(table, dict)
-                              else table, "unknown section",
-                              _suggest(section, list(SECTIONS), "sections"))
+            with errors.check():
+                raise ConfigError(f"[{section}]", sorted(table) if isinstance(table, dict)
+                                  else table, "unknown section",
+                                  _suggest(section, list(SECTIONS), "sections"))
     for name, cls in SECTIONS.items():
-        table = raw.get(name, {})
-        known = {config_key(f): f for f in fields(cls)}
-        kwargs = {}
-        for key, value in table.items():
-            dotted = f"{name}.{key}"
+        kwargs = _section_kwargs(name, cls, raw.get(name, {}), errors)
+        explicit.update(f"{name}.{config_key(f)}" for f in fields(cls) if f.name in kwargs)
+        sections[name] = cls(**kwargs)
+        for f in fields(cls):
+            with errors.check():
+                _check_bounds(f"{name}.{config_key(f)}", getattr(sections[name], f.name), f)
+    errors.raise_any()
+    return Config(**sections, explicit=frozenset(explicit))
+
+
+def _section_kwargs(name: str, cls: type, table: dict[str, Any],
+                    errors: ErrorCollector) -> dict[str, Any]:
+    """The keyword arguments of section ``name`` that are known keys with values of the
+    right type; the others are collected in ``errors`` and left at their defaults."""
+    known = {config_key(f): f for f in fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        dotted = f"{name}.{key}"
+        with errors.check():
             if key not in known:
                 raise ConfigError(dotted, value, "unknown key",
                                   _suggest(key, list(known), f"keys of [{name}]", name))
             kwargs[known[key].name] = _coerce(dotted, value, known[key])
-            explicit.add(dotted)
-        sections[name] = cls(**kwargs)
-        for f in fields(cls):
-            _check_bounds(f"{name}.{config_key(f)}", getattr(sections[name], f.name), f)
-    return Config(**sections, explicit=frozenset(explicit))
+    return kwargs
 
 
 def _suggest(word: str, options: list[str], what: str, prefix: str = "") -> str:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ErrorCollector
 from ..names import CODEC_NONE, SYNC_ASYNC
 from .layout import Layout
 from .schema import Config, TrainConfig
@@ -47,12 +47,13 @@ class RunPlan:
 
 def check_sections(config: Config) -> None:
     """The checks that need no layout: model shape, data path, device, monitor, and the
-    gradient wire format."""
-    _check_model(config)
-    _check_data(config)
-    _check_device(config)
-    _check_monitor(config)
-    _check_wire(config)
+    gradient wire format. Each is independent of the others: all their errors are
+    reported together."""
+    errors = ErrorCollector()
+    for check in (_check_model, _check_data, _check_device, _check_monitor, _check_wire):
+        with errors.check():
+            check(config)
+    errors.raise_any()
 
 
 def resolve_batch(train: TrainConfig, explicit: frozenset[str], dp: int) -> BatchPlan:

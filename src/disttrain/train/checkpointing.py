@@ -8,6 +8,7 @@ reader to the same state, which cuts out its part whatever layout wrote it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,36 @@ from ..checkpoint.state import restore_rng, rng_tensors
 from ..comm import Communicator, ReduceOp
 from ..config import Config, RunPlan
 from ..errors import CheckpointSaveError, DivergenceError, UserError
+from ..names import SUMMARY_FILE
 from ..parallel.interfaces import ShardedState, StatePiece
+
+
+def finished_run(run_dir: Path, steps: int, warn: Callable[[str], None]) -> str | None:
+    """One line saying ``run_dir``'s run is finished: its summary (written once the final
+    weights are) and its newest intact checkpoint, if it has any, both reached
+    ``steps``. None while steps remain, or when a run stopped between its last
+    checkpoint and its final weights (resuming writes them). UserError if every
+    checkpoint is damaged (as :func:`find_checkpoint`)."""
+    found = find_checkpoint(run_dir, warn)
+    completed = _summary_steps(run_dir / SUMMARY_FILE)
+    step = completed if found is None else open_checkpoint(found).step
+    if completed is None or step is None or min(completed, step) < steps:
+        return None
+    if found is not None:
+        more = (f"raise train.steps to continue it, e.g. --run-dir {run_dir} "
+                f"--set train.steps={step + steps}")
+    else:
+        more = "it saved no checkpoint to continue from: give a new --run-dir to train again"
+    return (f"{run_dir} is a finished run: it reached step {step} and train.steps is "
+            f"{steps}; nothing to do, no file was changed ({more})")
+
+
+def _summary_steps(path: Path) -> int | None:
+    try:
+        steps = json.loads(path.read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 class RunCheckpoints:
@@ -61,9 +91,10 @@ class RunCheckpoints:
         self.state.load_state(ckpt.reader, self.optimizer)
         restore_rng(ckpt.reader, self.world.rank)
         saved_world = ckpt.meta.get("world_size")
+        total = self.config.train.steps
         say(f"resuming from {Path(value).name}: step {ckpt.step}, sample "
             f"{ckpt.meta['position']} (saved on {saved_world} rank(s), now "
-            f"{self.world.size})")
+            f"{self.world.size}); training steps {ckpt.step + 1}-{total} of {total}")
         return ckpt.step, int(ckpt.meta["position"])
 
     def _check_unchanged(self, meta: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 import torch
 from torch import nn
 
+from ..fsutil import new_file_mode
 from ..monitor.metrics import finite_or_null
 from ..names import STOPPED_FILE, SUMMARY_FILE, WEIGHTS_FILE
 
@@ -36,6 +37,15 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The run's stored summary; {} when there is none or it cannot be read."""
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(finite_or_null(summary), indent=2,
                                                          sort_keys=True, allow_nan=False))
@@ -57,6 +67,7 @@ def save_weights(model: nn.Module | dict[str, torch.Tensor], run_dir: Path) -> P
     tmp = path.with_name(path.name + ".tmp")
     try:
         save_file(state, str(tmp))
+        os.chmod(tmp, new_file_mode())  # safetensors creates it 0600
         os.replace(tmp, path)
     except SafetensorError as exc:  # raised for its I/O errors too (a full disk)
         raise OSError(f"{tmp}: {exc}") from exc

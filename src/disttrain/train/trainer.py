@@ -23,6 +23,7 @@ declared interfaces.
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from ..parallel.compose import PARAMETER_SERVER, PIPELINE, PLAIN, Groups, compos
 from ..topology import Topology, build_topology
 from ..validation import resolve
 from . import rundir
-from .checkpointing import RunCheckpoints
+from .checkpointing import RunCheckpoints, finished_run
 from .flops import count_flops_per_term
 from .loops import LoopResult, ParameterServerLoop, StepLoop, TrainingLoop
 from .optim import build_optimizer, lr_at, set_lr
@@ -130,7 +131,11 @@ class Trainer:
         p = self.config.parallel
         runtime = init_runtime(self.config.train.device, p.backend, p.timeout_s)
         try:
-            self._build(runtime)
+            self._build_groups(runtime)
+            finished = self._finished_summary()
+            if finished is not None:
+                return finished
+            self._build()
             loop: TrainingLoop = LOOPS[self.parallel.step]()
             try:
                 result = loop.run(self)
@@ -144,7 +149,7 @@ class Trainer:
             self._close()
             shutdown(runtime)
 
-    def _build(self, runtime: Runtime) -> None:
+    def _build_groups(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.topology: Topology = build_topology(self.plan.layout, runtime.device.type)
         self.ledger = CollectiveLedger()
@@ -152,8 +157,26 @@ class Trainer:
         self.groups = Groups(world=self.world, **{
             axis: Communicator(self.topology.group(axis), self.ledger, axis)
             for axis in ("dp", "pp", "tp")})
+
+    def _finished_summary(self) -> dict[str, Any] | None:
+        """When the run directory's run already reached ``train.steps``: rank 0 says so
+        and every rank returns its stored summary ({} if none), writing nothing; else
+        None. Damaged checkpoints are left for the resume to report."""
+        found = None
+        if self.runtime.is_main and self.run_dir is not None:
+            try:
+                line = finished_run(self.run_dir, self.config.train.steps,
+                                    warn=lambda _: None)
+            except UserError:
+                line = None
+            if line is not None:
+                print(f"disttrain: {line}", file=sys.stderr)
+                found = rundir.read_summary(self.run_dir)
+        return self.world.broadcast_object(found)
+
+    def _build(self) -> None:
         self._build_watchdog()
-        self.tracer = Tracer(self.config.monitor.trace, runtime.rank)
+        self.tracer = Tracer(self.config.monitor.trace, self.runtime.rank)
         self.signals = SignalStop(self.world)
         self._build_data()
         self._build_model()
@@ -525,6 +548,9 @@ def _device_name(device: torch.device) -> str:
 def _summary_text(s: dict[str, Any], unit: str) -> str:
     ev = ("" if s["final_eval_loss"] is None else
           f"held-out loss {s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}; ")
-    return (f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s on {s['world_size']} "
+    ran = s["steps"] - s["start_step"]
+    which = (f"steps {s['start_step'] + 1}-{s['steps']} of {s['steps']}" if s["start_step"]
+             else f"{ran} steps")
+    return (f"done: {which} in {s['wall_time_s']:.1f}s on {s['world_size']} "
             f"rank(s); train loss {s['final_train_loss']:.4f}; {ev}"
             f"{s['tokens_per_s']:,.0f} {unit}/s; run dir {s['run_dir']}")

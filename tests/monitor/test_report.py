@@ -21,6 +21,7 @@ import pytest
 
 from disttrain.errors import UserError
 from disttrain.monitor import report
+from disttrain.monitor.report import cards, plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ["loss", "throughput", "mfu", "time", "memory"]
@@ -39,13 +40,16 @@ def _record(step: int, full: bool, world: int = 4) -> dict:
            "lr": 3e-3 * min(1.0, step / 30), "grad_norm": 1.5 * math.exp(-step / 200) + 0.2,
            "tokens_per_s": tokens, "samples_per_s": tokens / 128, "step_time_s": step_time,
            "data_time_s": data, "samples_seen": step * 32, "checkpoint_stall_s": 0.004}
-    if step % 100 == 0:
+    if step % 30 == 0:  # the default cadence: about ten evaluations a run
         rec["eval_loss"] = 2.2 + 3.1 * math.exp(-step / 60)
     if not full:
         return rec
+    rec.update(comm_bytes_per_step=3363856.0, grad_sync_bytes=3363840,
+               memory_mb={"activations": 68.29785537719727, "grads": 3.2080078125,
+                          "optimizer": 6.416015625, "params": 3.2080078125})
     slow = [3] if step % 40 == 0 else []
     rec.update(mfu=0.38 + noise, peak_source="measured:cpu", time_compute_s=compute, time_comm_s=comm, time_data_s=data,
-               time_optim_s=optim, mem_rss_mb=1700 + step, mem_peak_mb=2100 + step * 1.2,
+               time_optim_s=optim, mem_peak_mb=2100 + step * 1.2,
                stragglers=slow)
     rec["ranks"] = [{"rank": r, "total_s": step_time * (1.3 if r in slow else 1.0),
                      "compute_s": compute, "comm_s": comm, "data_s": data,
@@ -61,9 +65,15 @@ def _summary(run_dir: Path, full: bool) -> dict:
                "final_eval_loss": 2.1456, "wall_time_s": 97.3, "train_time_s": 80.25,
                "tokens_per_s": 15873.4, "samples_seen": 9600, "run_dir": str(run_dir),
                "parameters": 826112}
-    if full:
+    if full:  # as the trainer writes them (train/trainer.py, Trainer._finish)
+        memory = {"activations": 71615492, "grads": 3363840, "optimizer": 6727680,
+                  "params": 3363840}
         summary |= {"model_flops_per_s": 7.9e10, "mfu": 0.381, "peak_tflops": 0.05,
-                    "peak_source": "measured:cpu"}
+                    "peak_source": "measured:cpu", "comm_bytes_per_step": 3363856.0,
+                    "collectives": 179, "nonfinite_skipped": 0, "device_name": "cpu",
+                    "memory_bytes": memory,
+                    "memory_bytes_per_rank": [memory, memory, dict(memory, params=1e6),
+                                              memory]}
     return summary
 
 
@@ -120,7 +130,7 @@ def test_without_matplotlib_the_error_says_how_to_install(tmp_path, monkeypatch)
 # ----------------------------------------------------------------------- pure helpers
 def test_time_breakdown_parts_add_up_to_step_time():
     records = [_record(s, full=True) for s in (10, 20, 30)]
-    steps, parts = report.time_breakdown(records)
+    steps, parts = plots.time_breakdown(records)
     assert steps == [10, 20, 30]
     assert list(parts) == ["compute", "exposed communication", "data loading", "optimizer",
                            "other"]
@@ -131,26 +141,26 @@ def test_time_breakdown_parts_add_up_to_step_time():
 
 def test_time_breakdown_of_an_older_run_uses_data_time():
     records = [_record(s, full=False) for s in (10, 20)]
-    _, parts = report.time_breakdown(records)
+    _, parts = plots.time_breakdown(records)
     assert list(parts) == ["data loading", "other (not broken down)"]
     assert parts["data loading"] == [0.008, 0.008]
 
 
 def test_peak_memory_and_stragglers_per_rank():
     records = [_record(s, full=True) for s in (10, 40, 80)]
-    assert report.peak_memory_per_rank(records) == pytest.approx(
+    assert plots.peak_memory_per_rank(records) == pytest.approx(
         {r: 2100 + 80 * 1.2 + 90 * r for r in range(4)})
-    assert report.straggler_counts(records) == {3: 2}
+    assert cards.straggler_counts(records) == {3: 2}
 
 
 def test_summary_rows_format_the_summary(tmp_path):
     run = report.load_run(write_run(tmp_path / "run"))
-    rows = dict(report.summary_rows(run))
+    rows = dict(cards.summary_rows(run))
     assert rows["Ranks"] == "4 = dp 2 × pp 1 × tp 2"
     assert rows["Held-out loss"] == "5.3012 → 2.1456"
     assert rows["Throughput"] == "15,873 tokens/s"
-    assert rows["Model FLOP/s"] == "79.00 GFLOP/s"
-    assert rows["Wall time"] == "01:37 (97.3 s)"
+    assert rows["Model FLOP/s"] == "79.0 GFLOP/s"
+    assert rows["Wall time"] == "1 min 37 s" and rows["Training time"] == "1 min 20 s"
     assert rows["Logged records"] == "30 (steps 10 to 300)"
 
 
@@ -182,8 +192,8 @@ def test_html_is_self_contained_with_every_plot_and_the_summary(full_report):
     assert refs and all(r.startswith("data:image/png;base64,") for r in refs)
     assert not re.search(r"https?://|@import|url\(", text)
     for value in ["15,873 tokens/s", "5.3012 → 2.1456", "2.1234", "826,112", "9,600",
-                  "79.00 GFLOP/s", "Mean MFU", "(peak: measured:cpu)",
-                  "38.1% of 0.05 TFLOP/s per device (peak: measured:cpu)"]:
+                  "79.0 GFLOP/s", "MFU (vs measured CPU matmul rate)",
+                  "38.1% of 50.0 GFLOP/s per device", "3.2 MiB sent by each rank"]:
         assert value in text, value
     assert "&lt;b&gt;gpt&lt;/b&gt; &amp; co" in text and "<b>gpt</b>" not in text
     assert "not recorded" not in text
@@ -219,8 +229,8 @@ def test_unfinished_large_job_with_a_diverged_step(tmp_path):
     assert "1 record(s) with a non-finite loss are not plotted" in text
     table = re.search(r"<h2>Ranks</h2>(.*?)</section>", text, re.S).group(1)
     shown = [int(r) for r in re.findall(r"<tr><td>(\d+)</td>", table)]
-    assert len(shown) == report.MAX_RANK_ROWS and 3 in shown and shown == sorted(shown)
-    assert f"{report.MAX_RANK_ROWS} of 40 ranks" in table
+    assert len(shown) == cards.MAX_RANK_ROWS and 3 in shown and shown == sorted(shown)
+    assert f"{cards.MAX_RANK_ROWS} of 40 ranks" in table
     assert '<td class="warn">1 of 3</td>' in table
     assert "<th>step time</th>" in table and "<th>tokens/s</th>" in table
 
@@ -285,6 +295,6 @@ def test_report_renders_in_headless_chromium_with_its_plots(full_report, tmp_pat
     pixels = _decode_png(shot)
     assert pixels.shape[:2] == (2000, 1200)
     assert pixels[..., :3].std() > 0.05, "the screenshot is blank"
-    for colour in (report.LOSS_COLOR, report.EVAL_COLOR, report.RATE_COLOR,
-                   report.MFU_COLOR, report.MEM_COLOR):  # the plots' lines are on screen
+    for colour in (plots.LOSS_COLOR, plots.EVAL_COLOR, plots.RATE_COLOR,
+                   plots.MFU_COLOR, plots.MEM_COLOR):  # the plots' lines are on screen
         assert _has_colour(pixels, colour), colour

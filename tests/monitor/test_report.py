@@ -260,18 +260,108 @@ def test_disttrain_report_command(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------- what is drawn
+@pytest.fixture
+def drawn(monkeypatch):
+    """Figures the plots draw, by plot title (the PNG is not rendered)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    figures = []
+
+    def keep(draw, size):
+        fig = Figure(figsize=size)
+        draw(fig)
+        figures.append(fig)
+        return PNG_MAGIC
+
+    monkeypatch.setattr(plots, "_render", keep)
+    return figures
+
+
+def test_every_plot_has_a_title_and_axes_labelled_with_units(tmp_path, drawn):
+    run = report.load_run(write_run(tmp_path / "run"))
+    made = [make(run) for make in plots.PLOTS]
+    assert all(p.png for p in made) and len(drawn) == len(ALL_PLOTS)
+    for plot, fig in zip(made, drawn, strict=True):
+        for ax in fig.axes:
+            assert ax.get_title(), plot.name
+            assert ax.get_xlabel() in ("optimizer step", "rank"), plot.name
+            assert re.search(r"nats|per second|%|\((ms|s)\)|MiB|GiB", ax.get_ylabel()), (
+                plot.name, ax.get_ylabel())
+
+
+def _held_out_line(fig):
+    (ax,) = fig.axes
+    return next(ln for ln in ax.get_lines() if ln.get_label().startswith("held-out"))
+
+
+def test_held_out_loss_is_drawn_as_points_with_markers(tmp_path, drawn):
+    run = report.load_run(write_run(tmp_path / "run"))
+    plot = plots.loss_plot(run)
+    line = _held_out_line(drawn[-1])
+    assert len(line.get_xdata()) == 11  # before step 1, then every 30 steps
+    assert line.get_marker() == "o" and line.get_linestyle() == "-"
+    assert "held-out loss at each of the 11 evaluations" in plot.caption
+
+
+def test_two_held_out_points_are_markers_only_and_the_caption_says_so(tmp_path, drawn):
+    run = report.load_run(write_run(tmp_path / "run", full=False))
+    records = [{k: v for k, v in r.items() if k != "eval_loss"} for r in run.records]
+    records[-1]["eval_loss"] = 2.3
+    plot = plots.loss_plot(report.RunData(run_dir=run.run_dir, records=records,
+                                          summary=run.summary))
+    line = _held_out_line(drawn[-1])
+    assert list(line.get_xdata()) == [0, 300]
+    assert line.get_marker() == "o" and line.get_linestyle() == "None"
+    assert "only 2 evaluation(s), drawn as points without a line" in plot.caption
+    assert "train.eval_every" in plot.caption
+
+
+def test_the_memory_caption_names_what_is_drawn(tmp_path, drawn):
+    run = report.load_run(write_run(tmp_path / "run"))
+    plot = plots.memory_plot(run)
+    over_time, per_rank = drawn[-1].axes
+    labels = [t.get_text() for t in over_time.get_legend().get_texts()]
+    assert labels == ["parameters", "gradients", "optimizer state",
+                      "activations saved for backward", "peak (busiest rank)"]
+    assert plot.caption.startswith("Solid: the process's peak resident set of the "
+                                   "busiest rank; shaded: rank 0's parameters, gradients")
+    assert "red where it was flagged as a straggler" in plot.caption
+    assert len(per_rank.patches) == 4
+    gpu = report.RunData(run_dir=run.run_dir, summary={"device_name": "NVIDIA H100"},
+                         records=[{k: v for k, v in r.items()
+                                   if k not in ("memory_mb", "ranks", "peak_source")}
+                                  for r in run.records])
+    caption = plots.memory_plot(gpu).caption
+    assert caption == "Solid: the CUDA allocator's peak of the busiest rank."
+    assert len(drawn[-1].axes) == 1 and "resident" not in caption
+
+
 # ----------------------------------------------------------------------- rendering
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(n)), None)
 
 
+# one Chromium run's hard limit; the page renders in a few seconds
+CHROMIUM_TIMEOUT_S = 30
+CONSOLE_RE = re.compile(r":CONSOLE(?:\(\d+\)|:\d+)?\] (.*)")
+
+
 def _chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    """Chromium on ``page``, logging the page's console messages to stderr."""
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--disable-quic", "--no-first-run", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-             f"--user-data-dir={profile}"]
+             "--enable-logging=stderr", "--v=0", f"--user-data-dir={profile}"]
     return subprocess.run([CHROMIUM, *flags, *args, page.as_uri()], capture_output=True,
-                          text=True, timeout=90)
+                          text=True, timeout=CHROMIUM_TIMEOUT_S)
+
+
+def console_messages(run: subprocess.CompletedProcess) -> list[str]:
+    """What the page wrote to its console (errors, uncaught exceptions, failed loads);
+    the report's own script writes nothing there."""
+    return CONSOLE_RE.findall(run.stderr)
 
 
 def _has_colour(pixels, hex_colour: str, tol: float = 0.05) -> bool:
@@ -279,22 +369,47 @@ def _has_colour(pixels, hex_colour: str, tol: float = 0.05) -> bool:
     return bool((abs(pixels[..., :3] - rgb).max(axis=-1) < tol).sum() > 100)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
-                    "(apt-get install chromium) so the page cannot be rendered")
+def _distinct_colours(pixels) -> int:
+    import numpy as np
+
+    rgb = (pixels[..., :3] * 255).round().astype(np.uint32)
+    return len(np.unique(rgb[..., 0] << 16 | rgb[..., 1] << 8 | rgb[..., 2]))
+
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium is not installed (apt-get install "
+    "chromium) so the page cannot be rendered")
+
+
+@needs_chromium
 def test_report_renders_in_headless_chromium_with_its_plots(full_report, tmp_path):
     _, page = full_report
     dom = _chromium(page, tmp_path / "profile-dom", "--dump-dom")
     loaded = re.search(r'data-images-loaded="(\d+)/(\d+)"', dom.stdout)
     assert loaded, f"no image count in the dumped DOM; stderr: {dom.stderr[-2000:]}"
     assert loaded.groups() == (str(len(ALL_PLOTS)),) * 2  # every <img> decoded
+    assert console_messages(dom) == []
     shot = tmp_path / "shot.png"
     run = _chromium(page, tmp_path / "profile-shot", f"--screenshot={shot}",
                     "--window-size=1200,2000")
     assert shot.is_file(), f"no screenshot; stderr: {run.stderr[-2000:]}"
+    assert console_messages(run) == []
     assert shot.read_bytes().startswith(PNG_MAGIC)
     pixels = _decode_png(shot)
     assert pixels.shape[:2] == (2000, 1200)
     assert pixels[..., :3].std() > 0.05, "the screenshot is blank"
+    assert _distinct_colours(pixels) > 500, "the screenshot is nearly blank"
     for colour in (plots.LOSS_COLOR, plots.EVAL_COLOR, plots.RATE_COLOR,
                    plots.MFU_COLOR, plots.MEM_COLOR):  # the plots' lines are on screen
         assert _has_colour(pixels, colour), colour
+
+
+@needs_chromium
+def test_the_console_check_sees_a_script_error(full_report, tmp_path):
+    """The check above could fail: a page whose script throws is caught."""
+    _, page = full_report
+    broken = tmp_path / "broken.html"
+    broken.write_text(page.read_text(encoding="utf-8").replace(
+        "</body>", "<script>undefinedReportFunction();</script></body>"), encoding="utf-8")
+    messages = console_messages(_chromium(broken, tmp_path / "profile", "--dump-dom"))
+    assert any("Uncaught ReferenceError: undefinedReportFunction" in m for m in messages)

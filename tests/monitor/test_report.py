@@ -48,9 +48,9 @@ def _record(step: int, full: bool, world: int = 4) -> dict:
                memory_mb={"activations": 68.29785537719727, "grads": 3.2080078125,
                           "optimizer": 6.416015625, "params": 3.2080078125})
     slow = [3] if step % 40 == 0 else []
-    rec.update(mfu=0.38 + noise, peak_source="measured:cpu", time_compute_s=compute, time_comm_s=comm, time_data_s=data,
-               time_optim_s=optim, mem_peak_mb=2100 + step * 1.2,
-               stragglers=slow)
+    rec.update(mfu=0.38 + noise, peak_source="measured:cpu", time_compute_s=compute,
+               time_comm_s=comm, time_data_s=data, time_optim_s=optim,
+               mem_peak_mb=2100 + step * 1.2, stragglers=slow)
     rec["ranks"] = [{"rank": r, "total_s": step_time * (1.3 if r in slow else 1.0),
                      "compute_s": compute, "comm_s": comm, "data_s": data,
                      "samples": 32 / world, "mem_peak_mb": 2100 + step * 1.2 + 90 * r}

@@ -196,6 +196,11 @@ def test_html_is_self_contained_with_every_plot_and_the_summary(full_report):
                   "38.1% of 50.0 GFLOP/s per device", "3.2 MiB sent by each rank"]:
         assert value in text, value
     assert "&lt;b&gt;gpt&lt;/b&gt; &amp; co" in text and "<b>gpt</b>" not in text
+    shown = IMG_RE.sub("", text[text.index("<h2>Summary"):text.index("<h2>Configuration")])
+    shown = shown.replace(str(run), "")  # the run directory's path may hold any digits
+    raw = re.findall(r"(?<![\d,])\d{5,}|\.\d{5,}", shown)
+    assert not raw, f"figures not written for people: {raw}"
+    assert "3363856" not in shown and '{"' not in shown
     assert "not recorded" not in text
     assert re.search(r'<td class="warn">\d+ of 30</td>', text)  # rank 3 flagged
     assert "<th>step time</th><th>compute</th><th>exposed comm.</th>" in text

@@ -77,10 +77,15 @@ PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimi
                ACTIVATIONS: "activations saved for backward"}
 
 
+def _total(parts: Any) -> float:
+    return sum(v for v in parts.values() if number(v) is not None) if isinstance(
+        parts, dict) else 0.0
+
+
 def _memory_cards(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """One card per part of rank 0's memory, its total, and the spread over ranks."""
-    parts = s.get(MEMORY_BYTES)
-    rows = []
+    """One card per part of rank 0's memory (``memory_bytes``), their total, and the
+    spread of the totals over ranks (``memory_bytes_per_rank``)."""
+    parts, rows = s.get(MEMORY_BYTES), []
     if isinstance(parts, dict):
         order = [*PART_NAMES, *sorted(set(parts) - set(PART_NAMES))]
         sizes = {k: parts[k] for k in order if number(parts.get(k)) is not None}
@@ -88,19 +93,22 @@ def _memory_cards(s: dict[str, Any]) -> list[tuple[str, str]]:
                   format_bytes(v)) for k, v in sizes.items()]
         if sizes:
             rows.append(("Memory: model state + activations (rank 0)",
-                         format_bytes(sum(sizes.values()))))
+                         format_bytes(_total(sizes))))
     per_rank = s.get(MEMORY_BYTES_PER_RANK)
     if isinstance(per_rank, list) and len(per_rank) > 1:
-        totals = [sum(v for v in p.values() if number(v) is not None)
-                  if isinstance(p, dict) else 0 for p in per_rank]
-        lo, hi = min(range(len(totals)), key=totals.__getitem__), max(
-            range(len(totals)), key=totals.__getitem__)
-        text = (f"{format_bytes(totals[hi])} on each of {len(totals)} ranks"
-                if format_bytes(totals[lo]) == format_bytes(totals[hi]) else
-                f"{format_bytes(totals[lo])} (rank {lo}) to {format_bytes(totals[hi])} "
-                f"(rank {hi})")
-        rows.append(("Memory: model state + activations per rank", text))
+        rows.append(("Memory: model state + activations per rank",
+                     _spread([_total(p) for p in per_rank])))
     return rows
+
+
+def _spread(totals: list[float]) -> str:
+    """"81.1 MiB on each of 2 ranks", or the smallest and largest with their ranks."""
+    lo = min(range(len(totals)), key=totals.__getitem__)
+    hi = max(range(len(totals)), key=totals.__getitem__)
+    small, large = format_bytes(totals[lo]), format_bytes(totals[hi])
+    if small == large:
+        return f"{large} on each of {len(totals)} ranks"
+    return f"{small} (rank {lo}) to {large} (rank {hi})"
 
 
 # --------------------------------------------------------------------------- summary

@@ -15,8 +15,9 @@ from typing import Any
 
 from ...errors import UserError
 from ...names import METRICS_FILE
-from ..record import (ACTIVATIONS, DEVICE_NAME, EVAL_LOSS, LOSS, MEM_PEAK_MB, MFU,
-                      MODEL_STATE_PARTS, RANK, RANKS, STEP_TIME_S, TIME_COMM_S,
+from ..peaks import MEASURED_CPU
+from ..record import (ACTIVATIONS, DEVICE_NAME, EVAL_LOSS, LOSS, MEM_PEAK_MB, MEMORY_MB, MFU,
+                      MODEL_STATE_PARTS, RANK, RANKS, STEP, STEP_TIME_S, TIME_COMM_S,
                       TIME_COMPUTE_S, TIME_DATA_S, TIME_OPTIM_S, TOKENS_PER_S)
 from .cards import PART_NAMES, peak_kind, record_peak_sources, straggler_counts
 from .data import Record, RunData, number, series
@@ -25,7 +26,6 @@ from .formats import format_percent, format_rate
 # A key disttrain does not write (MetricsRecord has no such field) but the report still
 # reads when a record holds it: older runs logged the data wait as data_time_s.
 OLD_DATA_TIME_S = "data_time_s"
-MEMORY_MB = "memory_mb"  # MetricsRecord.memory_mb: rank 0's model state by part, MiB
 
 # Colours (matplotlib's default cycle, named so the page and the tests agree).
 LOSS_COLOR, EVAL_COLOR, RATE_COLOR, MFU_COLOR = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
@@ -210,7 +210,7 @@ def time_breakdown(records: list[Record]) -> tuple[list[float], dict[str, list[f
     known = [sum(p[i] for p in parts.values()) for i in range(len(rows))]
     other = "other" if len(parts) == len(TIME_PARTS) else "other (not broken down)"
     parts[other] = [max(r[STEP_TIME_S] - k, 0.0) for r, k in zip(rows, known, strict=True)]
-    return [float(r["step"]) for r in rows], parts
+    return [float(r[STEP]) for r in rows], parts
 
 
 def time_plot(run: RunData) -> Plot:
@@ -257,14 +257,14 @@ def model_state_series(records: list[Record]) -> tuple[list[float], dict[str, li
     rows = [r for r in records if isinstance(r.get(MEMORY_MB), dict)]
     names = [k for k in (*MODEL_STATE_PARTS, ACTIVATIONS)
              if any(number(r[MEMORY_MB].get(k)) is not None for r in rows)]
-    return ([float(r["step"]) for r in rows],
+    return ([float(r[STEP]) for r in rows],
             {k: [number(r[MEMORY_MB].get(k)) or 0.0 for r in rows] for k in names})
 
 
 def _peak_meaning(run: RunData) -> str:
     """What ``mem_peak_mb`` measured on this run's device (see monitor.stats.memory_mb)."""
     device = run.summary.get(DEVICE_NAME)
-    if device == "cpu" or any(s == "measured:cpu" for s in record_peak_sources(run.records)):
+    if device == "cpu" or any(s == MEASURED_CPU for s in record_peak_sources(run.records)):
         return "the process's peak resident set"
     if isinstance(device, str):
         return "the CUDA allocator's peak"

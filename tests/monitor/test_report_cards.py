@@ -95,3 +95,13 @@ def test_an_unfinished_run_shows_the_records_mean_mfu_and_its_source(tmp_path):
     rows = dict(cards.summary_rows(type(run)(run_dir=run.run_dir, records=run.records)))
     text = rows["Mean MFU (vs measured CPU matmul rate)"]
     assert re.fullmatch(r"\d+\.\d% of an fp32 matmul rate timed on this CPU .*", text)
+
+
+def test_mfu_over_100_percent_says_the_denominator_is_too_low(tmp_path):
+    run = load_run(write_run(tmp_path / "run"))
+    summary = dict(run.summary, mfu=6.465, peak_tflops=0.00294)
+    rows = dict(cards.summary_rows(type(run)(run_dir=run.run_dir, records=run.records,
+                                             summary=summary)))
+    text = rows["MFU (vs measured CPU matmul rate)"]
+    assert text.startswith("646.5% of 2.94 GFLOP/s per device")
+    assert "over 100%" in text and "monitor.peak_tflops" in text

@@ -52,8 +52,12 @@ def _mfu_card(s: dict[str, Any]) -> tuple[str, str] | None:
     mfu, tflops, source = number(s.get(MFU)), number(s.get(PEAK_TFLOPS)), s.get(PEAK_SOURCE)
     if mfu is None or tflops is None or not isinstance(source, str):
         return None
-    return (f"MFU (vs {peak_kind(source)})", f"{format_percent(mfu)} of "
-            f"{format_si(tflops * 1e12, 'FLOP/s')} per device, {peak_description(source)}")
+    text = (f"{format_percent(mfu)} of {format_si(tflops * 1e12, 'FLOP/s')} per device, "
+            f"{peak_description(source)}")
+    if mfu > 1:  # e.g. a CPU timed while other processes held its cores
+        text += ("; over 100%: the device did more than that figure, so it understates "
+                 "this device (set monitor.peak_tflops)")
+    return f"MFU (vs {peak_kind(source)})", text
 
 
 def record_peak_sources(records: list[Record]) -> list[str]:

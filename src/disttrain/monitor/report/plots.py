@@ -293,7 +293,8 @@ def memory_plot(run: RunData) -> Plot:
     if per_rank:
         said.append("bars: each rank's highest peak"
                     + (", red where it was flagged as a straggler" if slow else ""))
-    plot = Plot(name="memory", title="Memory", caption=_sentence("; ".join(said)))
+    plot = Plot(name="memory", title="Memory", caption=_sentence("; ".join(said)) if said
+                else "Peak memory over the run, and each rank's highest peak.")
     if not over_time and not per_rank:
         return _missing(plot, f"{MEM_PEAK_MB}, {MEMORY_MB} or {RANKS}[].{MEM_PEAK_MB}")
     scale, unit = _unit(peak[1] + list(per_rank.values())
@@ -312,7 +313,7 @@ def memory_plot(run: RunData) -> Plot:
             if peak[0]:
                 ax.plot(peak[0], [v / scale for v in peak[1]], color=MEM_COLOR, lw=1.8,
                         label="peak (busiest rank)")
-            ax.set(title="Memory over the run", xlabel=STEP_LABEL, ylabel=unit)
+            ax.set(title="Memory over the run", xlabel=STEP_LABEL, ylabel=f"memory ({unit})")
             ax.set_ylim(bottom=0)
             ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
         if per_rank:

@@ -110,7 +110,10 @@ class TrainConfig:
                            "gradient overflows itself",
                            choices=(NONFINITE_STOP, NONFINITE_SKIP))
     seed: int = _f(1234, "seed for initialisation and the sample order", ge=0)
-    eval_every: int = _f(0, "evaluate every N steps; 0 = at start and end only", ge=0)
+    eval_every: int = _f(0, "evaluate on held-out data every N steps (and before the "
+                         "first and after the last); 0 = auto, about 10 times a run on "
+                         "logged steps; N >= train.steps: at start and end only (the "
+                         "async parameter server evaluates at start and end only)", ge=0)
     eval_samples: int = _f(256, "held-out samples per evaluation", ge=1)
     log_every: int = _f(10, "write a metrics record every N steps", ge=1)
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)",

@@ -138,6 +138,7 @@ TIME_COMM_S = _key("time_comm_s")
 TIME_DATA_S = _key("time_data_s")
 TIME_OPTIM_S = _key("time_optim_s")
 MEM_PEAK_MB = _key("mem_peak_mb")
+MEMORY_MB = _key("memory_mb")
 RANKS = _key("ranks")
 STRAGGLERS = _key("stragglers")
 

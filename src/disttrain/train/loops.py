@@ -33,6 +33,21 @@ class LoopResult:
     wall_time: float
 
 
+# train.eval_every = 0: about this many held-out evaluations in a run (after the one
+# before the first step), so the held-out curve has points, not just its two ends
+AUTO_EVALUATIONS = 10
+
+
+def eval_interval(eval_every: int, steps: int, log_every: int) -> int:
+    """Steps between held-out evaluations: ``eval_every``, or for 0 the smallest
+    multiple of ``log_every`` at least ``steps / AUTO_EVALUATIONS`` (so evaluations
+    fall on logged steps and add no records)."""
+    if eval_every > 0:
+        return eval_every
+    target = max(1, steps // AUTO_EVALUATIONS)
+    return log_every * math.ceil(target / log_every)
+
+
 class TrainingLoop(Protocol):
     def run(self, trainer: Trainer) -> LoopResult: ...
 
@@ -67,7 +82,8 @@ class StepLoop:
             if stats.terms and math.isfinite(stats.loss):
                 recent.append(stats.loss)
             done = step + 1
-            evaluate_now = train.eval_every and done % train.eval_every == 0
+            evaluate_now = done % eval_interval(train.eval_every, train.steps,
+                                                train.log_every) == 0
             if evaluate_now or done == train.steps:
                 last_eval = trainer.evaluate()
             trainer.maybe_checkpoint(done)

@@ -18,6 +18,7 @@ import torch
 from ..checkpoint.manager import (CheckpointManager, SaveFailed, find_checkpoint,
                                   open_checkpoint)
 from ..checkpoint.state import restore_rng, rng_tensors
+from ..checkpoint.storage import step_name
 from ..comm import Communicator, ReduceOp
 from ..config import Config, RunPlan
 from ..errors import CheckpointSaveError, DivergenceError, UserError
@@ -81,6 +82,10 @@ class RunCheckpoints:
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or
                                      step == self.config.train.steps)
+
+    def directory(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is (once committed)."""
+        return self.manager.root / step_name(step)
 
     def save(self, step: int, position: int) -> None:
         """Save after step ``step`` (a collective). Raises, on every rank alike,

@@ -21,8 +21,9 @@ The points, each a no-op until a subclass overrides it:
   metrics loggers (:mod:`.loggers`) write these.
 - ``on_eval(trainer, step, eval_loss)``: after each evaluation (``step`` is
   ``trainer.start_step`` for the one before training).
-- ``on_checkpoint(trainer, step, path)``: after the checkpoint of ``step`` is saved to
-  the directory ``path`` (with ``checkpoint.async`` on: once its writing has started).
+- ``on_checkpoint(trainer, step, path)``: once the checkpoint of ``step`` is committed
+  to the directory ``path`` (an asynchronous save: at the first step boundary after
+  every rank has written its part, or at the end).
 - ``on_train_end(trainer, summary)``: once, at the end: ``summary`` is what
   :meth:`~disttrain.Trainer.fit` returns, or None when the run stopped early (an error,
   a signal). Close here what the callback opened.

@@ -39,6 +39,7 @@ class RunCheckpoints:
         self.stall_s = 0.0
         self.last_saved = -1  # the step of this run's latest save
         self.saving: int | None = None  # the step of a save not yet known to be done
+        self.completed: list[int] = []  # steps saved since the last take_completed()
 
     def resume(self, say: Callable[[str], None]) -> tuple[int, int] | None:
         """Load the newest intact checkpoint, if any: returns (step, sample position).
@@ -114,6 +115,7 @@ class RunCheckpoints:
             self._agree(self.world.broadcast_object(
                 committed if self.world.rank == 0 else None))
             self.saving = None
+            self.completed.append(step)
         self.stall_s = time.perf_counter() - start
         self.last_saved = step
 
@@ -133,6 +135,14 @@ class RunCheckpoints:
         """Wait for this rank's asynchronous save and agree on every rank's outcome."""
         if self.manager.pending:
             self._agree(_attempt(self.manager.wait))
+            if self.saving is not None:
+                self.completed.append(self.saving)
+                self.saving = None
+
+    def take_completed(self) -> list[int]:
+        """The steps whose checkpoints were committed since the last call."""
+        done, self.completed = self.completed, []
+        return done
 
     def _agree(self, problem: tuple[bool, str] | None) -> None:
         """Every rank learns whether any rank's part of the save in progress failed

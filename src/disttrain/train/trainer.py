@@ -145,6 +145,7 @@ class Trainer:
                 raise
             self.bar.close()
             self.checkpoints.close()
+            self.announce_checkpoints()
             summary = self._finish(result)
             self.callbacks.train_end(self, summary)
             return summary
@@ -354,7 +355,13 @@ class Trainer:
         if self.checkpoints.due(done) and self.parallel.sync.at_boundary(done):
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, self.position)
-            self.callbacks.checkpoint(self, done, self.checkpoints.directory(done))
+        self.announce_checkpoints()
+
+    def announce_checkpoints(self) -> None:
+        """Tell the callbacks of each checkpoint committed since the last call (an
+        asynchronous save: once every rank's part is written)."""
+        for step in self.checkpoints.take_completed():
+            self.callbacks.checkpoint(self, step, self.checkpoints.directory(step))
 
     def stop_if_signalled(self, done: int) -> None:
         """After step ``done``: if any rank got SIGTERM / SIGINT, save (unless
@@ -367,10 +374,10 @@ class Trainer:
         if save and self.checkpoints.last_saved != done:
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, self.position)
-            self.callbacks.checkpoint(self, done, self.checkpoints.directory(done))
         self.checkpoints.close()  # an async save is complete before the exit
         what = "checkpoint saved" if save else "not saved (checkpoint.on_signal=exit)"
         name = signal.Signals(self.stopping).name
+        self.announce_checkpoints()
         self.bar.message(f"stopped by {name} after step {done}; {what}")
         raise Interrupted(self.stopping)
 

@@ -39,12 +39,28 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from torch import nn
+
+from ..config import Config
 from .record import MetricsRecord
 
-if TYPE_CHECKING:
-    from ..train.trainer import Trainer
+
+class Trainer(Protocol):
+    """What a callback is handed: the :class:`~disttrain.Trainer` running the fit
+    (declared here, below the trainer's package; it has more than these)."""
+
+    config: Config
+    model: nn.Module
+    run_dir: Path | None
+    start_step: int  # 0, or the step a resumed run continues from
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
 
 
 class Callback:

@@ -27,16 +27,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import Config
 from ..names import (CSV_FILE, LOGGER_CSV, LOGGER_MLFLOW, LOGGER_TENSORBOARD,
                      LOGGER_WANDB, MLFLOW_DIR, TENSORBOARD_DIR)
-from .callbacks import Callback
+from .callbacks import Callback, Trainer
 from .record import STEP, MetricsRecord
-
-if TYPE_CHECKING:
-    from ..train.trainer import Trainer
 
 EXPERIMENT = "disttrain"  # the W&B project and the MLflow experiment
 
@@ -150,7 +147,7 @@ def _open_wandb(run_dir: Path, config: Config) -> Callback:
     settings = wandb.Settings(mode="offline", silent=True, console="off",
                               x_disable_stats=True, disable_git=True, save_code=False)
     run = wandb.init(project=EXPERIMENT, name=run_dir.name, dir=str(run_dir),
-                     config=config.to_dict(), settings=settings, reinit="create_new")
+                     config=config.to_dict(), settings=settings)
     return WandbLogger(run)
 
 

@@ -199,3 +199,23 @@ def test_a_logger_whose_package_is_missing_is_refused_with_the_extra(monkeypatch
     with pytest.raises(ConfigError, match=r"monitor.loggers='wandb': needs the wandb "
                        r"package \(pip install -e \"\.\[wandb\]\""):
         check_sections(config)
+
+
+def test_callbacks_end_once_without_a_summary_after_an_error():
+    from disttrain.monitor.callbacks import Callbacks
+
+    said: list[str] = []
+    main, everywhere, broken = Recorder(), Recorder(all_ranks=True), Broken()
+    on_rank1 = Callbacks([main, everywhere], is_main=False, say=said.append, rank=1)
+    assert on_rank1.active == [everywhere]
+    callbacks = Callbacks([broken, main], is_main=True, say=said.append)
+    for step in (1, 2, 3):
+        callbacks.step_end(_Start(0), MetricsRecord(step=step, loss=1.0, lr=0.1))
+    callbacks.train_end(_Start(0), None)  # fit()'s clean-up after an error
+    callbacks.train_end(_Start(0), None)
+    assert [c[1] for c in main.calls if c[0] == "step"] == [1, 2, 3]
+    assert [c[1] for c in broken.calls if c[0] == "step"] == [1, 2]
+    assert main.calls[-1] == broken.calls[-1] == ("end", None)
+    assert [c[0] for c in main.calls].count("end") == 1
+    assert said == ["warning: callback Broken.on_step_end raised RuntimeError: broken "
+                    "callback; it gets no further calls"]

@@ -16,7 +16,8 @@ from disttrain.config import load_config
 from disttrain.config.validate import check_sections
 from disttrain.errors import ConfigError
 from disttrain.monitor import MetricsRecord
-from disttrain.monitor.loggers import CSVLogger
+from disttrain.monitor.loggers import EXPERIMENT, CSVLogger
+from disttrain.names import CSV_FILE, METRICS_FILE, MLFLOW_DIR, TENSORBOARD_DIR, WANDB_DIR
 from disttrain.testing import run_distributed
 
 STEPS = 6
@@ -84,7 +85,7 @@ def run(tmp_path_factory):
     loggers = ["csv", *_installed("tensorboard", "wandb", "mlflow")]
     calls = run_distributed(_fit, 2, args=(str(run_dir), loggers), timeout=180)
     records = [json.loads(line)
-               for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+               for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     return run_dir, calls, records
 
 
@@ -122,7 +123,7 @@ def test_an_all_ranks_callback_runs_everywhere_and_a_failing_one_is_dropped(run,
 
 def test_csv_rows_are_the_logged_records(run):
     run_dir, _, records = run
-    with (run_dir / "metrics.csv").open(newline="") as fh:
+    with (run_dir / CSV_FILE).open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["step"]) for r in rows] == [r["step"] for r in records]
     assert [float(r["loss"]) for r in rows] == [r["loss"] for r in records]
@@ -136,13 +137,13 @@ def test_tensorboard_writes_event_files(run):
     if not _installed("tensorboard"):
         pytest.skip("tensorboard is not installed")
     run_dir = run[0]
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
 
 
 def test_wandb_writes_an_offline_run(run):
     pytest.importorskip("wandb")
     run_dir = run[0]
-    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    (offline,) = (run_dir / WANDB_DIR).glob("offline-run-*")
     (data,) = offline.glob("run-*.wandb")
     assert data.stat().st_size > 0
 
@@ -153,8 +154,8 @@ def test_mlflow_file_store_holds_the_loss_history_and_the_config(run, monkeypatc
     from mlflow.tracking import MlflowClient
 
     run_dir, _, records = run
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
-    experiment = client.get_experiment_by_name("disttrain")
+    client = MlflowClient(tracking_uri=(run_dir / MLFLOW_DIR).as_uri())
+    experiment = client.get_experiment_by_name(EXPERIMENT)
     (found,) = client.search_runs([experiment.experiment_id])
     history = client.get_metric_history(found.info.run_id, "loss")
     assert [(m.step, m.value) for m in history] == [(r["step"], r["loss"]) for r in records]
@@ -168,7 +169,7 @@ class _Start:
 
 
 def test_csv_logger_keeps_rows_up_to_a_resumed_step(tmp_path):
-    path = tmp_path / "metrics.csv"
+    path = tmp_path / CSV_FILE
     first = CSVLogger(path)
     first.on_train_start(_Start(0))
     for step in (2, 4, 6):

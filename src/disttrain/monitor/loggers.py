@@ -166,7 +166,8 @@ def _open_mlflow(run_dir: Path, config: Config) -> Callback:
     run_id = client.create_run(experiment_id, run_name=run_dir.name).info.run_id
     params = [Param(f"{section}.{key}", str(value))
               for section, table in config.to_dict().items() for key, value in table.items()]
-    client.log_batch(run_id, params=params)
+    for start in range(0, len(params), 100):  # the most one call may carry
+        client.log_batch(run_id, params=params[start:start + 100])
     return MLflowLogger(client, run_id)
 
 

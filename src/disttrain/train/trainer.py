@@ -92,6 +92,8 @@ class Trainer:
     the model's ``spec`` (default: :func:`~disttrain.spec.spec_for` the model);
     the process group (if none exists yet) is created by :meth:`fit` from the
     environment that ``disttrain run`` / torchrun set, or as a world of one.
+    ``callbacks`` (:class:`~disttrain.Callback`) are called at the points of the run,
+    beside the loggers ``monitor.loggers`` names (:mod:`disttrain.monitor.callbacks`).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn | None = None,

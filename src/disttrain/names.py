@@ -54,6 +54,17 @@ SUMMARY_FILE = "summary.json"        # written once, when the run finishes
 WEIGHTS_FILE = "model.safetensors"   # the final, unsharded weights
 MODEL_CONFIG_FILE = "model_config.json"  # the model's own config (transformers), for export
 TENSORBOARD_DIR = "tensorboard"      # event files, when tensorboard is installed
+CSV_FILE = "metrics.csv"             # monitor.loggers "csv": the records' scalar columns
+WANDB_DIR = "wandb"                  # monitor.loggers "wandb": its offline run
+MLFLOW_DIR = "mlruns"                # monitor.loggers "mlflow": a file store
+
+# monitor.loggers: the names, and the module each needs with the extra that installs it
+LOGGER_TENSORBOARD, LOGGER_CSV = "tensorboard", "csv"
+LOGGER_WANDB, LOGGER_MLFLOW = "wandb", "mlflow"
+LOGGERS = (LOGGER_TENSORBOARD, LOGGER_CSV, LOGGER_WANDB, LOGGER_MLFLOW)
+LOGGER_PACKAGES = {LOGGER_TENSORBOARD: ("tensorboard", "tensorboard"),
+                   LOGGER_WANDB: ("wandb", "wandb"), LOGGER_MLFLOW: ("mlflow", "mlflow")}
+
 TRACE_FILE = "trace.json"            # the merged Chrome-trace timeline of every rank
 REPORT_DIR = "report"                # `disttrain report`: PNGs and REPORT_FILE
 REPORT_FILE = "report.html"

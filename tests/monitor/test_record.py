@@ -6,8 +6,8 @@ import pytest
 
 from disttrain.monitor import MetricsRecord, MetricsWriter, read_metrics
 from disttrain.monitor import record as rec
+from disttrain.monitor.loggers import TensorBoardLogger
 from disttrain.monitor.metrics import truncate_metrics
-from disttrain.monitor.telemetry import TensorBoardWriter
 
 
 def _full() -> MetricsRecord:
@@ -75,9 +75,9 @@ class _Scalars:
 
 
 def test_tensorboard_gets_every_number_but_the_step_under_its_field_name():
-    board = TensorBoardWriter(None)
-    board.writer = _Scalars()
-    board.write(MetricsRecord(step=7, loss=2.0, sync="diloco", ranks=[], sync_rounds=3))
+    board = TensorBoardLogger(_Scalars())
+    board.on_log(None, MetricsRecord(step=7, loss=2.0, sync="diloco", ranks=[],
+                                     sync_rounds=3))
     assert sorted(board.writer.calls) == [("loss", 2.0, 7), ("sync_rounds", 3, 7)]
 
 

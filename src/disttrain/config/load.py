@@ -155,6 +155,8 @@ def _suggest(word: str, options: list[str], what: str, prefix: str = "") -> str:
 def _coerce(dotted: str, value: Any, f: Any) -> Any:
     """Check ``value`` against the field's annotation; ints are accepted for floats."""
     kinds = _annotation_kinds(f.type)
+    if tuple in kinds:
+        return _coerce_names(dotted, value)
     if value is None and type(None) in kinds:
         return None
     if isinstance(value, bool):
@@ -171,7 +173,19 @@ def _coerce(dotted: str, value: Any, f: Any) -> Any:
                       f"set {dotted} to a{'n' if want[0] in 'aeiou' else ''} {want}")
 
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+def _coerce_names(dotted: str, value: Any) -> tuple[str, ...]:
+    """A list of names: a TOML array of strings, or one string of comma-separated
+    names (``--set monitor.loggers=csv,wandb``)."""
+    if isinstance(value, str):
+        return tuple(name.strip() for name in value.split(",") if name.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(dotted, value, "expected a list of names",
+                      f'set {dotted} to a list of strings, e.g. ["csv"]')
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None),
+          "tuple[str, ...]": tuple}
 
 
 def _annotation_kinds(annotation: Any) -> tuple[type, ...]:
@@ -193,9 +207,10 @@ def _check_bounds(dotted: str, value: Any, f: Any) -> None:
         raise ConfigError(dotted, value, "must be a finite number",
                           f"set {dotted} to a finite value")
     choices = meta.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(dotted, value, "not a valid choice",
-                          f"use one of: {', '.join(choices)}")
+    for one in value if isinstance(value, tuple) else (value,):
+        if choices and one not in choices:
+            raise ConfigError(dotted, one, "not a valid choice",
+                              f"use one of: {', '.join(choices)}")
     for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                             ("le", lambda v, b: v <= b, "<=")):
         limit = meta.get(bound)

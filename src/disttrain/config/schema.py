@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..names import (CODEC_NONE, CODECS, NONFINITE_SKIP, NONFINITE_STOP, SCHEDULE_1F1B,
-                     SCHEDULES, SYNC_EVERY_STEP, SYNC_MODES, TRACE_FILE)
+                     SCHEDULES, LOGGERS, SYNC_EVERY_STEP, SYNC_MODES, TRACE_FILE)
 
 # Upper bounds that keep a value finite and usable: a bucket beyond any device's memory
 # buys nothing; a collective that waits a week is hung.
@@ -240,7 +240,10 @@ class MonitorConfig:
                             "dense peak at the run's precision, else a matmul measured at "
                             "start (the records' peak_source says which)", ge=0.0)
     tensorboard: bool = _f(True, "also write TensorBoard events when tensorboard is "
-                           "installed")
+                           "installed (monitor.loggers=[\"tensorboard\"] requires it)")
+    loggers: tuple[str, ...] = _f((), "metrics loggers beside metrics.jsonl, e.g. "
+                                  "[\"csv\", \"wandb\"] (wandb, mlflow: their extras)",
+                                  choices=LOGGERS)
 
 
 SECTIONS: dict[str, type] = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, ErrorCollector
-from ..names import CODEC_NONE, SYNC_ASYNC
+from ..names import CODEC_NONE, LOGGER_PACKAGES, SYNC_ASYNC
 from .layout import Layout
 from .schema import Config, TrainConfig
 
@@ -160,6 +160,12 @@ def _check_monitor(config: Config) -> None:
                           "collective fails before the hang is diagnosed",
                           f"set monitor.hang_timeout below {timeout:g}, or raise "
                           "parallel.timeout_s")
+    for name in config.monitor.loggers:
+        module, extra = LOGGER_PACKAGES.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError("monitor.loggers", name, f"needs the {module} package",
+                              f'pip install -e ".[{extra}]" from a checkout (or '
+                              f"pip install 'disttrain[{extra}]'), or drop {name!r}")
 
 
 def on_gpu(train: TrainConfig) -> bool:

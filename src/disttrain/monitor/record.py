@@ -2,9 +2,9 @@
 
 The trainer fills the step's own figures, :class:`~disttrain.monitor.telemetry.Telemetry`
 adds what it gathers from every rank, the sync mode and the gradient reducer add their
-own; ``MetricsWriter`` writes the record as one line of ``metrics.jsonl``,
-``TensorBoardWriter`` plots its numbers, and ``disttrain report`` reads the lines back as
-dicts. Writers name fields as keyword arguments, which the dataclass checks; readers of
+own; ``MetricsWriter`` writes the record as one line of ``metrics.jsonl``, the
+loggers (``monitor.loggers``) copy its numbers, and ``disttrain report`` reads the lines
+back as dicts. Writers name fields as keyword arguments, which the dataclass checks; readers of
 the dicts use the key constants below, each checked against the dataclass at import, so
 a renamed field cannot leave a reader looking for the old key.
 
@@ -115,7 +115,7 @@ def _key(name: str) -> str:
 
 
 # Keys of the record as a dict, for the code that reads records back (the report, the
-# TensorBoard writer, truncation on resume).
+# loggers, truncation on resume).
 STEP = _key("step")
 LOSS = _key("loss")
 EVAL_LOSS = _key("eval_loss")

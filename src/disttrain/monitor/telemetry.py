@@ -18,47 +18,18 @@ from ..comm import Communicator
 from .metrics import MetricsWriter
 from .peaks import Peak, model_flops_utilisation
 from .record import (MEM_PEAK_MB, RANK, RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S,
-                     RANK_FIELDS, RANK_OPTIM_S, RANK_SAMPLES, RANK_TOTAL_S, STEP,
+                     RANK_FIELDS, RANK_OPTIM_S, RANK_SAMPLES, RANK_TOTAL_S,
                      MetricsRecord, as_record)
 from .stats import STAT_FIELDS, StatsWindow, StragglerDetector, lower_median, memory_mb
 
 _GATHERED = (*STAT_FIELDS, RANK_SAMPLES, "mem_mb", MEM_PEAK_MB)
 
 
-class TensorBoardWriter:
-    """Scalars to ``run_dir/tensorboard`` when the tensorboard package is installed:
-    every number of the record, under its field name."""
-
-    def __init__(self, directory: str | None) -> None:
-        self.writer = None
-        if directory is None:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # optional extra: pip install 'disttrain[tensorboard]'
-            return
-        self.writer = SummaryWriter(directory)
-
-    def write(self, record: MetricsRecord | Mapping[str, Any]) -> None:
-        if self.writer is None:
-            return
-        values = as_record(record).to_dict()
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and key != STEP:
-                self.writer.add_scalar(key, value, values[STEP])
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
 class Telemetry:
     def __init__(self, comm: Communicator, device: torch.device, writer: MetricsWriter,
-                 tensorboard: TensorBoardWriter, stragglers: StragglerDetector,
-                 peak: Peak, say: Any) -> None:
+                 stragglers: StragglerDetector, peak: Peak, say: Any) -> None:
         self.comm, self.device = comm, device
-        self.writer, self.tensorboard = writer, tensorboard
+        self.writer = writer
         self.detector, self.peak, self.say = stragglers, peak, say
         self.window = StatsWindow()
         self.flagged: set[int] = set()
@@ -74,9 +45,10 @@ class Telemetry:
                 enumerate(rows)]
 
     def log(self, record: MetricsRecord | Mapping[str, Any], flops_per_term: float | None
-            ) -> list[dict[str, float]]:
+            ) -> tuple[MetricsRecord, list[dict[str, float]]]:
         """Complete ``record`` (step, lr, ... from the trainer) with the figures of
-        every rank and write it on rank 0; return those figures (on every rank)."""
+        every rank and write it on rank 0; return it and those figures (on every
+        rank)."""
         ranks = self.gather()
         busy = [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks]
         stragglers = self.detector.update(busy)
@@ -87,9 +59,8 @@ class Telemetry:
                          peak_source=None if mfu is None else self.peak.source)
         self._announce(stragglers, busy)
         self.writer.write(record)
-        self.tensorboard.write(record)
         self.window.reset()
-        return ranks
+        return record, ranks
 
     def _window_fields(self, ranks: list[dict[str, float]]) -> dict[str, Any]:
         """The record's loss, throughput and time split over the window: per step,
@@ -115,4 +86,3 @@ class Telemetry:
 
     def close(self) -> None:
         self.writer.close()
-        self.tensorboard.close()

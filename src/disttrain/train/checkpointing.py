@@ -19,6 +19,7 @@ import torch
 from ..checkpoint.manager import (CheckpointManager, SaveFailed, find_checkpoint,
                                   open_checkpoint)
 from ..checkpoint.state import restore_rng, rng_tensors
+from ..checkpoint.storage import step_name
 from ..comm import Communicator, ReduceOp
 from ..config import Config, RunPlan
 from ..errors import CheckpointSaveError, DivergenceError, UserError
@@ -68,6 +69,7 @@ class RunCheckpoints:
         self.stall_s = 0.0
         self.last_saved = -1  # the step of this run's latest save
         self.saving: int | None = None  # the step of a save not yet known to be done
+        self.completed: list[int] = []  # steps saved since the last take_completed()
 
     def resume(self, say: Callable[[str], None]) -> tuple[int, int] | None:
         """Load the newest intact checkpoint, if any: returns (step, sample position).
@@ -113,6 +115,10 @@ class RunCheckpoints:
         return bool(self.every) and (step % self.every == 0 or
                                      step == self.config.train.steps)
 
+    def directory(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is (once committed)."""
+        return self.manager.root / step_name(step)
+
     def save(self, step: int, position: int) -> None:
         """Save after step ``step`` (a collective). Raises, on every rank alike,
         :class:`~disttrain.errors.DivergenceError` if the state holds a nan / inf
@@ -140,6 +146,7 @@ class RunCheckpoints:
             self._agree(self.world.broadcast_object(
                 committed if self.world.rank == 0 else None))
             self.saving = None
+            self.completed.append(step)
         self.stall_s = time.perf_counter() - start
         self.last_saved = step
 
@@ -159,6 +166,14 @@ class RunCheckpoints:
         """Wait for this rank's asynchronous save and agree on every rank's outcome."""
         if self.manager.pending:
             self._agree(_attempt(self.manager.wait))
+            if self.saving is not None:
+                self.completed.append(self.saving)
+                self.saving = None
+
+    def take_completed(self) -> list[int]:
+        """The steps whose checkpoints were committed since the last call."""
+        done, self.completed = self.completed, []
+        return done
 
     def _agree(self, problem: tuple[bool, str] | None) -> None:
         """Every rank learns whether any rank's part of the save in progress failed

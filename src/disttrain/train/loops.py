@@ -61,6 +61,7 @@ class StepLoop:
         start = time.perf_counter()
         trainer.bar.status("first evaluation...")
         initial_eval = trainer.evaluate()
+        trainer.callbacks.eval(trainer, trainer.start_step, initial_eval)
         trainer.bar.message(trainer.banner(initial_eval))
         totals = StatsWindow()
         recent: deque[float] = deque(maxlen=10)
@@ -86,6 +87,7 @@ class StepLoop:
                                                 train.log_every) == 0
             if evaluate_now or done == train.steps:
                 last_eval = trainer.evaluate()
+                trainer.callbacks.eval(trainer, done, last_eval)
             trainer.maybe_checkpoint(done)
             maybe_fail("train.step", trainer.rank, done)
             if done % train.log_every == 0 or done == train.steps or evaluate_now:
@@ -104,6 +106,7 @@ class ParameterServerLoop:
         train, b = trainer.config.train, trainer.plan.batch
         start = time.perf_counter()
         initial_eval = trainer.evaluate()
+        trainer.callbacks.eval(trainer, 0, initial_eval)
         trainer.bar.message(trainer.banner(initial_eval))
         result = trainer.parallel.sync.run(
             optimizer=trainer.optimizer, steps=train.steps, sampler=trainer.sampler,
@@ -120,10 +123,14 @@ class ParameterServerLoop:
         totals = StatsWindow()
         totals.add(StepStats(terms=result["terms"], total_s=result["loop_s"]))
         final_eval = trainer.evaluate()
+        trainer.callbacks.eval(trainer, train.steps, final_eval)
         return LoopResult(initial_eval, final_eval, totals, result["train_loss"],
                           time.perf_counter() - start)
 
     @staticmethod
     def _log(trainer: Trainer, record: MetricsRecord) -> None:
+        """A record of the server's loop (no per-step point: on_step_end gets it too)."""
         trainer.bar.update(record.step, record.loss, lr=record.lr)
         trainer.telemetry.writer.write(record)
+        trainer.callbacks.step_end(trainer, record)
+        trainer.callbacks.log(trainer, record)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +41,19 @@ from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
+from ..monitor.callbacks import Callback, Callbacks
+from ..monitor.loggers import open_loggers
 from ..monitor.metrics import truncate_metrics
 from ..monitor.peaks import model_flops_utilisation, resolve_peak
 from ..monitor.record import (ACTIVATIONS, DEVICE_NAME, MEMORY_BYTES,
                               MEMORY_BYTES_PER_RANK, MFU, PEAK_SOURCE, PEAK_TFLOPS,
                               RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES)
 from ..monitor.stats import StragglerDetector, StepStats
-from ..monitor.telemetry import Telemetry, TensorBoardWriter
+from ..monitor.telemetry import Telemetry
 from ..monitor.trace import Tracer, merge_traces
 from ..monitor.watchdog import HangWatchdog, default_store
 from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, NONFINITE_STOP,
-                     TENSORBOARD_DIR, TRACE_FILE, trace_rank_file)
+                     TRACE_FILE, trace_rank_file)
 from ..parallel.balance import BatchSplitter, micro_batch_sizes
 from ..parallel.compose import PARAMETER_SERVER, PIPELINE, PLAIN, Groups, compose
 from ..topology import Topology, build_topology
@@ -91,13 +93,16 @@ class Trainer:
     the model's ``spec`` (default: :func:`~disttrain.spec.spec_for` the model);
     the process group (if none exists yet) is created by :meth:`fit` from the
     environment that ``disttrain run`` / torchrun set, or as a world of one.
+    ``callbacks`` (:class:`~disttrain.Callback`) are called at the points of the run,
+    beside the loggers ``monitor.loggers`` names (:mod:`disttrain.monitor.callbacks`).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn | None = None,
                  config: Config | Mapping | None = None, *, eval_dataset: Dataset | None = None,
                  collate_fn: Callable[[list], Any] | None = None,
                  run_dir: str | Path | None = None, flops_per_token: int | None = None,
-                 progress: bool = True, spec: ModelSpec | None = None) -> None:
+                 progress: bool = True, spec: ModelSpec | None = None,
+                 callbacks: Sequence[Callback] = ()) -> None:
         self.config = _as_config(config)
         self.spec = spec or spec_for(model)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
@@ -112,6 +117,8 @@ class Trainer:
         self.progress = progress
         self.watchdog: HangWatchdog | None = None   # made by fit()
         self.telemetry: Telemetry | None = None
+        self.user_callbacks = list(callbacks)  # see disttrain.monitor.callbacks
+        self.callbacks: Callbacks | None = None  # with the config's loggers, by fit()
         self.lock: RunDirLock | None = None  # rank 0's hold on the run directory
         self.stopping = 0  # the signal every rank agreed to stop on (0: none)
 
@@ -136,6 +143,7 @@ class Trainer:
             if finished is not None:
                 return finished
             self._build()
+            self.callbacks.train_start(self)
             loop: TrainingLoop = LOOPS[self.parallel.step]()
             try:
                 result = loop.run(self)
@@ -144,7 +152,10 @@ class Trainer:
                 raise
             self.bar.close()
             self.checkpoints.close()
-            return self._finish(result)
+            self.announce_checkpoints()
+            summary = self._finish(result)
+            self.callbacks.train_end(self, summary)
+            return summary
         finally:
             self._close()
             shutdown(runtime)
@@ -226,10 +237,11 @@ class Trainer:
         self.telemetry = Telemetry(
             self.world, self.runtime.device,
             MetricsWriter(self.run_dir / METRICS_FILE if main else None, self.bar.message),
-            TensorBoardWriter(str(self.run_dir / TENSORBOARD_DIR)
-                              if main and mon.tensorboard else None),
             StragglerDetector(mon.straggler_threshold, mon.straggler_window), peak,
             self.bar.message)
+        loggers = open_loggers(self.config, self.run_dir, self.bar.message) if main else []
+        self.callbacks = Callbacks(self.user_callbacks + loggers, main, self.bar.message,
+                                   self.runtime.rank)
 
     def _take_ownership(self) -> None:
         """Rank 0 locks the run directory unless its launcher holds it; a refusal is
@@ -323,6 +335,9 @@ class Trainer:
         self.step_wire += self.ledger.wire_sent_bytes - wire0
         self.telemetry.window.add(stats)
         self.bar.update(done, stats.loss, stats.terms, stats.total_s, lr=lr)
+        self.callbacks.step_end(self, MetricsRecord(
+            step=done, lr=lr, loss=stats.loss if stats.terms else None,
+            grad_norm=self.stepper.grad_norm, samples_seen=self.position))
         return stats
 
     @property
@@ -367,6 +382,13 @@ class Trainer:
         if self.checkpoints.due(done) and self.parallel.sync.at_boundary(done):
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, self.position)
+        self.announce_checkpoints()
+
+    def announce_checkpoints(self) -> None:
+        """Tell the callbacks of each checkpoint committed since the last call (an
+        asynchronous save: once every rank's part is written)."""
+        for step in self.checkpoints.take_completed():
+            self.callbacks.checkpoint(self, step, self.checkpoints.directory(step))
 
     def stop_if_signalled(self, done: int) -> None:
         """After step ``done``: if any rank got SIGTERM / SIGINT, save (unless
@@ -382,6 +404,7 @@ class Trainer:
         self.checkpoints.close()  # an async save is complete before the exit
         what = "checkpoint saved" if save else "not saved (checkpoint.on_signal=exit)"
         name = signal.Signals(self.stopping).name
+        self.announce_checkpoints()
         self.bar.message(f"stopped by {name} after step {done}; {what}")
         raise Interrupted(self.stopping)
 
@@ -459,7 +482,8 @@ class Trainer:
         ).with_figures({**self.parallel.sync.metrics(),
                         **self.parallel.grads.comm_stats()})  # bytes sent, compression ratio
         self.logged_bytes, self.logged_wire = self.step_bytes, self.step_wire
-        ranks = self.telemetry.log(record, self.flops_per_term)
+        record, ranks = self.telemetry.log(record, self.flops_per_term)
+        self.callbacks.log(self, record)
         self.splitter.update([r[RANK_SAMPLES] for r in ranks],
                              [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],
                              self.plan.batch.micro_batch)
@@ -536,6 +560,8 @@ class Trainer:
             self.watchdog.stop()
         if self.telemetry is not None:
             self.telemetry.close()
+        if self.callbacks is not None:  # after an error or a signal: no summary
+            self.callbacks.train_end(self, None)
         if self.lock is not None:
             self.lock.release()
 

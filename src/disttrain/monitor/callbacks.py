@@ -1,0 +1,138 @@
+"""Callbacks: user code the :class:`~disttrain.Trainer` calls at the points of a run.
+
+    class LossPrinter(disttrain.Callback):
+        def on_step_end(self, trainer, record):
+            print(record.step, record.loss)
+
+    disttrain.Trainer(model, data, loss_fn, config, callbacks=[LossPrinter()]).fit()
+
+The points, each a no-op until a subclass overrides it:
+
+- ``on_train_start(trainer)``: the run is built (process groups, model, run directory;
+  a resumed run's checkpoint is loaded, ``trainer.start_step`` says where it resumes),
+  before the first step.
+- ``on_step_end(trainer, record)``: after every optimizer step, with a light
+  :class:`~disttrain.monitor.MetricsRecord`: ``step`` (1-based), ``lr``, ``loss`` (the
+  step's, over the global batch; None for a step this rank sat out), ``grad_norm``,
+  ``samples_seen``. Under ``train.sync=async`` the parameter server's loop has no
+  per-step point: it is called at the logged steps, with their records.
+- ``on_log(trainer, record)``: at every logged step (``train.log_every``, each
+  evaluation, the last step), with the full record written to ``metrics.jsonl``. The
+  metrics loggers (:mod:`.loggers`) write these.
+- ``on_eval(trainer, step, eval_loss)``: after each evaluation (``step`` is
+  ``trainer.start_step`` for the one before training).
+- ``on_checkpoint(trainer, step, path)``: once the checkpoint of ``step`` is committed
+  to the directory ``path`` (an asynchronous save: at the first step boundary after
+  every rank has written its part, or at the end).
+- ``on_train_end(trainer, summary)``: once, at the end: ``summary`` is what
+  :meth:`~disttrain.Trainer.fit` returns, or None when the run stopped early (an error,
+  a signal). Close here what the callback opened.
+
+Callbacks run on rank 0 only, unless a callback sets ``all_ranks = True``. They run
+outside every collective, so no rank ever waits on another's callback; they must not
+issue collectives themselves. A callback that raises is reported in one warning line
+and gets no further calls but ``on_train_end``; the run goes on.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from ..config import Config
+from .record import MetricsRecord
+
+
+class Trainer(Protocol):
+    """What a callback is handed: the :class:`~disttrain.Trainer` running the fit
+    (declared here, below the trainer's package; it has more than these)."""
+
+    config: Config
+    model: nn.Module
+    run_dir: Path | None
+    start_step: int  # 0, or the step a resumed run continues from
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+
+class Callback:
+    """Base of every callback: override the points you need (see the module docstring)."""
+
+    all_ranks: bool = False  # True: called on every rank, not only rank 0
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer: Trainer, record: MetricsRecord) -> None:
+        pass
+
+    def on_log(self, trainer: Trainer, record: MetricsRecord) -> None:
+        pass
+
+    def on_eval(self, trainer: Trainer, step: int, eval_loss: float) -> None:
+        pass
+
+    def on_checkpoint(self, trainer: Trainer, step: int, path: Path) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any] | None) -> None:
+        pass
+
+
+class Callbacks:
+    """The callbacks this rank calls, each guarded: a failure disables that one."""
+
+    def __init__(self, callbacks: Sequence[Callback], is_main: bool,
+                 say: Callable[[str], None], rank: int = 0) -> None:
+        self.active = [c for c in callbacks if is_main or c.all_ranks]
+        self.disabled: list[Callback] = []
+        self.say = say if is_main else _to_stderr(rank)
+        self.ended = False
+
+    def train_start(self, trainer: Trainer) -> None:
+        self._each("on_train_start", lambda c: c.on_train_start(trainer))
+
+    def step_end(self, trainer: Trainer, record: MetricsRecord) -> None:
+        self._each("on_step_end", lambda c: c.on_step_end(trainer, record))
+
+    def log(self, trainer: Trainer, record: MetricsRecord) -> None:
+        self._each("on_log", lambda c: c.on_log(trainer, record))
+
+    def eval(self, trainer: Trainer, step: int, eval_loss: float | None) -> None:
+        if eval_loss is not None:
+            self._each("on_eval", lambda c: c.on_eval(trainer, step, eval_loss))
+
+    def checkpoint(self, trainer: Trainer, step: int, path: Path) -> None:
+        self._each("on_checkpoint", lambda c: c.on_checkpoint(trainer, step, path))
+
+    def train_end(self, trainer: Trainer, summary: dict[str, Any] | None) -> None:
+        """Once per run (later calls do nothing); disabled callbacks get it too, so
+        they can close what they opened."""
+        if self.ended:
+            return
+        self.ended = True
+        everyone, self.disabled = self.active + self.disabled, []
+        self.active = everyone
+        self._each("on_train_end", lambda c: c.on_train_end(trainer, summary))
+
+    def _each(self, point: str, call: Callable[[Callback], None]) -> None:
+        for callback in list(self.active):
+            try:
+                call(callback)
+            except Exception as exc:  # a user's bug must not stop (or hang) the run
+                self.active.remove(callback)
+                self.disabled.append(callback)
+                self.say(f"warning: callback {type(callback).__name__}.{point} raised "
+                         f"{type(exc).__name__}: {exc}; it gets no further calls")
+
+
+def _to_stderr(rank: int) -> Callable[[str], None]:
+    return lambda text: print(f"rank {rank}: {text}", file=sys.stderr, flush=True)

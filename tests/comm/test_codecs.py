@@ -342,7 +342,10 @@ def test_each_codec_reduces_known_gradients_on_two_ranks(two_ranks):
         params = CODEC_CASES.get(name, {})
         ratio = params.get("topk_ratio", params.get("randomk_ratio", 0.0))
         sent = _payload_bytes(name, n, shapes, ratio, params.get("powersgd_rank", 0))
-        assert stats == {"grad_sync_bytes": sent, "compression_ratio": 4 * n / sent}, name
+        # at 2 ranks an all-reduce and an all-gather both send one payload on the wire
+        assert stats == {"grad_sync_bytes": sent, "compression_ratio": 4 * n / sent,
+                         "grad_sync_wire_bytes": sent,
+                         "wire_compression_ratio": 4 * n / sent}, name
 
 
 def test_training_with_each_codec_tracks_no_compression(two_ranks):

@@ -105,3 +105,33 @@ def test_the_models_vocabulary_follows_the_tokenizer_unless_set(tmp_path, monkey
     assert embedding.num_embeddings == 320  # 300 rounded up to a multiple of 64
     with pytest.raises(ConfigError, match="model.vocab_size=256"):
         build_default_job(_config(root, "bpe:300", *tiny, "model.vocab_size=256"))
+
+
+def _train(root: str, tokenizer: str) -> dict:
+    from pathlib import Path
+
+    from disttrain.train import train_default
+
+    config = _config(Path(root), tokenizer, "model.n_layer=1", "model.d_model=32",
+                     "model.n_head=2", "model.seq_len=16", "train.steps=3",
+                     "train.global_batch=4", "train.eval_samples=4", "train.log_every=3",
+                     "monitor.peak_tflops=1.0")
+    return train_default(config, run_dir=str(Path(root).parent / f"run-{tokenizer[:3]}"),
+                         progress=False)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300"])
+def test_held_out_loss_is_also_reported_in_bits_per_byte(tmp_path, tokenizer):
+    import math
+
+    from disttrain.testing import run_distributed
+
+    root = _texts(tmp_path)
+    summary = run_distributed(_train, 1, args=(str(root), tokenizer), timeout=120)[0]
+    corpus = corpus_from_config(_config(root, tokenizer).data)
+    per_byte = corpus.val_tokens / corpus.val_bytes
+    assert per_byte < 0.7 if tokenizer != "bytes" else 1.0 < per_byte < 1.01
+    assert summary["final_eval_bits_per_byte"] == pytest.approx(
+        summary["final_eval_loss"] / math.log(2) * per_byte)
+    stored = json.loads((tmp_path / f"run-{tokenizer[:3]}" / "summary.json").read_text())
+    assert stored["final_eval_bits_per_byte"] == summary["final_eval_bits_per_byte"]

@@ -40,7 +40,7 @@ from disttrain.data.tokenize import BYTES, Encoder, build_encoder, tokenizer_key
 from disttrain.errors import DataError
 from disttrain.fsutil import fsync_dir, write_durably
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json records the tokenizer and the text bytes
 SHARD_TOKENS = 8 * 1024 * 1024
 STDLIB_PATTERN = "**/*.py"
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -64,6 +64,13 @@ class PreparedCorpus:
     num_files: int
     token_dtype: str = "uint16"
     vocab_needed: int = TOKEN_RANGE
+    val_bytes: int | None = None  # text bytes behind the val tokens (None: not text)
+
+    @property
+    def val_tokens_per_byte(self) -> float | None:
+        """Held-out tokens per byte of text (separators included): converts a loss per
+        token into bits per byte, which compares runs with different tokenizers."""
+        return self.val_tokens / self.val_bytes if self.val_bytes else None
 
 
 @dataclass(frozen=True)
@@ -256,13 +263,16 @@ def _build(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
-        train_shards, train_tokens = _write_split(tmp, "train", train, shard_tokens, encoder)
-        val_shards, val_tokens = _write_split(tmp, "val", val, shard_tokens, encoder)
+        train_shards, train_tokens, train_bytes = _write_split(tmp, "train", train,
+                                                               shard_tokens, encoder)
+        val_shards, val_tokens, val_bytes = _write_split(tmp, "val", val, shard_tokens,
+                                                         encoder)
         encoder.save(tmp)
         meta = {"version": FORMAT_VERSION, "root": str(root), "pattern": pattern,
                 "val_fraction": val_fraction, "num_files": len(files),
                 "train_files": len(train), "val_files": len(val),
                 "train_tokens": train_tokens, "val_tokens": val_tokens,
+                "train_bytes": train_bytes, "val_bytes": val_bytes,
                 "train_shards": train_shards, "val_shards": val_shards,
                 "tokenizer": encoder.key, "vocab_size": encoder.vocab_size,
                 "separator": encoder.separator, "token_dtype": encoder.dtype}
@@ -276,15 +286,17 @@ def _build(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
 
 
 def _write_split(directory: Path, split: str, docs: list[_Doc], shard_tokens: int,
-                 encoder: Encoder | None = None) -> tuple[list[str], int]:
+                 encoder: Encoder | None = None) -> tuple[list[str], int, int]:
     """Pack documents (each followed by the separator) into shards; (shard names,
-    tokens)."""
+    tokens, bytes of text)."""
     encoder = encoder or Encoder()
     names: list[str] = []
     pending: list[np.ndarray] = []
-    pending_len = total = 0
+    pending_len = total = nbytes = 0
     for doc in docs:
-        data = np.append(encoder.encode(doc.read()).astype(np.int64), encoder.separator)
+        text = doc.read()
+        nbytes += len(text)
+        data = np.append(encoder.encode(text).astype(np.int64), encoder.separator)
         total += len(data)
         if pending and pending_len + len(data) > shard_tokens:
             names.append(_write_shard(directory, split, len(names), pending, encoder.dtype))
@@ -297,7 +309,7 @@ def _write_split(directory: Path, split: str, docs: list[_Doc], shard_tokens: in
         pending_len += len(data)
     if pending:
         names.append(_write_shard(directory, split, len(names), pending, encoder.dtype))
-    return names, total
+    return names, total, nbytes
 
 
 def _write_shard(directory: Path, split: str, index: int, chunks: list[np.ndarray],
@@ -330,4 +342,5 @@ def _load(directory: Path) -> PreparedCorpus:
                           train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
                           num_files=meta["num_files"],
                           token_dtype=meta.get("token_dtype", "uint16"),
-                          vocab_needed=meta.get("vocab_size", TOKEN_RANGE))
+                          vocab_needed=meta.get("vocab_size", TOKEN_RANGE),
+                          val_bytes=meta.get("val_bytes"))

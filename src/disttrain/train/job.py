@@ -3,6 +3,8 @@ dimensions) on the prepared corpus."""
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from ..data.check import check_corpus_vocab, check_samples, check_vocab
 from ..models import GPT, flops_per_token, token_loss
 from ..models.hf import build_hf_model, hf_dimensions, is_hf, matmul_flops_per_token
 from .batch import LossFn
+from . import rundir
 from .trainer import Trainer
 
 
@@ -26,6 +29,7 @@ class DefaultJob:
     eval_data: TokenWindowDataset
     flops_per_token: int
     loss_fn: LossFn | None  # None: the causal-LM loss on the output's logits
+    eval_tokens_per_byte: float | None = None  # text corpora: for bits per byte
 
 
 def build_default_job(config: Config) -> DefaultJob:
@@ -50,7 +54,8 @@ def build_default_job(config: Config) -> DefaultJob:
                                                     corpus.token_dtype),
                       eval_data=TokenWindowDataset(corpus.val_shards, seq_len,
                                                    corpus.token_dtype),
-                      flops_per_token=flops, loss_fn=loss_fn)
+                      flops_per_token=flops, loss_fn=loss_fn,
+                      eval_tokens_per_byte=corpus.val_tokens_per_byte)
 
 
 def train_default(config: Config, run_dir: str | Path | None = None,
@@ -61,4 +66,27 @@ def train_default(config: Config, run_dir: str | Path | None = None,
                       eval_dataset=job.eval_data, collate_fn=collate_token_batch,
                       run_dir=run_dir, flops_per_token=job.flops_per_token,
                       progress=progress)
-    return trainer.fit()
+    summary = trainer.fit()
+    if job.eval_tokens_per_byte is not None:
+        _add_bits_per_byte(trainer, summary, job.eval_tokens_per_byte)
+    return summary
+
+
+def _add_bits_per_byte(trainer: Trainer, summary: dict[str, Any],
+                       tokens_per_byte: float) -> None:
+    """The held-out losses (nats per token) as bits per byte of text, which compare
+    across tokenizers; added to the summary (and summary.json, on rank 0)."""
+    added = {}
+    for key in ("initial_eval_loss", "final_eval_loss"):
+        loss = summary.get(key)
+        if isinstance(loss, float) and math.isfinite(loss):
+            added[key.replace("_loss", "_bits_per_byte")] = loss / math.log(2) * tokens_per_byte
+    if not added or all(summary.get(k) == v for k, v in added.items()):
+        return  # nothing to add, or a finished run's stored summary already has it
+    summary.update(added)
+    if trainer.is_main and trainer.run_dir is not None:
+        rundir.write_summary(trainer.run_dir, summary)
+        final = added.get("final_eval_bits_per_byte")
+        if final is not None and trainer.progress:
+            print(f"held-out loss {summary['final_eval_loss']:.4f} nats per token = "
+                  f"{final:.4f} bits per byte", file=sys.stderr)

@@ -246,20 +246,28 @@ class Trainer:
     def _take_ownership(self) -> None:
         """Rank 0 locks the run directory unless its launcher holds it; a refusal is
         every rank's error."""
-        refusal = None
+        def own() -> None:
+            if not owned_by_launcher(self.run_dir):
+                self.lock = RunDirLock(self.run_dir)
+            self._write_config()
+        self._on_main(own, f"cannot write the run directory {self.run_dir}", UserError)
+
+    def _on_main(self, work: Callable[[], None], failed: str,
+                 error: type[Exception]) -> None:
+        """Rank 0 runs ``work``; a refusal it raises (its text) or an I/O failure
+        (``failed``: the reason) becomes every rank's ``error``, so no rank waits in a
+        collective for one that gave up."""
+        problem = None
         if self.runtime.is_main:
             try:
-                if not owned_by_launcher(self.run_dir):
-                    self.lock = RunDirLock(self.run_dir)
-                self._write_config()
+                work()
             except UserError as exc:
-                refusal = str(exc)
+                problem = str(exc)
             except OSError as exc:
-                refusal = (f"cannot write the run directory {self.run_dir}: "
-                           f"{exc.strerror or exc}")
-        refusal = self.world.broadcast_object(refusal)
-        if refusal is not None:
-            raise UserError(refusal)
+                problem = f"{failed}: {exc.strerror or exc}"
+        problem = self.world.broadcast_object(problem)
+        if problem is not None:
+            raise error(problem)
 
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -522,17 +530,10 @@ class Trainer:
         summary |= self.parallel.sync.metrics()
         self.parallel.grads.finalize()  # the model keeps its full parameters
         full = self.parallel.full_state()
-        failure = None
-        if self.runtime.is_main:
-            try:
-                rundir.save_weights(full, self.run_dir)
-                rundir.write_summary(self.run_dir, summary)
-            except OSError as exc:
-                failure = (f"could not write the final weights and summary in "
-                           f"{self.run_dir}: {exc.strerror or exc}")
-        failure = self.world.broadcast_object(failure)
-        if failure is not None:
-            raise CheckpointSaveError(failure)
+        self._on_main(lambda: (rundir.save_weights(full, self.run_dir),
+                               rundir.write_summary(self.run_dir, summary)),
+                      f"could not write the final weights and summary in {self.run_dir}",
+                      CheckpointSaveError)
         if self.runtime.is_main:
             self.bar.message(_summary_text(summary, self.bar.unit))
         self._write_trace()

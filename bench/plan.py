@@ -144,13 +144,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=4, help="ranks calibrate measures (4)")
     p.add_argument("--global-batch", type=int, default=3072,
                    help="sequences per step of the trillion-parameter search (3072)")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="write the cluster file and the run directories here (a new "
+                        "directory) instead of a temporary one, to validate them again")
     return p.parse_args()
 
 
 def main() -> int:
     args = parse_args()
+    if args.keep is not None and args.keep.exists():
+        print(json.dumps({"bench": "plan", "error": f"--keep {args.keep} exists"}))
+        return 1
     with tempfile.TemporaryDirectory(prefix="disttrain-plan-") as tmp:
-        root = Path(tmp)
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         cluster_file = root / "cluster.json"
         _log("calibrating")
         problem = calibrate(cluster_file, args.nproc)

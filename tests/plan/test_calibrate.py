@@ -16,9 +16,11 @@ import pytest
 import disttrain
 from disttrain.cli import main
 from disttrain.plan import PRESETS, Cluster, parse_cluster
-from disttrain.plan.calibrate import calibrate, calibrate_options, link_fields
-from disttrain.plan.estimate import matmul_time, ring_time
+from disttrain.plan.calibrate import calibrate, calibrate_options, group_fits, link_fields
+from disttrain.plan.costs import matmul_time, ring_time
 from disttrain.plan.fit import MatmulPoint, fit_line, fit_matmul
+from disttrain.plan.measure import Effort, group_sizes, link_times
+from disttrain.testing import run_distributed
 
 SIZES = [4 * 2**10 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
 REL = 1e-6
@@ -118,6 +120,12 @@ def test_quick_calibration_writes_a_cluster_that_plan_reads(tmp_path, capsys):
     assert cluster.source.startswith("calibrated:") and "measured" in cluster.source
     assert cluster.peak_tflops["fp32"] > 0 and 0 < cluster.matmul_efficiency <= 1
     assert cluster.intra_gbps > 0 and cluster.p2p_intra_gbps > 0
+    assert cluster.p2p_latency_s > 0 and cluster.microbatch_overhead_s >= 0
+    # a CPU: its ranks share the cores; the group of both ranks was measured as such
+    assert cluster.host_cores == os.cpu_count() and cluster.threads_per_rank >= 1
+    assert set(cluster.group_links) == {"2/2"}
+    assert set(cluster.group_links["2/2"]) == {"all_reduce", "reduce_scatter",
+                                               "all_gather"}
     links = cluster.measured["links"]
     assert all(len(links[op]["seconds"]) == len(links["sizes_bytes"])
                for op in ("all_reduce", "reduce_scatter", "all_gather", "p2p"))
@@ -149,3 +157,18 @@ def test_calibrate_help_and_plain_plan_parse(capsys):
     assert main(["plan", "--model", "layers=2,hidden=64,heads=2,seq=32,vocab=100",
                  "--cluster", "gpu=h100,gpus_per_node=2", "--global-batch", "4",
                  "--top", "1"]) == 0
+
+
+def test_groups_inside_a_world_are_timed_at_once_and_fitted():
+    """In a world of 4, both groups of 2 time their collectives together; every rank
+    reports its own group's calls, and the fit turns them into a group_links entry."""
+    assert group_sizes(4) == [2, 4] and group_sizes(8) == [2, 4, 8]
+    assert group_sizes(6) == [2, 4, 6] and group_sizes(1) == []
+    effort = Effort(repeats=2, warmup=0, seconds=0.0)
+    per_rank = run_distributed(link_times, 4, args=([4096, 2**22], effort, [2, 4]),
+                               timeout=60)
+    assert all(set(r["groups"]) == {2} for r in per_rank)
+    fits, notes = group_fits([4096, 2**22], [r["groups"][2] for r in per_rank])
+    assert set(fits) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(lat >= 0 and gbps > 0 for lat, gbps in fits.values())
+    Cluster.from_json(PRESETS["h100"].to_json() | {"group_links": {"2/4": fits}})

@@ -7,17 +7,24 @@ One node of ``nproc`` devices (GPUs, or on a CPU ``nproc`` ranks sharing the cor
 - ``peak_tflops``: the best matmul rate measured in each precision (a CPU sweeps bf16
   and fp16 only when a probe finds them at least half as fast as fp32; otherwise the
   probe's rate is their peak); ``matmul_efficiency`` and ``kernel_overhead_s``: fitted
-  so that :func:`~disttrain.plan.estimate.matmul_time` matches every measured shape
+  so that :func:`~disttrain.plan.costs.matmul_time` matches every measured shape
   (:func:`~disttrain.plan.fit.fit_matmul`);
 - ``attention_efficiency``: causal fused attention against
-  :func:`~disttrain.plan.estimate.attention_time`, the geometric mean over shapes;
+  :func:`~disttrain.plan.costs.attention_time`, the geometric mean over shapes;
 - ``memory_gbps``: a large copy, bytes read + written per second; ``memory_gib``: the
   GPU's memory, or the RAM's share of one rank;
 - links: all-reduce, reduce-scatter, all-gather and a point-to-point message at
   several sizes, each fitted to latency + bytes / bandwidth; the all-reduce gives
   ``intra_gbps`` (bus bandwidth) and ``intra_latency_s`` (per latency step of
-  :func:`~disttrain.plan.estimate.ring_time`), the message ``p2p_intra_gbps``. One
-  node: ``inter_*`` are copies of ``intra_*``.
+  :func:`~disttrain.plan.costs.ring_time`), the message ``p2p_intra_gbps`` and
+  ``p2p_latency_s``. One node: ``inter_*`` are copies of ``intra_*``;
+- ``group_links``: the collectives of every group size the planner may use (powers of
+  two up to ``nproc``), timed with all such groups of the world running at once; on a
+  CPU also in each smaller world (2, 4, ... ranks), because ranks that share cores slow
+  each other's collectives;
+- framework time: per layer, per micro-batch for the model's ends, per optimizer
+  tensor; on a CPU, ``host_cores`` and ``threads_per_rank``, so that ranks beyond the
+  cores compute proportionally slower.
 
 Every raw time and every fit is kept under ``measured``.
 """
@@ -42,13 +49,14 @@ from ..errors import UserError
 from ..monitor.peaks import matmul_precision
 from ..launch import worker_threads
 from ..testing import run_distributed
-from .cluster import Cluster
-from .costs import (attention_time, kernel_time_of_layer, ring_bytes_factor,
-                    ring_latency_steps)
+from .cluster import GROUP_LINK_OPS, Cluster, group_link_key
+from .costs import (attention_time, head_kernel_time, kernel_time_of_layer,
+                    ring_bytes_factor, ring_latency_steps)
 from .fit import MatmulFit, MatmulPoint, fit_line, fit_matmul
-from .measure import (COLLECTIVES, CPU_PROBE, Effort, collective_sizes, collective_times,
-                      device_memory_gib, matmul_shapes, time_attention, time_copy,
-                      time_matmul, time_optimizer_tensors, time_tiny_layer)
+from .measure import (COLLECTIVES, CPU_PROBE, Effort, collective_sizes, device_memory_gib,
+                      group_sizes, link_times, matmul_shapes, time_attention, time_copy,
+                      time_matmul, time_optimizer_tensors, time_tiny_layer,
+                      time_tiny_model)
 from .shape import ModelShape
 
 # one call after one warm-up: a 16-bit probe on a CPU may be emulated, and slow
@@ -163,19 +171,28 @@ def _host_overheads(opts: CalibrateOptions, cluster: Cluster
     backward less what the fitted kernel model predicts for it, and the optimizer's
     cost per parameter tensor."""
     dims, layer_s = time_tiny_layer(opts.device, opts.effort)
+    model_s = time_tiny_model(opts.device, opts.effort)
     shape = ModelShape(layers=1, hidden=dims["d_model"], heads=dims["n_head"],
                        seq=dims["seq_len"], vocab=dims["vocab_size"], qkv_bias=False)
     bare = replace(cluster, layer_overhead_s=0.0, async_dispatch=False)
     kernels = kernel_time_of_layer(shape, bare, dims["batch"], "fp32")
+    ends = head_kernel_time(shape, bare, dims["batch"], "fp32")
     tensors, optimizer_s = time_optimizer_tensors(opts.device, opts.effort)
+    cpu = opts.device.type == "cpu"
     fields = {"layer_overhead_s": max(0.0, layer_s - kernels),
+              "microbatch_overhead_s": max(0.0, model_s - layer_s - ends),
               "tensor_overhead_s": optimizer_s / tensors,
-              "async_dispatch": opts.device.type == "cuda"}
+              "async_dispatch": not cpu,
+              "host_cores": (os.cpu_count() or 1) if cpu else 0,
+              "threads_per_rank": torch.get_num_threads() if cpu else 1}
     notes = {"tiny_layer": dims, "layer_seconds": layer_s,
-             "layer_kernels_predicted_s": kernels, "optimizer_tensors": tensors,
+             "layer_kernels_predicted_s": kernels, "model_seconds": model_s,
+             "head_kernels_predicted_s": ends, "optimizer_tensors": tensors,
              "optimizer_seconds": optimizer_s,
              "note": "layer_overhead_s: a tiny layer's forward + backward less its kernels "
-                     "as the fitted model predicts them; tensor_overhead_s: clipping, "
+                     "as the fitted model predicts them; microbatch_overhead_s: the same "
+                     "model with its embedding, head and loss, less the layer and the "
+                     "head's predicted kernels; tensor_overhead_s: clipping, "
                      "AdamW and zeroing per parameter tensor; async_dispatch: the host "
                      "overlaps the device (GPU) or not (CPU)"}
     return fields, notes
@@ -262,21 +279,62 @@ def _attention(opts: CalibrateOptions, cluster: Cluster) -> tuple[float, dict[st
 
 def measure_links(opts: CalibrateOptions) -> tuple[dict[str, float], dict[str, Any]]:
     """Cluster link fields from collectives over ``nproc`` ranks, and the notes for
-    ``measured``; none (empty) for one rank."""
+    ``measured``; none (empty) for one rank. Also every group of
+    :func:`~disttrain.plan.measure.group_sizes` inside the world (``group_links``); on
+    a CPU, whose ranks share cores, inside each smaller world of a power of two ranks
+    as well, since how many ranks run changes what a collective costs there."""
     if opts.nproc == 1:
         return {}, {"note": "one rank: no link to measure; intra_* and inter_* are the "
                     "memory copy's bandwidth, unused by plans of one device"}
     sizes = collective_sizes(opts.quick)
     cuda = opts.device.type == "cuda"
-    per_rank = run_distributed(collective_times, opts.nproc, args=(sizes, opts.effort),
-                               timeout=120.0 if opts.quick else 300.0,
-                               backend="nccl" if cuda else "gloo",
-                               start_method="spawn" if cuda else "fork")
-    return link_fields(sizes, per_rank)
+    worlds = [opts.nproc] if cuda else group_sizes(opts.nproc)
+    group_links: dict[str, dict[str, list[float]]] = {}
+    group_notes: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    notes: dict[str, Any] = {}
+    for world in worlds:
+        per_rank = run_distributed(link_times, world,
+                                   args=(sizes, opts.effort, group_sizes(world)),
+                                   timeout=120.0 if opts.quick else 300.0,
+                                   backend="nccl" if cuda else "gloo",
+                                   start_method="spawn" if cuda else "fork")
+        whole = [r["world"] for r in per_rank]
+        for g in group_sizes(world):
+            times = whole if g == world else [r["groups"][g] for r in per_rank]
+            key = group_link_key(g, world)
+            group_links[key], group_notes[key] = group_fits(sizes, times)
+        if world == opts.nproc:
+            fields, notes = link_fields(sizes, whole)
+    fields["group_links"] = group_links
+    notes["groups"] = group_notes | {
+        "note": "'g/w': a group of g ranks while w ranks run (w / g groups at once); "
+                "[latency_s, gbps] per call: latency + whole tensor bytes / gbps, the "
+                "slowest rank's call, median over calls"}
+    return fields, notes
+
+
+def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
+               ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """``{op: [latency_s, gbps]}`` of each collective, fitted to the medians of its
+    calls (each call the slowest rank's), and the medians."""
+    fits, notes = {}, {}
+    for op in GROUP_LINK_OPS:
+        medians = _call_medians(op, len(sizes), per_rank)
+        fit = fit_line(sizes, medians)
+        fits[op] = [fit.latency_s, fit.gbps]
+        notes[op] = {"seconds": medians, "fit_rel_errors": fit.rel_errors}
+    return fits, notes
+
+
+def _call_medians(op: str, n_sizes: int, per_rank: list[dict[str, list[list[float]]]]
+                  ) -> list[float]:
+    return [statistics.median(max(ranks) for ranks in zip(*(r[op][i] for r in per_rank)))
+            for i in range(n_sizes)]
 
 
 def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
-                ) -> tuple[dict[str, float], dict[str, Any]]:
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fit each collective's medians over its calls (each call's time the slowest
     rank's) and turn them into cluster fields; ``per_rank``: what
     :func:`~disttrain.plan.measure.collective_times` returned on each rank."""
@@ -295,6 +353,7 @@ def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
     ar = fits["all_reduce"]
     fields = {"intra_gbps": ar.gbps * ring_bytes_factor(n), "intra_latency_s":
               ar.latency_s / ring_latency_steps(n), "p2p_intra_gbps": fits["p2p"].gbps,
+              "p2p_latency_s": fits["p2p"].latency_s,
               "op_gbps": {op: fits[op].gbps * ring_bytes_factor(n, op)
                           for op in ("reduce_scatter", "all_gather")}}
     fields |= {"inter_gbps": fields["intra_gbps"], "inter_latency_s":
@@ -325,7 +384,8 @@ def summary(c: Cluster, seconds: float) -> str:
              f"{c.memory_gbps:.1f} GB/s; {c.memory_gib:.1f} GiB per rank "
              f"({c.reserved_gib:.1f} reserved)",
              f"  framework: {c.layer_overhead_s * 1e6:.0f} us per layer forward + backward "
-             f"beyond its kernels, {c.tensor_overhead_s * 1e6:.0f} us per parameter tensor "
+             f"beyond its kernels, {c.microbatch_overhead_s * 1e6:.0f} us per micro-batch for "
+             f"the model's ends, {c.tensor_overhead_s * 1e6:.0f} us per parameter tensor "
              f"per optimizer step"]
     for precision, why in m["matmul"]["not_swept"].items():
         lines.append(f"  {precision}: {why}; plan with --precision fp32 here")

@@ -36,13 +36,25 @@ class Cluster:
     context, allocator slack). Links: ``intra_*`` inside a node, ``inter_*`` between
     nodes, as NCCL *bus* bandwidth (GB/s per device) and per-step latency; ``p2p_*``
     one point-to-point message; ``op_gbps``: inside a node, a collective whose bus
-    bandwidth differs from the all-reduce's (``reduce_scatter``, ``all_gather``).
+    bandwidth differs from the all-reduce's (``reduce_scatter``, ``all_gather``);
+    ``p2p_latency_s``: one message's latency (0: the tier's collective latency).
+    ``group_links``: collectives measured on this machine, which replace the ring model
+    for the groups they describe: ``"g/w"`` (a group of g ranks while w ranks of the
+    node are busy, w / g such groups at once) -> op -> ``[latency_s, gbps]``, the
+    time of one call being latency + its whole tensor (an all-reduce's buffer, a
+    reduce-scatter's input, an all-gather's output) / gbps. On a CPU, where ranks
+    share cores and a collective's latency depends on how many share them, calibration
+    measures every such group; a GPU cluster needs none.
 
     Framework time beyond the kernels: ``layer_overhead_s`` per transformer layer's
     forward and backward (eager dispatch of its small operations, autograd's
-    bookkeeping), ``tensor_overhead_s`` per parameter tensor per optimizer step
+    bookkeeping), ``microbatch_overhead_s`` per micro-batch for the model's ends
+    (embedding, final norm, head, loss) beyond their kernels, ``tensor_overhead_s`` per parameter tensor per optimizer step
     (clipping, the update, zeroing). With ``async_dispatch`` (a GPU) the host's work
     overlaps the device's and a layer takes the longer of the two; on a CPU they add.
+    ``host_cores``: on a CPU, the cores a node's ranks share, each computing with
+    ``threads_per_rank`` threads, so that more threads than cores slow every rank's
+    compute in proportion (0: every device computes on its own, a GPU).
     """
 
     name: str
@@ -61,10 +73,15 @@ class Cluster:
     inter_latency_s: float = 15e-6
     p2p_intra_gbps: float = 0.0  # 0: intra_gbps
     p2p_inter_gbps: float = 0.0  # 0: inter_gbps
+    p2p_latency_s: float = 0.0  # 0: the tier's latency
     op_gbps: dict[str, float] = field(default_factory=dict)
+    group_links: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     layer_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
     tensor_overhead_s: float = 0.0
     async_dispatch: bool = True
+    host_cores: int = 0
+    threads_per_rank: int = 1
     source: str = "preset"
     measured: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -105,7 +122,9 @@ def _validate(c: Cluster, where: str) -> None:
             raise UserError(f"{where}: {name}={value!r} must be a positive number")
     if c.matmul_efficiency > 1 or c.attention_efficiency > 1:
         raise UserError(f"{where}: efficiencies are fractions of the peak, at most 1")
-    for name in ("layer_overhead_s", "tensor_overhead_s", "kernel_overhead_s"):
+    for name in ("layer_overhead_s", "tensor_overhead_s", "kernel_overhead_s",
+                 "microbatch_overhead_s",
+                 "p2p_latency_s", "host_cores"):
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise UserError(f"{where}: {name}={value!r} must be a number >= 0")
@@ -113,9 +132,39 @@ def _validate(c: Cluster, where: str) -> None:
             k not in ("reduce_scatter", "all_gather") or not isinstance(v, (int, float))
             or v <= 0 for k, v in c.op_gbps.items()):
         raise UserError(f"{where}: op_gbps maps reduce_scatter / all_gather to GB/s > 0")
+    if not isinstance(c.threads_per_rank, int) or c.threads_per_rank < 1:
+        raise UserError(f"{where}: threads_per_rank={c.threads_per_rank!r} must be an "
+                        "integer >= 1")
+    _validate_group_links(c.group_links, where)
     if not c.peak_tflops or any(not isinstance(v, (int, float)) or v <= 0
                                 for v in c.peak_tflops.values()):
         raise UserError(f"{where}: peak_tflops must map precisions to positive TFLOP/s")
+
+
+GROUP_LINK_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def group_link_key(ranks: int, busy: int) -> str:
+    """The ``group_links`` key of a group of ``ranks`` while ``busy`` ranks of the node
+    run."""
+    return f"{ranks}/{busy}"
+
+
+def _validate_group_links(links: Any, where: str) -> None:
+    problem = f"{where}: group_links maps 'g/w' (g divides w) to {{op: [latency_s, gbps]}}"
+    if not isinstance(links, dict):
+        raise UserError(problem)
+    for key, ops in links.items():
+        g, slash, w = str(key).partition("/")
+        if not (slash and g.isdigit() and w.isdigit() and 1 < int(g) <= int(w)
+                and int(w) % int(g) == 0) or not isinstance(ops, dict):
+            raise UserError(f"{problem}; not {key!r}")
+        for op, fit in ops.items():
+            if op not in GROUP_LINK_OPS or not isinstance(fit, list) or len(fit) != 2 \
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                               for x in fit) or fit[0] < 0 or fit[1] <= 0:
+                raise UserError(f"{problem}, op one of {GROUP_LINK_OPS}; not {op!r}: "
+                                f"{fit!r}")
 
 
 def _peaks(name: str) -> dict[str, float]:
@@ -193,11 +242,12 @@ def parse_cluster(text: str) -> Cluster:
     types = {f.name: f.type for f in fields(Cluster)}
     for key, value in items.items():
         if key not in types or key in ("name", "peak_tflops", "measured", "source",
-                                       "op_gbps", "async_dispatch"):
+                                       "op_gbps", "async_dispatch", "group_links"):
             raise UserError(f"--cluster {key}=...: not a cluster field; use gpu, "
                             "gpus_per_node, nodes, memory_gib, ...")
         try:
-            changes[key] = int(value) if key in ("gpus_per_node", "nodes") else float(value)
+            changes[key] = int(value) if key in ("gpus_per_node", "nodes", "host_cores",
+                                                 "threads_per_rank") else float(value)
         except ValueError:
             raise UserError(f"--cluster {key}={value!r} is not a number") from None
     cluster = replace(base, **changes)

@@ -223,7 +223,9 @@ def _table(shape: ModelShape, cluster: Cluster, global_batch: int, options: Opti
 _WORDS = {"compute": "compute", "recompute": "recomputation", "tp_comm":
           "tensor-parallel communication", "pp_bubble": "the pipeline bubble",
           "pp_p2p": "pipeline messages", "dp_comm_exposed":
-          "data-parallel communication not hidden by the backward", "optimizer":
+          "data-parallel communication not hidden by the backward", "step_sync":
+          "per-step synchronisation (loss counts, stop flag, gradient norm, tied "
+          "embedding)", "optimizer":
           "the optimizer step"}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .cluster import Cluster
+from .cluster import Cluster, group_link_key
 from .shape import ModelShape
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -78,6 +78,17 @@ def layer_kernels(shape: ModelShape, cluster: Cluster, tp: int, b: int,
     return total + attn + elementwise / (cluster.memory_gbps * 1e9), attn
 
 
+def head_kernel_time(shape: ModelShape, cluster: Cluster, b: int, precision: str,
+                     tp: int = 1) -> float:
+    """Kernel seconds of the head and loss's forward and backward for a micro-batch of
+    ``b`` on one tp rank: three matmuls of the head's shape, three passes over the
+    fp32 logits."""
+    tokens = b * shape.seq
+    return (3 * matmul_time(cluster, tokens, shape.vocab / tp, shape.hidden, precision,
+                            ACT_BYTES[precision])
+            + 3 * 4 * tokens * shape.vocab / tp / (cluster.memory_gbps * 1e9))
+
+
 def kernel_time_of_layer(shape: ModelShape, cluster: Cluster, b: int,
                          precision: str) -> float:
     """Kernel seconds of one layer's forward and backward (backward = 2 x forward) on
@@ -97,3 +108,38 @@ def op_gbps(cluster: Cluster, kind: str, span: int, default: float) -> float:
     if span <= cluster.gpus_per_node and cluster.op_gbps.get(kind):
         return cluster.op_gbps[kind]
     return default
+
+
+def node_ranks(cluster: Cluster, ranks: int) -> int:
+    """Ranks of a layout of ``ranks`` busy on each node it uses."""
+    return min(ranks, cluster.gpus_per_node)
+
+
+def compute_share(cluster: Cluster, busy: int) -> float:
+    """How much slower each rank computes while ``busy`` ranks of its node run: on a
+    CPU whose ranks share ``host_cores``, threads beyond the cores wait their turn; a
+    device of its own (a GPU), 1."""
+    if not cluster.host_cores:
+        return 1.0
+    return max(1.0, busy * cluster.threads_per_rank / cluster.host_cores)
+
+
+def collective_time(cluster: Cluster, op: str, nbytes: float, ranks: int, busy: int, *,
+                    calls: int = 1, span: int | None = None) -> float:
+    """``calls`` calls of collective ``op`` (all_reduce, reduce_scatter, all_gather)
+    moving ``nbytes`` in all (counted as each call's whole tensor) over a group of
+    ``ranks`` spanning ``span`` consecutive devices (default ``ranks``), while ``busy``
+    ranks of each node run: the cluster's measured fit for that group
+    (``group_links``) inside a node, else the ring (:func:`ring_time`) on the tier the
+    group spans."""
+    if ranks <= 1 or calls <= 0 or nbytes < 0:
+        return 0.0
+    span = ranks if span is None else span
+    fit = cluster.group_links.get(group_link_key(ranks, busy), {}).get(op)
+    if fit and span <= cluster.gpus_per_node:
+        latency, gbps = fit
+        return calls * latency + nbytes / (gbps * 1e9)
+    gbps, latency = tier(cluster, span)
+    if op != "all_reduce":
+        gbps = op_gbps(cluster, op, span, gbps)
+    return calls * ring_time(nbytes / calls, ranks, gbps, latency, kind=op)

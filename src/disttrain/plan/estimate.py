@@ -28,14 +28,7 @@ sequence parallelism.
 - communication buffers (gradient buckets; ZeRO-3's gathered layer, twice for the
   prefetch) and the cluster's reserved memory.
 
-**Time**: every matmul of a layer from its shape (``matmul_time``: the cluster's
-efficiency, a per-kernel overhead and the memory-bandwidth bound, so thin shapes are
-slower per FLOP), fused attention, memory-bound elementwise work; tp all-reduces (or
-all-gather + reduce-scatter with sp) per layer on the network tier the tp group spans;
-pipeline p2p per micro-batch and chunk; the schedule's bubble, ``(pp - 1) / v`` stage
-times; the dp reduction (ring, on the tier the dp group spans; ZeRO-3's gathers per
-micro-batch) overlapped with the backward except what a last bucket leaves; the
-optimizer step (memory-bound). FLOPs executed include recomputation, as Megatron-LM
+**Time**: :mod:`.steptime`. FLOPs executed include recomputation, as Megatron-LM
 reports TFLOP/s; MFU counts model FLOPs only.
 """
 
@@ -46,10 +39,10 @@ import math
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .costs import (ACT_BYTES, layer_kernels, matmul_time, op_gbps, ring_time, tier,
-                    with_host)
+from .costs import ACT_BYTES
 from .memory import model_state_bytes as _state_bytes
-from .shape import ModelShape, rank_params, rank_tensors
+from .shape import ModelShape, rank_params
+from .steptime import fill_step_time
 
 _GIB = 2**30
 RECOMPUTE = ("none", "selective", "full")
@@ -92,11 +85,13 @@ class Options:
     """``accounting``: ``disttrain`` (fp32 parameters, gradients and optimizer state,
     autocast: norm inputs stay fp32 and the cast weights are kept for backward) or
     ``mixed`` (the ZeRO paper's 2 + 2 + 12 bytes, every activation in 16 bits);
-    ``grad_bytes``: bytes per gradient element on the wire."""
+    ``grad_bytes``: bytes per gradient element on the wire (and per parameter in
+    ZeRO's gathers)."""
 
     precision: str = "bf16"
     accounting: str = "disttrain"
     bucket_mb: float = 25.0
+    log_every: int = 10  # steps between logged records (telemetry is gathered on those)
 
     @property
     def act_bytes(self) -> int:
@@ -171,6 +166,11 @@ class Estimate:
     def dp_exposed_s(self) -> float:
         """The dp communication the backward does not hide, after the pipeline."""
         return self.times.get("dp_comm_exposed", 0.0)
+
+    @property
+    def step_sync_s(self) -> float:
+        """Small per-step collectives and the tied embedding's gradient."""
+        return self.times.get("step_sync", 0.0)
 
     @property
     def optimizer_s(self) -> float:
@@ -425,7 +425,8 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
                    peak_flops=cluster.peak_flops(o.precision))
     est.fits = stages[worst].total <= cluster.memory_gib * _GIB
     if not memory_only:
-        _time(est, shape, cluster, o, global_batch, counts)
+        fill_step_time(est, shape, cluster, o, global_batch, sizes, counts)
+        _count_flops(est, shape, global_batch)
     return est
 
 
@@ -460,129 +461,11 @@ def _disttrain_ends(shape: ModelShape, lay: Layout, a: int, embedding: float
     return embedding, head, a * shape.vocab * h / tp if a < 4 else 0.0
 
 
-def _time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
-          global_batch: int, counts: list[int]) -> None:
-    """Fill ``est``'s step time; ``counts``: layers on each pp rank."""
-    lay = est.layout
-    tp, b, s, h = lay.tp, lay.mbs, shape.seq, shape.hidden
-    m = lay.micro_batches(global_batch)
-    tokens = b * s
-    a = o.act_bytes
-    # one layer, one micro-batch, on one tp rank
-    kernels, attn = layer_kernels(shape, cluster, tp, b, o.precision)
-    layer_fwd = with_host(cluster, kernels, cluster.layer_overhead_s / 3)
-    layer_bwd = with_host(cluster, 2 * kernels, cluster.layer_overhead_s * 2 / 3)
-    recompute = {"none": 0.0, "selective": attn, "full": layer_fwd}[lay.recompute]
-    # tp: two all-reduces forward, two backward (sp: the same bytes as gathers and
-    # reduce-scatters), again when a full recompute reruns the forward
-    tp_gbps, tp_lat = tier(cluster, tp)
-    act = tokens * h * a
-    one = ring_time(act, tp, tp_gbps, tp_lat)
-    tp_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
-    # head and loss on the last stage, one micro-batch
-    head = matmul_time(cluster, tokens, shape.vocab / tp, h, o.precision, a) * 3
-    head += 3 * 4 * tokens * shape.vocab / tp / (cluster.memory_gbps * 1e9)
-    est.chunk_forward_s, est.chunk_backward_s = _chunk_times(
-        lay, chunk_layers(shape.layers, lay.pp, lay.v), layer_fwd + 2 * one,
-        layer_bwd + recompute + tp_layer - 2 * one, head)
-    # per pp rank and micro-batch: its chunks
-    per_rank = []
-    compute_rank = []
-    for stage, layers in enumerate(counts):
-        c = layers * (layer_fwd + layer_bwd + recompute)
-        if stage == lay.pp - 1:
-            c += head
-        compute_rank.append(c)
-        per_rank.append(c + layers * tp_layer)
-    # p2p: each chunk boundary, an activation forward and its gradient backward
-    est.p2p_message_s = _p2p_message_time(cluster, lay, act)
-    p2p = 2 * lay.v * est.p2p_message_s
-    slowest = max(per_rank) + p2p
-    mean = sum(per_rank) / lay.pp + p2p
-    pipeline = m * slowest + (lay.pp - 1) * mean / lay.v
-    busy = m * (max(per_rank) + p2p)
-    bubble = pipeline - busy
-    # dp: the gradients of this rank's parameters
-    params = max(rank_params(shape, tp, layers, st == 0, st == lay.pp - 1, lay.pp)
-                 for st, layers in enumerate(counts))
-    dp_gbps, dp_lat = tier(cluster, lay.dp * tp)
-    grad_bytes = params * o.grad_bytes
-    dp_exposed = 0.0
-    dp_total = 0.0
-    if lay.dp > 1:
-        # one collective per bucket
-        buckets = max(1, math.ceil(grad_bytes / (o.bucket_mb * 2**20)))
-        rs_gbps, ag_gbps = (op_gbps(cluster, kind, lay.dp * tp, dp_gbps)
-                            for kind in ("reduce_scatter", "all_gather"))
-        if lay.zero <= 1:
-            dp_total = buckets * ring_time(grad_bytes / buckets, lay.dp, dp_gbps, dp_lat)
-        else:  # reduce-scatter per micro-batch, parameters gathered after the step
-            dp_total = (m * buckets * ring_time(grad_bytes / buckets, lay.dp, rs_gbps,
-                                                dp_lat, kind="reduce_scatter")
-                        + ring_time(params * a, lay.dp, ag_gbps, dp_lat,
-                                    kind="all_gather"))
-        bwd_last = max(compute_rank) * 2 / 3
-        if lay.zero <= 1:
-            dp_exposed = max(dp_total - bwd_last, dp_total / buckets)
-        else:
-            per_mb = dp_total / (m + 1)
-            dp_exposed = m * max(per_mb - bwd_last, per_mb / buckets) + per_mb
-        if lay.zero >= 3:  # gathered again for each forward and backward
-            gather = ring_time(params * a, lay.dp, ag_gbps, dp_lat, kind="all_gather")
-            fwd_rank = max(compute_rank) / 3
-            dp_exposed += m * 2 * max(gather - fwd_rank, gather / max(1, max(counts)))
-            dp_total += m * 2 * gather
-    shard = params / (lay.dp if lay.zero >= 1 else 1)
-    optimizer = shard * 28 / (cluster.memory_gbps * 1e9) + cluster.kernel_overhead_s * 4
-    if cluster.tensor_overhead_s:
-        tensors = max(rank_tensors(shape, layers, st == 0, st == lay.pp - 1, lay.pp,
-                                   lay.zero) for st, layers in enumerate(counts))
-        optimizer += tensors * cluster.tensor_overhead_s
-    est.step_time_s = pipeline + dp_exposed + optimizer
-    layers_total = shape.layers
-    compute_only = m * max(compute_rank)
-    most = max(counts)
-    est.times = {"compute": compute_only - m * recompute * most,
-                 "recompute": m * recompute * most,
-                 "tp_comm": pipeline - bubble - compute_only - m * p2p if tp > 1 else 0.0,
-                 "pp_bubble": bubble, "pp_p2p": m * p2p,
-                 "dp_comm_exposed": dp_exposed, "optimizer": optimizer}
-    tokens_step = global_batch * s
-    est.tokens = tokens_step
-    est.model_flops = shape.model_flops_per_token() * tokens_step
-    extra = {"none": 0, "selective": layers_total * shape.layer_attention_flops(),
-             "full": layers_total * (shape.layer_matmul_flops()
-                                     + shape.layer_attention_flops())}[lay.recompute]
-    est.hardware_flops = est.model_flops + extra * tokens_step
-
-
-def _chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd: float,
-                 head: float) -> tuple[tuple[tuple[float, ...], ...],
-                                       tuple[tuple[float, ...], ...]]:
-    """(forward, backward) seconds of one micro-batch on each pp rank's chunks, local
-    order; ``sizes``: layers of each global chunk; ``layer_fwd``/``layer_bwd``: one
-    layer's, with its tp communication (and recomputation, backward). The last chunk
-    adds the head and loss, a third forward (one of its three matmuls and logit
-    passes) and two thirds backward."""
-    last = lay.pp * lay.v - 1
-
-    def per_rank(layer: float, head_part: float) -> tuple[tuple[float, ...], ...]:
-        return tuple(tuple(sizes[c] * layer + (head_part if c == last else 0.0)
-                           for c in range(r, last + 1, lay.pp)) for r in range(lay.pp))
-
-    return per_rank(layer_fwd, head / 3), per_rank(layer_bwd, head * 2 / 3)
-
-
-def _p2p_message_time(cluster: Cluster, lay: Layout, act: float) -> float:
-    """One activation (or its gradient) of ``act`` bytes sent to the neighbouring
-    stage; 0 without pp."""
-    if lay.pp == 1:
-        return 0.0
-    # neighbouring stages' ranks are tp x dp apart; once the pipeline spans nodes, some
-    # boundary crosses one, and the slowest boundary paces the schedule
-    intra = lay.pp * lay.tp * lay.dp <= cluster.gpus_per_node
-    gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps) if intra else
-            (cluster.p2p_inter_gbps or cluster.inter_gbps))
-    latency = cluster.intra_latency_s if intra else cluster.inter_latency_s
-    msg = act / (lay.tp if lay.sp else 1)
-    return msg / (gbps * 1e9) + latency
+def _count_flops(est: Estimate, shape: ModelShape, global_batch: int) -> None:
+    """A step's tokens, model FLOPs, and the FLOPs executed (recomputation included)."""
+    est.tokens = global_batch * shape.seq
+    est.model_flops = shape.model_flops_per_token() * est.tokens
+    rebuilt = {"none": 0, "selective": shape.layer_attention_flops(),
+               "full": shape.layer_matmul_flops() + shape.layer_attention_flops()}
+    est.hardware_flops = (est.model_flops
+                          + shape.layers * rebuilt[est.layout.recompute] * est.tokens)

@@ -165,6 +165,24 @@ def time_tiny_layer(device: torch.device, effort: Effort) -> tuple[dict, float]:
     return {**_TINY_LAYER, "batch": _TINY_BATCH}, median_time(step, device, effort)
 
 
+def time_tiny_model(device: torch.device, effort: Effort) -> float:
+    """Seconds of one forward + backward of the built-in GPT with one layer of
+    :func:`time_tiny_layer`'s size: the layer and the model's ends (embedding, final
+    norm, head, loss)."""
+    from ..config.schema import ModelConfig
+    from ..models.gpt import GPT, token_loss
+
+    cfg = ModelConfig(**_TINY_LAYER)
+    model = GPT(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (_TINY_BATCH, cfg.seq_len), device=device)
+
+    def step() -> None:
+        loss, _ = token_loss(model(ids), ids)
+        loss.backward()
+
+    return median_time(step, device, effort)
+
+
 def time_optimizer_tensors(device: torch.device, effort: Effort) -> tuple[int, float]:
     """(tensors, seconds of clipping, an AdamW step and zeroing over that many small
     parameter tensors), AdamW built as disttrain builds it (fused on a GPU)."""
@@ -231,6 +249,51 @@ def collective_times(sizes: list[int], effort: Effort) -> dict[str, list[list[fl
             if op == "p2p":
                 times = [t / 2 if rank < 2 else 0.0 for t in times]
             out[op].append(times)
+    return out
+
+
+def group_sizes(world: int) -> list[int]:
+    """The group sizes measured inside a world of ``world`` ranks: powers of two below
+    it, and the world itself."""
+    sizes = [g for g in (2**i for i in range(1, world.bit_length())) if g < world]
+    return sizes + [world] if world > 1 else []
+
+
+def link_times(sizes: list[int], effort: Effort, groups: list[int]
+               ) -> dict[str, object]:
+    """Run on every rank of a process group: the whole world's
+    :func:`collective_times` (``world``), and for each size g in ``groups`` smaller
+    than the world, the collectives of consecutive groups of g ranks running at once
+    (``groups``: {g: {op: [[seconds of each call] for each size]}} as this rank saw
+    them in its own group)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out: dict[int, dict[str, list[list[float]]]] = {}
+    for g in groups:
+        if g >= n:
+            continue
+        # every rank creates every group, in the same order
+        mine = [dist.new_group(list(range(s, s + g))) for s in range(0, n, g)][rank // g]
+        out[g] = group_collective_times(sizes, effort, mine, g)
+    return {"world": collective_times(sizes, effort), "groups": out}
+
+
+def group_collective_times(sizes: list[int], effort: Effort, group: object, g: int
+                           ) -> dict[str, list[list[float]]]:
+    """:func:`collective_times` of all-reduce, reduce-scatter and all-gather on
+    ``group`` (``g`` ranks), every group of the world timing its own at once."""
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    out: dict[str, list[list[float]]] = {op: [] for op in COLLECTIVES if op != "p2p"}
+    for size in sizes:
+        numel = -(-size // (4 * g)) * g
+        whole = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // g, device=device)
+        calls = {"all_reduce": lambda: dist.all_reduce(whole, group=group),
+                 "reduce_scatter": lambda: _REDUCE_SCATTER(shard, whole, group=group),
+                 "all_gather": lambda: _ALL_GATHER(whole, shard, group=group)}
+        batch = max(1, min(8, 2**20 // size))
+        for op, call in calls.items():
+            out[op].append(_timed_calls(call, device, effort, batch))
     return out
 
 

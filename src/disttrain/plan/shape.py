@@ -256,12 +256,19 @@ def rank_params(shape: ModelShape, tp: int, layers: int, first: bool, last: bool
     return n
 
 
+def zero_flats(layers: int, first: bool, last: bool) -> int:
+    """ZeRO's flat buffers on one rank, each its own collective: two (weights with
+    weight decay, and without) per block and for the unit that holds the rest of the
+    stage (the embedding, the final norm and head)."""
+    return 2 * (layers + int(first or last))
+
+
 def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, pp: int,
                  zero: int) -> int:
     """Parameter tensors the optimizer of one rank walks: each weight, bias and norm
-    parameter, or under ZeRO two flat shards (decayed or not) per block and per end."""
+    parameter, or under ZeRO its flat shards (:func:`zero_flats`)."""
     if zero >= 1:
-        return 2 * (layers + int(first) + int(last))
+        return zero_flats(layers, first, last)
     linears = shape.matmul_shapes()
     biases = sum(1 for name, _, _ in linears if shape.bias and (name != "qkv"
                                                                or shape.qkv_bias))

@@ -109,10 +109,12 @@ def _action_event(t: TimedAction) -> dict:
 
 
 def _after_pipeline(est: Estimate, rank: int, start: float) -> tuple[list[dict], float]:
-    """The exposed dp communication (when there is any) and the optimizer step after
-    ``rank``'s last backward at ``start``; and when they end."""
+    """The exposed dp communication (when there is any), the per-step synchronisation
+    and the optimizer step after ``rank``'s last backward at ``start``; and when they
+    end."""
     events = []
     for name, cat, dur in (("dp reduction (exposed)", "dp", est.dp_exposed_s),
+                           ("step synchronisation", "sync", est.step_sync_s),
                            ("optimizer step", "optimizer", est.optimizer_s)):
         if dur > 0:
             events.append(_complete(name, cat, rank, _AFTER_TID, start, dur, {}))

@@ -301,7 +301,7 @@ def validate_run(run_dir: Path, cluster_text: str | None = None) -> dict[str, An
         notes.append("the run's pipeline cut is not known here (transformers cannot "
                      "build its model): layers assumed evenly split")
     options = Options(precision=cfg.train.precision, accounting="disttrain",
-                      bucket_mb=cfg.parallel.bucket_mb)
+                      bucket_mb=cfg.parallel.bucket_mb, log_every=cfg.train.log_every)
     est = estimate(run_shape(run), cluster, lay, global_batch, options, all_stages=True,
                    chunk_sizes=chunks)
     return compare(run, mesh, est, global_batch, cluster, notes)

@@ -1,0 +1,184 @@
+"""A layout's step time, from the costs of its pieces (:mod:`.costs`).
+
+Per micro-batch and pipeline rank: each layer's kernels and framework time (slowed
+in proportion when a CPU's ranks share fewer cores than they compute with), its tensor
+-parallel all-reduces (two forward, two backward, two more when a full recomputation
+reruns the forward), and under tp the ends' own: the vocabulary-parallel embedding's
+(forward), the head input's gradient (backward), the loss's max and sum (tiny). The
+pipeline runs m micro-batches at the pace of its slowest rank plus the bubble, (pp -
+1) / v stage times, and one activation and one gradient message per chunk boundary.
+
+After the pipeline: the data-parallel reduction the backward does not hide (plain:
+one all-reduce per bucket; ZeRO: one reduce-scatter per flat buffer (:func:`~.shape.
+zero_flats`), once (stage 1) or per micro-batch (2, 3), then one all-gather per flat
+of the updated parameters; stage 3 also gathers every flat before each forward and
+backward, prefetched a unit ahead), the per-step synchronisation every disttrain step
+makes (the loss and token counts, the stop flag, telemetry on logged steps, the
+gradient norm of sharded gradients, the tied embedding's gradient between the first
+and last stage), and the optimizer step (memory-bound, plus framework time per
+parameter tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .cluster import Cluster
+from .costs import (collective_time, compute_share, head_kernel_time, layer_kernels,
+                    node_ranks, with_host)
+from .shape import ModelShape, rank_params, rank_tensors, zero_flats
+
+if TYPE_CHECKING:
+    from .estimate import Estimate, Layout, Options
+
+_CONTROL_BYTES = 16  # a few counters: the size of disttrain's per-step small collectives
+
+
+def fill_step_time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
+                   global_batch: int, sizes: tuple[int, ...], counts: list[int]) -> None:
+    """Fill ``est``'s step time, its parts and per-chunk costs; ``sizes``: layers of
+    each global chunk; ``counts``: layers on each pp rank."""
+    lay = est.layout
+    busy = node_ranks(cluster, lay.ranks)
+    share = compute_share(cluster, busy)
+    m = lay.micro_batches(global_batch)
+    tokens, a = lay.mbs * shape.seq, o.act_bytes
+    act = tokens * shape.hidden * a
+    kernels, attn = layer_kernels(shape, cluster, lay.tp, lay.mbs, o.precision)
+    layer_fwd = share * with_host(cluster, kernels, cluster.layer_overhead_s / 3)
+    layer_bwd = share * with_host(cluster, 2 * kernels, cluster.layer_overhead_s * 2 / 3)
+    recompute = {"none": 0.0, "selective": share * attn, "full": layer_fwd}[lay.recompute]
+    one = collective_time(cluster, "all_reduce", act, lay.tp, busy)
+    tp_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
+    small = collective_time(cluster, "all_reduce", 4 * tokens, lay.tp, busy)
+    # framework time of the ends, half on the embedding's chunk, half on the head's
+    end = share * cluster.microbatch_overhead_s / 2
+    ends_fwd = (one + end / 3, 2 * small + end / 3)  # (first chunk, last chunk)
+    ends_bwd = (end * 2 / 3, one + end * 2 / 3)
+    head = share * head_kernel_time(shape, cluster, lay.mbs, o.precision, lay.tp)
+    est.chunk_forward_s, est.chunk_backward_s = chunk_times(
+        lay, sizes, layer_fwd + 2 * one, layer_bwd + recompute + tp_layer - 2 * one, head,
+        ends_fwd, ends_bwd)
+    compute_rank = [layers * (layer_fwd + layer_bwd + recompute)
+                    + (head if st == lay.pp - 1 else 0.0)
+                    + (end if st in (0, lay.pp - 1) else 0.0) * (1 + (lay.pp == 1))
+                    for st, layers in enumerate(counts)]
+    per_rank = [sum(f) + sum(b) for f, b in zip(est.chunk_forward_s, est.chunk_backward_s)]
+    est.p2p_message_s = p2p_message_time(cluster, lay, act / (lay.tp if lay.sp else 1))
+    p2p = 2 * lay.v * est.p2p_message_s
+    slowest = max(per_rank) + p2p
+    pipeline = m * slowest + (lay.pp - 1) * (sum(per_rank) / lay.pp + p2p) / lay.v
+    bubble = pipeline - m * slowest
+    params = max(rank_params(shape, lay.tp, layers, st == 0, st == lay.pp - 1, lay.pp)
+                 for st, layers in enumerate(counts))
+    dp_exposed = _dp_exposed(shape, cluster, o, lay, m, busy, params, counts,
+                             max(compute_rank))
+    sync = _step_sync(shape, cluster, o, lay, busy)
+    optimizer = share * _optimizer_time(shape, cluster, lay, params, counts)
+    est.step_time_s = pipeline + dp_exposed + sync + optimizer
+    compute_only = m * max(compute_rank)
+    recomputed = m * recompute * max(counts)
+    est.times = {"compute": compute_only - recomputed, "recompute": recomputed,
+                 "tp_comm": m * (slowest - p2p) - compute_only if lay.tp > 1 else 0.0,
+                 "pp_bubble": bubble, "pp_p2p": m * p2p, "dp_comm_exposed": dp_exposed,
+                 "step_sync": sync, "optimizer": optimizer}
+
+
+def chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd: float,
+                head: float, ends_fwd: tuple[float, float] = (0.0, 0.0),
+                ends_bwd: tuple[float, float] = (0.0, 0.0)
+                ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    """(forward, backward) seconds of one micro-batch on each pp rank's chunks, local
+    order; ``sizes``: layers of each global chunk; ``layer_fwd``/``layer_bwd``: one
+    layer's, with its tp communication (and recomputation, backward). The last chunk
+    adds the head and loss, a third forward (one of its three matmuls and logit
+    passes) and two thirds backward; ``ends_*``: what the (first, last) chunk adds in
+    each direction beyond that (tp's communication at the ends)."""
+    last = lay.pp * lay.v - 1
+
+    def per_rank(layer: float, head_part: float, ends: tuple[float, float]
+                 ) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(sizes[c] * layer + (ends[0] if c == 0 else 0.0)
+                           + (head_part + ends[1] if c == last else 0.0)
+                           for c in range(r, last + 1, lay.pp)) for r in range(lay.pp))
+
+    return per_rank(layer_fwd, head / 3, ends_fwd), per_rank(layer_bwd, head * 2 / 3,
+                                                             ends_bwd)
+
+
+def p2p_message_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
+    """One message of ``nbytes`` (an activation or its gradient) to the neighbouring
+    stage; 0 without pp."""
+    if lay.pp == 1:
+        return 0.0
+    # neighbouring stages' ranks are tp x dp apart; once the pipeline spans nodes, some
+    # boundary crosses one, and the slowest boundary paces the schedule
+    intra = lay.ranks <= cluster.gpus_per_node
+    gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps) if intra else
+            (cluster.p2p_inter_gbps or cluster.inter_gbps))
+    latency = cluster.p2p_latency_s or (cluster.intra_latency_s if intra
+                                        else cluster.inter_latency_s)
+    return nbytes / (gbps * 1e9) + latency
+
+
+def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout, m: int,
+                busy: int, params: float, counts: list[int], compute: float) -> float:
+    """The data-parallel communication of one step that the backward does not hide;
+    ``compute``: the slowest pp rank's compute per micro-batch."""
+    if lay.dp == 1:
+        return 0.0
+    span = lay.dp * lay.tp
+    grads = params * o.grad_bytes
+    backward = compute * 2 / 3
+    if lay.zero == 0:
+        buckets = max(1, math.ceil(grads / (o.bucket_mb * 2**20)))
+        total = collective_time(cluster, "all_reduce", grads, lay.dp, busy, calls=buckets,
+                                span=span)
+        return _hidden_behind(total, backward, buckets)
+    flats = max(zero_flats(layers, st == 0, st == lay.pp - 1)
+                for st, layers in enumerate(counts))
+    reduce = collective_time(cluster, "reduce_scatter", grads, lay.dp, busy,
+                             calls=flats, span=span)
+    gather = collective_time(cluster, "all_gather", params * o.grad_bytes, lay.dp, busy,
+                             calls=flats, span=span)
+    rounds = m if lay.zero >= 2 else 1  # stage 1 reduces in the last backward only
+    exposed = rounds * _hidden_behind(reduce, backward, flats)
+    if lay.zero < 3:  # the updated shards, gathered after the step
+        return exposed + gather
+    # stage 3: each forward and backward gathers, prefetching a unit ahead
+    return exposed + 2 * m * _hidden_behind(gather, compute / 3, flats)
+
+
+def _hidden_behind(total: float, window: float, calls: int) -> float:
+    """What ``calls`` collectives taking ``total`` leave exposed when they overlap a
+    compute ``window``: the excess, and at least the last call."""
+    return max(total - window, total / calls)
+
+
+def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout,
+               busy: int) -> float:
+    """The small collectives of every step over the world (loss and token counts, the
+    stop flag, telemetry on logged steps, the norm of sharded gradients) and the tied
+    embedding's gradient between the first and last stage."""
+    world = lay.ranks
+    small = 2 + 1 / max(1, o.log_every) + (1 if lay.zero or lay.tp > 1 or lay.pp > 1
+                                           else 0)
+    sync = small * collective_time(cluster, "all_reduce", _CONTROL_BYTES, world, busy)
+    if lay.pp > 1 and shape.tied:
+        sync += 2 * p2p_message_time(cluster, lay,
+                                     shape.vocab * shape.hidden / lay.tp * o.grad_bytes)
+    return sync
+
+
+def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: Layout, params: float,
+                    counts: list[int]) -> float:
+    """The optimizer step on one rank's shard: AdamW reads and writes 28 bytes per
+    parameter, a few kernels, and framework time per parameter tensor."""
+    shard = params / (lay.dp if lay.zero >= 1 else 1)
+    seconds = shard * 28 / (cluster.memory_gbps * 1e9) + cluster.kernel_overhead_s * 4
+    if cluster.tensor_overhead_s:
+        tensors = max(rank_tensors(shape, layers, st == 0, st == lay.pp - 1, lay.pp,
+                                   lay.zero) for st, layers in enumerate(counts))
+        seconds += tensors * cluster.tensor_overhead_s
+    return seconds

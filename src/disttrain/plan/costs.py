@@ -124,6 +124,13 @@ def compute_share(cluster: Cluster, busy: int) -> float:
     return max(1.0, busy * cluster.threads_per_rank / cluster.host_cores)
 
 
+def overlaps_compute(cluster: Cluster, busy: int) -> bool:
+    """Whether an asynchronous collective progresses while ranks compute: on a GPU,
+    yes (its own engines); on a CPU only when a core is left over for the backend's
+    thread beside the ``busy`` ranks' compute threads."""
+    return not cluster.host_cores or busy * cluster.threads_per_rank < cluster.host_cores
+
+
 def collective_time(cluster: Cluster, op: str, nbytes: float, ranks: int, busy: int, *,
                     calls: int = 1, span: int | None = None) -> float:
     """``calls`` calls of collective ``op`` (all_reduce, reduce_scatter, all_gather)

@@ -308,15 +308,24 @@ def _ping_pong(buf: torch.Tensor, rank: int) -> None:
 
 def _timed_calls(call: Callable[[], object], device: torch.device, effort: Effort,
                  batch: int) -> list[float]:
-    """Seconds per call, each figure the mean of ``batch`` calls back to back after a
-    barrier (so that one rank's late start weighs little). Every rank makes the same
-    calls: no deadline here, the ranks must agree."""
+    """Seconds per call, after a barrier per ``batch`` calls back to back (so that one
+    rank's late start weighs little). On a GPU each figure is the mean of a batch (one
+    device synchronisation per batch); on a CPU every call is its own figure, since a
+    collective there meets the scheduler: most calls are quick and a few wait for a
+    core, and the median call, not the mean, is what a training step pays typically.
+    Every rank makes the same calls: no deadline here, the ranks must agree."""
     for _ in range(effort.warmup):
         call()
     times = []
     for _ in range(effort.repeats):
         dist.barrier()
         _sync(device)
+        if device.type == "cpu":
+            for _ in range(batch):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            continue
         start = time.perf_counter()
         for _ in range(batch):
             call()

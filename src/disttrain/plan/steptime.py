@@ -8,7 +8,8 @@ reruns the forward), and under tp the ends' own: the vocabulary-parallel embeddi
 pipeline runs m micro-batches at the pace of its slowest rank plus the bubble, (pp -
 1) / v stage times, and one activation and one gradient message per chunk boundary.
 
-After the pipeline: the data-parallel reduction the backward does not hide (plain:
+After the pipeline: the data-parallel reduction the backward does not hide (none on
+a CPU whose cores the ranks' compute threads fill; plain:
 one all-reduce per bucket; ZeRO: one reduce-scatter per flat buffer (:func:`~.shape.
 zero_flats`), once (stage 1) or per micro-batch (2, 3), then one all-gather per flat
 of the updated parameters; stage 3 also gathers every flat before each forward and
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from .cluster import Cluster
 from .costs import (collective_time, compute_share, head_kernel_time, layer_kernels,
-                    node_ranks, with_host)
+                    node_ranks, overlaps_compute, with_host)
 from .shape import ModelShape, rank_params, rank_tensors, zero_flats
 
 if TYPE_CHECKING:
@@ -130,7 +131,8 @@ def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout, m:
         return 0.0
     span = lay.dp * lay.tp
     grads = params * o.grad_bytes
-    backward = compute * 2 / 3
+    hides = overlaps_compute(cluster, busy)
+    backward, forward = (compute * 2 / 3, compute / 3) if hides else (0.0, 0.0)
     if lay.zero == 0:
         buckets = max(1, math.ceil(grads / (o.bucket_mb * 2**20)))
         total = collective_time(cluster, "all_reduce", grads, lay.dp, busy, calls=buckets,
@@ -147,7 +149,7 @@ def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout, m:
     if lay.zero < 3:  # the updated shards, gathered after the step
         return exposed + gather
     # stage 3: each forward and backward gathers, prefetching a unit ahead
-    return exposed + 2 * m * _hidden_behind(gather, compute / 3, flats)
+    return exposed + 2 * m * _hidden_behind(gather, forward, flats)
 
 
 def _hidden_behind(total: float, window: float, calls: int) -> float:

@@ -45,14 +45,15 @@ def tiny_config(checkpoint: dict | None = None, **keys: Any):
     several do)."""
     from dataclasses import fields
 
-    from disttrain.config.schema import CommConfig, MonitorConfig, ParallelConfig
+    from disttrain.config.schema import CommConfig, DataConfig, MonitorConfig, ParallelConfig
 
     values: dict[str, dict] = {"model": dict(TINY_MODEL), "train": _tiny_train(),
                                "checkpoint": checkpoint or {"every": 0},
-                               "parallel": {}, "monitor": {}, "comm": {}}
+                               "parallel": {}, "monitor": {}, "comm": {}, "data": {}}
     owners = {f.name: "parallel" for f in fields(ParallelConfig)}
     owners |= {f.name: "monitor" for f in fields(MonitorConfig)}
     owners |= {f.name: "comm" for f in fields(CommConfig)}
+    owners |= {f.name: "data" for f in fields(DataConfig)}
     for key, value in keys.items():
         values[owners.get(key, "train")][key] = value
     return load_config(values=values)

@@ -78,7 +78,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
     queue = ctx.Queue()
     port = free_port()
     target = (fn.__module__, fn.__qualname__)
-    procs = [ctx.Process(target=_child, daemon=True,
+    # not daemonic: a rank may start processes of its own (loader workers,
+    # data.workers), as a torchrun rank can; the finally below still ends every rank
+    procs = [ctx.Process(target=_child, daemon=False,
                          args=(target, rank, world_size, port, args, kwargs or {}, queue,
                                timeout, backend))
              for rank in range(world_size)]

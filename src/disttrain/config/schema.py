@@ -73,6 +73,9 @@ class DataConfig:
     tokenizer: str = _f("bytes", "text to ids (data.format=text): bytes, the path of a "
                         "Hugging Face tokenizer.json, or bpe:N (a byte-level BPE of N "
                         "tokens trained on the training split, cached with the shards)")
+    workers: int = _f(0, "loader worker processes per rank assembling micro-batches "
+                      "ahead of use (0: in the training process); the samples and their "
+                      "order do not change", ge=0, le=64)
 
 
 @dataclass(kw_only=True)

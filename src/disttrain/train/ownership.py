@@ -46,6 +46,14 @@ class RunDirLock:
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self.fd: int | None = fd
 
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner (a loader worker): close this process's
+        copy of the descriptor, so the lock goes with the owner alone (a crashed
+        owner's workers, still alive for a moment, must not hold it)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock

@@ -69,6 +69,7 @@ from .pipeline_step import PipelineStepRunner
 from .precision import LossScaler, autocast
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
 from .batch import Batch, LossFn, collate_samples, split_batch, to_device
+from .loading import StepLoader, planned_lists
 from .step import StepRunner
 
 # the step runner and the loop each kind of step (Parallelized.step) needs
@@ -116,6 +117,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.progress = progress
         self.watchdog: HangWatchdog | None = None   # made by fit()
+        self.loader: StepLoader | None = None
         self.telemetry: Telemetry | None = None
         self.user_callbacks = list(callbacks)  # see disttrain.monitor.callbacks
         self.callbacks: Callbacks | None = None  # with the config's loggers, by fit()
@@ -221,6 +223,10 @@ class Trainer:
 
     def _build_data(self) -> None:
         self.sampler = GlobalOrderSampler(len(self.dataset), self.config.train.seed)
+        self.ahead = GlobalOrderSampler(len(self.dataset), self.config.train.seed)
+        self.loader = StepLoader(self.dataset, self.collate_fn, self.runtime.device,
+                                 self.spec.call_kwargs, self.config.data.workers,
+                                 in_worker=lambda: self.lock and self.lock.forget_in_child())
         self.position = 0  # global sample index of the next global batch
         b = self.plan.batch
         self.splitter = BatchSplitter(b.global_batch, b.dp,
@@ -294,7 +300,7 @@ class Trainer:
         train = self.config.train
         self.stepper = RUNNERS[self.parallel.step].from_parallel(
             self.parallel, ledger=self.ledger, optimizer=self.optimizer,
-            loss_fn=self.loss_fn, load=self._load, grad_clip=train.grad_clip,
+            loss_fn=self.loss_fn, load=self.loader.load, grad_clip=train.grad_clip,
             device=self.runtime.device, tracer=self.tracer, rank=self.runtime.rank,
             precision=train.precision, scaler=LossScaler(train.precision == "fp16"),
             before_update=self.checkpoints.before_update,
@@ -325,10 +331,13 @@ class Trainer:
         share = self.splitter.shares[rank]
         indices = self.sampler.indices(self.position + self.splitter.offsets()[rank], share)
         selected = self.parallel.sync.select(step, indices)
+        lists = [] if selected is None else self._micro_batches(selected)
+        self.loader.follow(lists, planned_lists(
+            self.ahead, self.position, self.splitter.offsets()[rank], share,
+            self.plan.batch.global_batch, self._micro_batches))
         with self.tracer.span("step", step=step + 1):
             # a fedavg client sitting this round out does not step
-            stats = StepStats() if selected is None else self.stepper.run(
-                self._micro_batches(selected))
+            stats = StepStats() if selected is None else self.stepper.run(lists)
         bad = None if selected is None else self.stepper.nonfinite
         if self.parallel.sync.steps_apart and self._stops_on_nonfinite:
             bad = self._any_rank_nonfinite(bad)  # every rank stops at the same step
@@ -556,7 +565,10 @@ class Trainer:
             merge_traces(parts, self.run_dir / TRACE_FILE)
 
     def _close(self) -> None:
-        """Stop the watchdog and close the writers, whatever stage the run reached."""
+        """Stop the watchdog, the loader workers and the writers, whatever stage the run
+        reached."""
+        if self.loader is not None:
+            self.loader.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.telemetry is not None:

@@ -12,7 +12,11 @@ times DDP's step with the foreach and the fused AdamW and gives every system the
 one. After warmup, repetitions go round the systems so drifting machine load hits all
 alike. A step is zero_grad, forward, loss, backward, gradient sync, optimizer step; its
 time is the slowest rank's. Prints one JSON line: each system's median step time,
-``ratio`` = disttrain / the better DDP, and the ratio to each DDP.
+``ratio`` = disttrain / the better DDP, and the ratio to each DDP. ``local`` steps the
+same model on each rank with no communication at all: ``floor_ratio`` = its step / the
+better DDP's is the best any data parallelism could reach here. ``phases_s``: each
+system's median forward, backward (DDP: its reductions' waits included), sync (disttrain
+waiting for its reductions after backward) and optimizer seconds, the slowest rank's.
 """
 
 from __future__ import annotations
@@ -37,7 +41,23 @@ from disttrain.parallel.data import apply_data_parallel
 from disttrain.testing import run_distributed
 
 WARMUP_STEPS = 3
-Step = Callable[[torch.Tensor, torch.Tensor], None]
+PHASES = ("forward", "backward", "sync", "optimizer")
+# a step returns its phases' seconds: forward (and loss), backward (with the gradient
+# hooks and the reductions they start; DDP waits for its buckets at its end), sync
+# (waiting for the reductions after backward, and scaling), optimizer (zeroing too)
+Step = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
+
+
+class _Clock:
+    """Seconds between successive marks, by phase."""
+
+    def __init__(self) -> None:
+        self.last, self.phases = time.perf_counter(), {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 def _batches(cfg: ModelConfig, micro_batch: int, n: int = 4) -> list[tuple[torch.Tensor, ...]]:
@@ -57,12 +77,39 @@ def _disttrain_step(model: GPT, bucket_mb: float, global_count: int, impl: str) 
                              bucket_mb=bucket_mb)
     opt = _adamw(model, impl)
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        clock = _Clock()
         dp.zero_grad()
+        clock.mark("optimizer")
         loss_sum, _ = token_loss(model(inputs), targets)
+        clock.mark("forward")
         loss_sum.backward()
+        clock.mark("backward")
         dp.finish_gradient_sync(1.0 / global_count)
+        clock.mark("sync")
         opt.step()
+        clock.mark("optimizer")
+        return clock.phases
+    return step
+
+
+def _local_step(model: GPT, global_count: int, impl: str) -> Step:
+    """No communication at all: each rank steps on its own. The floor any data
+    parallelism can reach on this machine at this world size (same compute, same
+    sharing of the cores)."""
+    opt = _adamw(model, impl)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        clock = _Clock()
+        opt.zero_grad(set_to_none=False)
+        clock.mark("optimizer")
+        loss_sum, _ = token_loss(model(inputs), targets)
+        clock.mark("forward")
+        (loss_sum / global_count).backward()
+        clock.mark("backward")
+        opt.step()
+        clock.mark("optimizer")
+        return clock.phases
     return step
 
 
@@ -71,24 +118,36 @@ def _ddp_step(model: GPT, bucket_mb: float, impl: str, tuned: bool) -> Step:
                                   gradient_as_bucket_view=tuned, static_graph=tuned)
     opt = _adamw(model, impl)
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        clock = _Clock()
         opt.zero_grad(set_to_none=not tuned)  # bucket views stay; zeroed in place
-        logits = ddp(inputs)
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        clock.mark("optimizer")
+        loss = F.cross_entropy(ddp(inputs).flatten(0, 1), targets.flatten())
+        clock.mark("forward")
+        loss.backward()
+        clock.mark("backward")
         opt.step()
+        clock.mark("optimizer")
+        return clock.phases
     return step
 
 
-def _time_steps(step: Step, batches: list, n: int) -> list[float]:
-    """Seconds per step, as seen by the slowest rank."""
+def _time_steps(step: Step, batches: list, n: int,
+                phases: dict[str, list[float]] | None = None) -> list[float]:
+    """Seconds per step, as seen by the slowest rank; each phase's seconds (the
+    slowest rank's) appended to ``phases``."""
     times = []
     for i in range(n):
         dist.barrier()
         t0 = time.perf_counter()
-        step(*batches[i % len(batches)])
-        elapsed = torch.tensor([time.perf_counter() - t0])
+        parts = step(*batches[i % len(batches)])
+        elapsed = torch.tensor([time.perf_counter() - t0]
+                               + [parts.get(p, 0.0) for p in PHASES])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+        times.append(float(elapsed[0]))
+        for p, v in zip(PHASES, elapsed[1:].tolist()):
+            if phases is not None:
+                phases.setdefault(p, []).append(v)
     return times
 
 
@@ -115,15 +174,19 @@ def _bench(cfg: ModelConfig, micro_batch: int, bucket_mb: float, reps: int,
     runners = {"disttrain": _disttrain_step(ours_model, bucket_mb, global_count, impl),
                "ddp": _ddp_step(copy.deepcopy(ours_model), bucket_mb, impl, tuned=False),
                "ddp_tuned": _ddp_step(copy.deepcopy(ours_model), bucket_mb, impl,
-                                      tuned=True)}
+                                      tuned=True),
+               "local": _local_step(copy.deepcopy(ours_model), global_count, impl)}
     batches = _batches(cfg, micro_batch)
     for step in runners.values():
         _time_steps(step, batches, WARMUP_STEPS)
     times: dict[str, list[float]] = {name: [] for name in runners}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
     for _ in range(reps):
         for name, step in runners.items():
-            times[name] += _time_steps(step, batches, steps)
-    return {**times, "params": sum(p.numel() for p in ours_model.parameters()),
+            times[name] += _time_steps(step, batches, steps, phases[name])
+    return {**times, "phases": {name: {p: statistics.median(v) for p, v in ph.items()}
+                                for name, ph in phases.items()},
+            "params": sum(p.numel() for p in ours_model.parameters()),
             "optimizer": impl, "adamw_probe_s": adamw}
 
 
@@ -150,7 +213,8 @@ def main() -> None:
     result = run_distributed(_bench, world_size, timeout=3600,
                              args=(cfg, args.micro_batch, args.bucket_mb, args.reps,
                                    args.steps, args.optimizer))[0]
-    step = {k: statistics.median(result[k]) for k in ("disttrain", "ddp", "ddp_tuned")}
+    step = {k: statistics.median(result[k])
+            for k in ("disttrain", "ddp", "ddp_tuned", "local")}
     best = min(step["ddp"], step["ddp_tuned"])
     print(json.dumps({
         "bench": "dp_vs_ddp", "world_size": world_size, "backend": "gloo",
@@ -159,6 +223,10 @@ def main() -> None:
         "ratio": round(step["disttrain"] / best, 4),
         "ratio_vs_ddp_default": round(step["disttrain"] / step["ddp"], 4),
         "ratio_vs_ddp_tuned": round(step["disttrain"] / step["ddp_tuned"], 4),
+        "local_step_s": round(step["local"], 5),
+        "floor_ratio": round(step["local"] / best, 4),
+        "phases_s": {name: {p: round(v, 5) for p, v in ph.items()}
+                     for name, ph in result["phases"].items()},
         "target_ratio": 0.95, "optimizer": result["optimizer"],
         "adamw_probe_s": {k: round(v, 5) for k, v in result["adamw_probe_s"].items()},
         "steps": args.steps, "reps": args.reps, "params": result["params"],

@@ -135,3 +135,42 @@ def test_held_out_loss_is_also_reported_in_bits_per_byte(tmp_path, tokenizer):
         summary["final_eval_loss"] / math.log(2) * per_byte)
     stored = json.loads((tmp_path / f"run-{tokenizer[:3]}" / "summary.json").read_text())
     assert stored["final_eval_bits_per_byte"] == summary["final_eval_bits_per_byte"]
+
+
+def _train_default_corpus(cache: str) -> dict:
+    from pathlib import Path
+
+    from disttrain.train import train_default
+
+    config = load_config(overrides=[
+        "data.tokenizer=bpe:512", f"data.cache_dir={cache}", "model.n_layer=1",
+        "model.d_model=32", "model.n_head=2", "model.seq_len=32", "train.steps=3",
+        "train.global_batch=4", "train.eval_samples=8", "train.log_every=3",
+        "monitor.peak_tflops=1.0"])
+    return train_default(config, run_dir=str(Path(cache).parent / "run"), progress=False)
+
+
+def test_bpe_512_on_the_default_corpus_trains_once_and_reports_bits_per_byte(tmp_path):
+    """The issue's acceptance case: the standard-library corpus (tens of MB of text),
+    its BPE trained once and reused, a model of vocabulary 512, bits per byte."""
+    import math
+    import time
+
+    from disttrain.testing import run_distributed
+
+    cache = tmp_path / "cache"
+    summary = run_distributed(_train_default_corpus, 1, args=(str(cache),), timeout=600)[0]
+    config = load_config(overrides=["data.tokenizer=bpe:512", f"data.cache_dir={cache}"])
+    tokenizer_file = next(cache.glob("*/tokenizer.json"))
+    trained_at = tokenizer_file.stat().st_mtime_ns
+    start = time.monotonic()
+    corpus = corpus_from_config(config.data)  # the second preparation: from the cache
+    assert time.monotonic() - start < 30 and corpus.vocab_needed == 512
+    assert tokenizer_file.stat().st_mtime_ns == trained_at
+    assert len([d for d in cache.iterdir() if d.is_dir()]) == 1  # one prepared corpus
+    assert 'vocab_size = 512' in (tmp_path / "run" / "config.toml").read_text()
+    per_byte = corpus.val_tokens / corpus.val_bytes
+    assert 0.2 < per_byte < 0.7  # merges: well under one id per byte
+    assert math.isfinite(summary["final_eval_bits_per_byte"])
+    assert summary["final_eval_bits_per_byte"] == pytest.approx(
+        summary["final_eval_loss"] / math.log(2) * per_byte)

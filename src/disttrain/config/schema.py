@@ -206,8 +206,9 @@ class CommConfig:
                                 "coarser) instead of each weight matrix")
     onebit_block: int = _f(128, "onebit: elements per scale (blocks of a tensor; 1.25 "
                            "bits per element at 128); 0 = one scale per tensor", ge=0)
-    qsgd_levels: int = _f(16, "qsgd: quantisation levels of |x| / ||x|| (int8 on the "
-                          "wire)", ge=1, le=127)
+    qsgd_levels: int = _f(127, "qsgd: quantisation levels of |x| / ||x|| (int8 on the "
+                          "wire whatever the count, so the most int8 holds is the "
+                          "default; fewer only add variance)", ge=1, le=127)
     error_feedback: bool = _f(True, "topk, onebit, powersgd: add what was not sent to the "
                               "next step's gradient (the unbiased codecs do not use it)")
 

@@ -32,10 +32,11 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model
         "--set", "train.eval_samples=16", "--set", f"parallel.timeout_s={TIMEOUT_S}",
         "--set", f"monitor.hang_timeout={HANG_S}"]
 
-# each node says it failed: the launcher's line for a failed worker, or the agent's
-# error when the rendezvous store on the other host cannot be reached
+# each node says it failed: the launcher's line for a failed worker, the agent's error
+# when the rendezvous store on the other host cannot be reached, or the hang watchdog's
+# line (a worker that exits 75 has said why; the launcher passes its code on silently)
 NODE_FAILED = re.compile(r"disttrain: worker failure: rank \d+ \(exit \d+\)"
-                         r"|disttrain: lost the rendezvous")
+                         r"|disttrain: lost the rendezvous|disttrain: hang: rank \d+")
 # and between them they name the cause: the hang watchdog's diagnosis, Gloo's
 # collective timeout, or the kernel giving up on the dead link
 NETWORK_CAUSE = re.compile(r"disttrain: hang: rank|Timed out waiting \d+ms"

@@ -31,7 +31,8 @@ _GIB = 2**30
 _MEMINFO = Path("/proc/meminfo")
 # The estimator's optimizer families: lars is momentum SGD, lamb keeps AdamW's state.
 _SIZE_FIELDS = ("n_layer", "d_model", "vocab_size", "seq_len")
-_STATE_KIND = {"adamw": "adamw", "lamb": "adamw", "sgd": "sgd", "lars": "sgd"}
+_STATE_KIND = {"adamw": "adamw", "lamb": "adamw", "sgd": "sgd", "lars": "sgd",
+               "onebit_adam": "onebit_adam"}
 
 
 @dataclass(frozen=True, kw_only=True)

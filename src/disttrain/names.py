@@ -81,3 +81,6 @@ RUN_DIR_OWNED_ENV = "DISTTRAIN_RUN_DIR_OWNED"
 def trace_rank_file(rank: int) -> str:
     """One rank's timeline before rank 0 merges them all into :data:`TRACE_FILE`."""
     return f"trace-rank{rank}.json"
+
+# train.optimizer values the composition looks at
+OPTIMIZER_ONEBIT_ADAM = "onebit_adam"

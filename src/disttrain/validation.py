@@ -19,6 +19,7 @@ from .models.hf import hf_config_spec, is_hf
 from .spec import ModelSpec
 from .parallel.balance import check_balance
 from .parallel.compilation import check_compile
+from .parallel.onebit.check import check_onebit
 from .parallel.pipeline.check import check_pipeline
 from .parallel.registry import get_strategy
 from .parallel.sync.check import check_sync
@@ -36,6 +37,7 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
     check_sync(config, layout)
     get_strategy(config).check(config, layout)
+    check_onebit(config, layout)
     check_balance(config, layout)
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
     check_tensor(config, layout, spec)

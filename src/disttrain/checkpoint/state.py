@@ -91,17 +91,19 @@ def restore_named(reader: ShardReader, tensors: dict[str, torch.Tensor],
 
 def restore_optimizer(reader: ShardReader, model: nn.Module,
                       optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None,
-                      to_local: Callable[[str, torch.Tensor], torch.Tensor] | None = None
-                      ) -> None:
+                      to_local: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                      skip: tuple[str, ...] = ()) -> None:
     """Rebuild ``optimizer.state`` from ``optim/...`` tensors, on each parameter's device;
-    ``names`` (id(param) -> global name) and ``to_local`` as in :func:`restore_named`."""
+    ``names`` (id(param) -> global name) and ``to_local`` as in :func:`restore_named`;
+    ``skip``: keys kept outside ``optimizer.state`` (loaded by their owner)."""
     names = names or _param_names(model)
     state: dict[int, dict[str, Any]] = {}
     index = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
             prefix = f"{OPTIM}{names[id(p)]}/"
-            entries = {n[len(prefix):]: reader.tensor(n) for n in reader.names(prefix)}
+            entries = {n[len(prefix):]: reader.tensor(n) for n in reader.names(prefix)
+                       if n[len(prefix):] not in skip}
             if to_local is not None:  # per-element state has the parameter's shape
                 entries = {k: to_local(names[id(p)], t) if t.dim() else t
                            for k, t in entries.items()}

@@ -59,7 +59,8 @@ def wire_bytes(op: str, payload: int, size: int, root: bool = False) -> tuple[in
     """(sent, received) bytes of one rank in ``op`` over ``size`` ranks, where
     ``payload`` is the tensor the rank passes in, as the bandwidth-optimal algorithms
     NCCL and Gloo use move them: ring all-reduce 2 (N-1)/N P each way (a reduce-scatter
-    then an all-gather); reduce-scatter of a [N x n] input (N-1)/N P; all-gather of an
+    then an all-gather); reduce-scatter of a [N x n] input (N-1)/N P, and all-to-all of one the same
+    (every block but its own leaves the rank); all-gather of an
     [n] block (N-1) P (every other rank's block passes through); broadcast P sent by the
     root and P received by every other rank (the least any algorithm moves; a ring also
     forwards); a point-to-point message P. Object collectives and barriers: 0 (their
@@ -74,6 +75,9 @@ def wire_bytes(op: str, payload: int, size: int, root: bool = False) -> tuple[in
         return each, each
     if op == "all_gather":
         return (size - 1) * payload, (size - 1) * payload
+    if op == "all_to_all":
+        each = (size - 1) * payload // size
+        return each, each
     if op == "broadcast":
         return (payload, 0) if root else (0, payload)
     if op == "send":
@@ -282,6 +286,16 @@ class Communicator:
         if self.size == 1:
             output.copy_(input)
         return self._run("all_gather", input, lambda a: _ALL_GATHER(
+            output, input, group=self.group, async_op=a), async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   async_op: bool = False) -> TrackedWork | None:
+        """Block j of ``input`` [size * n] goes to rank j; ``output`` [size * n] holds
+        block r of every rank, in group-rank order."""
+        self._check("all_to_all", output, input)
+        if self.size == 1:
+            output.copy_(input)
+        return self._run("all_to_all", input, lambda a: dist.all_to_all_single(
             output, input, group=self.group, async_op=a), async_op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -98,8 +98,13 @@ class TrainConfig:
                          "global_batch / base_batch)", choices=("none", "linear"))
     base_batch: int = _f(32, "global batch at which train.lr applies unscaled", ge=1)
     optimizer: str = _f("adamw", "optimizer: adamw, sgd (momentum), lars (momentum SGD "
-                        "with a layer-wise trust ratio) or lamb (AdamW with one)",
-                        choices=("adamw", "sgd", "lars", "lamb"))
+                        "with a layer-wise trust ratio), lamb (AdamW with one) or "
+                        "onebit_adam (AdamW, then a frozen variance and the momentum "
+                        "averaged over dp in 1 bit per element after train.freeze_step)",
+                        choices=("adamw", "sgd", "lars", "lamb", "onebit_adam"))
+    freeze_step: int = _f(0, "onebit_adam: dense AdamW steps before the variance is "
+                          "frozen and the momentum compressed; 0 = 15% of train.steps",
+                          ge=0)
     trust_coefficient: float = _f(0.001, "lars: eta in the layer-wise rate eta x ||w|| / "
                                   "||g + wd w|| (lamb uses the plain ratio)", gt=0.0)
     weight_decay: float = _f(0.1, "decoupled weight decay (matrices only)", ge=0.0)

@@ -12,7 +12,9 @@ of step it needs. In order, over an unchanged model:
    pp or tp > 1, else activation checkpointing on the whole model;
 2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
    the dp group, on whatever step 1 left this rank (blocks grouped per pipeline chunk);
-3. under pp / tp its gradient side seen through :class:`~.hybrid.ModelParallelGrads`;
+3. with ``train.optimizer = onebit_adam``, its gradient side made to follow the
+   optimizer's phase (:class:`~.onebit.OnebitGrads`: local once the momentum is
+   compressed), then under pp / tp seen through :class:`~.hybrid.ModelParallelGrads`;
 4. the sync mode ``train.sync`` (:func:`~.sync.build_sync`).
 
 The training loop uses only the result's interfaces.
@@ -21,7 +23,7 @@ The training loop uses only the result's interfaces.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import GradSync, ShardedState
 from .pipeline.check import pipeline_cuts
+from ..names import OPTIMIZER_ONEBIT_ADAM
+from .onebit import OnebitGrads
 from .placement import Placement, tensor_pieces, whole_model_placement
 from .registry import StrategyContext, get_strategy
 from .sync import SyncStrategy, build_sync
@@ -79,6 +83,13 @@ class Parallelized:
     groups: Groups
     zero_stage: int = 0
     token_loss: Callable[..., Any] | None = None  # what the module's outputs need
+    followers: list[Any] = field(default_factory=list)  # parts that track the optimizer
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand the optimizer, once built over :attr:`state`'s groups, to the parts of
+        the composition that follow it (1-bit Adam's gradient side follows its phase)."""
+        for part in self.followers:
+            part.follow(optimizer)
 
     def describe(self) -> str:
         """This rank's part, in one line (for the start-up banner)."""
@@ -137,6 +148,10 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
         module=module, placement=placement, units=_units(model, spec, mp),
         dp_comm=groups.dp, parallel=par, comm=config.comm, seed=train.seed,
         tracer=tracer))
+    followers = []
+    if train.optimizer == OPTIMIZER_ONEBIT_ADAM:  # its momentum exchange replaces the
+        grads = OnebitGrads(grads, groups.dp)  # all-reduce once the variance is frozen
+        followers.append(grads)
     if mp is not None:
         grads = ModelParallelGrads(grads, mp, groups.world)
     sync = build_sync(train, model, groups.dp, num_samples, config.comm)
@@ -146,7 +161,8 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
                         mp=mp, placement=placement, strategy=strategy.name, groups=groups,
                         zero_stage=lay.zero,
                         token_loss=(mp.tp.token_loss if mp is not None and mp.tp
-                                    and mp.tp.vocab_sharded else None))
+                                    and mp.tp.vocab_sharded else None),
+                        followers=followers)
 
 
 def _units(model: nn.Module, spec: ModelSpec, mp: ModelParallel | None) -> list[Unit]:

@@ -17,7 +17,7 @@ from ..checkpoint.state import (MODEL, OPTIM, assign_owners, restore_named,
                                 restore_optimizer)
 from .activation import canonical_name
 from .interfaces import StatePiece, TensorSource
-from .placement import Placement, tensor_pieces
+from .placement import Placement, range_pieces, tensor_pieces
 
 
 class ReplicatedState:
@@ -66,7 +66,31 @@ class ReplicatedState:
             candidates += [StatePiece(MODEL + n, b.detach(), tuple(b.shape),
                                       (0,) * b.dim(), eager=True)
                            for n, b in self.buffers().items()]
-        return self._mine(candidates)
+        return self._mine(candidates) + self._rank_pieces(optimizer)
+
+    def _rank_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
+        """State that differs between dp ranks (1-bit Adam's residuals), written by
+        each rank itself: ``rank_state`` tensors as row ``dp_rank`` of a global
+        [dp, *shape] tensor, ``range_state`` [start, stop) ranges as boxes of a global
+        tensor of the parameter's shape (the dp ranks' ranges tile it)."""
+        rank_state = getattr(optimizer, "rank_state", None)
+        range_state = getattr(optimizer, "range_state", None)
+        if rank_state is None or range_state is None:
+            return []
+        out = []
+        for name, p in self._parameters():
+            if not self.placement.writes(p):
+                continue
+            boxes = self.placement.boxes(name, p)
+            for key, t in rank_state(p).items():
+                out += [StatePiece(f"{OPTIM}{name}/{key}", g.tensor.unsqueeze(0),
+                                   (self.dp_size, *g.global_shape), (self.dp_rank, *g.offsets))
+                        for g in tensor_pieces(boxes, t)]
+            for key, (start, stop, data) in range_state(p).items():
+                out += [StatePiece(f"{OPTIM}{name}/{key}", g.tensor, g.global_shape,
+                                   g.offsets)
+                        for g in range_pieces(boxes, tuple(p.shape), start, stop, data)]
+        return out
 
     def _mine(self, pieces: list[StatePiece]) -> list[StatePiece]:
         """The pieces this dp rank writes (all replicas hold the same list)."""
@@ -84,8 +108,24 @@ class ReplicatedState:
         params = {MODEL + n: p for n, p in self._parameters()}
         restore_named(source, params, self.placement.to_local)
         restore_named(source, {MODEL + n: b for n, b in self.buffers().items()})
+        rank_keys = tuple(getattr(optimizer, "rank_keys", ()))
+        range_keys = tuple(getattr(optimizer, "range_keys", ()))
         restore_optimizer(source, self.module, optimizer, self.placement.names,
-                          self.placement.to_local)
+                          self.placement.to_local, skip=rank_keys + range_keys)
+        for name, p in params.items():
+            for key in rank_keys + range_keys:
+                full = f"{OPTIM}{name.removeprefix(MODEL)}/{key}"
+                if full not in source.names(full):
+                    continue  # saved before the optimizer kept it: it starts at zero
+                t = source.tensor(full)
+                if key in rank_keys:  # [dp, *shape]: this rank's row, or from another
+                    # dp size the mean of the rows (what the ranks owed, in total)
+                    t = t[self.dp_rank] if t.shape[0] == self.dp_size else t.mean(0)
+                    optimizer.load_rank_state(p, key, self.placement.to_local(
+                        name.removeprefix(MODEL), t))
+                else:
+                    optimizer.load_range_state(p, key, self.placement.to_local(
+                        name.removeprefix(MODEL), t))
 
 
 def _key(p: StatePiece) -> str:

@@ -13,15 +13,18 @@ import math
 import torch
 from torch import nn
 
+from ..comm.collectives import Communicator
 from ..config.schema import TrainConfig
+from ..parallel.onebit import OnebitAdam, freeze_step_for
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, lr: float,
-                    groups: list[dict] | None = None) -> torch.optim.Optimizer:
-    """AdamW, SGD, LARS or LAMB. Weight decay applies to matrices (dim >= 2) only, not
-    to biases and norm gains. ``groups`` replaces the model's parameters (the composed
-    state's optimizer groups, e.g. ZeRO's shards; validation keeps lars/lamb away from
-    flat shards)."""
+                    groups: list[dict] | None = None,
+                    dp: Communicator | None = None) -> torch.optim.Optimizer:
+    """AdamW, SGD, LARS, LAMB or 1-bit Adam. Weight decay applies to matrices (dim >= 2)
+    only, not to biases and norm gains. ``groups`` replaces the model's parameters (the
+    composed state's optimizer groups, e.g. ZeRO's shards; validation keeps lars/lamb
+    away from flat shards); ``dp``: the group 1-bit Adam averages its momentum over."""
     if groups is None:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2],
@@ -34,6 +37,12 @@ def build_optimizer(model: nn.Module, train: TrainConfig, lr: float,
                     trust_coefficient=train.trust_coefficient)
     if train.optimizer == "lamb":
         return LAMB(groups, lr=lr, betas=(train.beta1, train.beta2))
+    if train.optimizer == "onebit_adam":
+        if dp is None:
+            raise ValueError("onebit_adam averages its momentum over a dp group: pass dp")
+        return OnebitAdam(groups, dp,
+                          freeze_step=freeze_step_for(train.freeze_step, train.steps),
+                          lr=lr, betas=(train.beta1, train.beta2))
     # on a GPU, one fused kernel per step instead of a dozen multi-tensor launches
     params = [p for g in groups for p in g["params"]]
     fused = True if params and all(p.is_cuda for p in params) else None

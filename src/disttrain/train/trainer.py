@@ -219,7 +219,8 @@ class Trainer:
             self.loss_fn = None
         self.optimizer = build_optimizer(
             self.parallel.module, train, self.plan.lr,
-            self.parallel.state.optimizer_groups(train.weight_decay))
+            self.parallel.state.optimizer_groups(train.weight_decay), self.groups.dp)
+        self.parallel.bind_optimizer(self.optimizer)
 
     def _build_data(self) -> None:
         self.sampler = GlobalOrderSampler(len(self.dataset), self.config.train.seed)

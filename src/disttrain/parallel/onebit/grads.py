@@ -1,0 +1,103 @@
+"""The dp strategy's gradient side under 1-bit Adam: as usual during the warmup, local
+once the optimizer compresses (its momentum exchange replaces the all-reduce)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ...comm.collectives import Communicator
+from ..interfaces import GradSync, Work
+from .adam import OnebitAdam
+
+
+class OnebitGrads:
+    """:class:`~disttrain.parallel.interfaces.GradSync` over ``inner`` (the ddp
+    strategy's) that follows a :class:`~.adam.OnebitAdam`'s phase, decided at the start
+    of each step (:meth:`zero_grad`):
+
+    - warmup: every call goes to ``inner`` (gradients all-reduced);
+    - compressed: backward passes accumulate without reducing; the loss totals are still
+      summed over dp, so ``finish_gradient_sync(scale)`` leaves this rank's share of the
+      global gradient times dp in ``.grad`` (its estimate of the global gradient: their
+      mean over ranks is the global gradient); the norm is the root mean square of those
+      estimates' norms over dp (one all-reduce of a scalar), the same on every rank, so
+      every rank clips by the same factor and skips a non-finite step together.
+    """
+
+    def __init__(self, inner: GradSync, comm: Communicator) -> None:
+        self.inner, self.comm = inner, comm
+        self.grad_replicas = inner.grad_replicas
+        self.optimizer: OnebitAdam | None = None
+        self.local = False
+        self._held = contextlib.ExitStack()  # inner.no_sync() through a local step
+
+    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take the phase from ``optimizer`` (the trainer binds it once built)."""
+        if not isinstance(optimizer, OnebitAdam):
+            raise TypeError(f"OnebitGrads follows a OnebitAdam, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    def zero_grad(self) -> None:
+        self._held.close()
+        self.inner.zero_grad()
+        self.local = self.optimizer is not None and self.optimizer.compressing
+        if self.local:  # no backward of this step reduces, the last one included
+            self._held.enter_context(self.inner.no_sync())
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.no_sync()
+
+    def backward(self, scope: int, last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.local else self.inner.backward(scope, last)
+
+    def reduce_loss_totals(self, totals: torch.Tensor) -> Work | None:
+        return self.inner.reduce_loss_totals(totals)
+
+    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+        if not self.local:
+            self.inner.finish_gradient_sync(scale)
+            return
+        self._held.close()
+        for _, g in self.inner.gradient_pieces():
+            g.mul_(scale * self.comm.size)
+
+    def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return self.inner.gradient_pieces()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if not self.local:
+            return self.inner.clip_grad_norm(max_norm)
+        pieces = self.inner.gradient_pieces()
+        sq = self.comm.zeros(1, dtype=torch.float64)
+        for _, g in pieces:
+            sq += g.detach().double().pow(2).sum()
+        self.comm.all_reduce(sq)
+        norm = float((sq / self.comm.size).sqrt())
+        if max_norm > 0 and norm > max_norm:
+            for _, g in pieces:
+                g.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def after_optimizer_step(self) -> None:
+        self.inner.after_optimizer_step()
+
+    def after_skipped_step(self) -> None:
+        self.inner.after_skipped_step()
+
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        out = dict(self.inner.model_state_bytes(optimizer))
+        if isinstance(optimizer, OnebitAdam):
+            out["optimizer"] = out.get("optimizer", 0) + optimizer.residual_bytes()
+        return out
+
+    def comm_stats(self) -> dict[str, float]:
+        if self.local and self.optimizer is not None:
+            return self.optimizer.comm_stats()
+        return self.inner.comm_stats()
+
+    def finalize(self) -> None:
+        self._held.close()
+        self.inner.finalize()

@@ -309,6 +309,17 @@ def test_residuals_reshard_to_another_dp_size():
     assert opt.steps_taken == 3 and opt.compressing
 
 
+def test_a_residual_of_the_wrong_shape_is_refused():
+    layer = torch.nn.Linear(5, 7)
+    opt = OnebitAdam([{"params": list(layer.parameters()), "weight_decay": 0.0}],
+                     SimpleNamespace(size=2, rank=0), freeze_step=1)
+    state = ReplicatedState(layer, whole_model_placement(layer), dp_rank=0, dp_size=2)
+    saved = {f"model/{n}": p.detach().clone() for n, p in layer.named_parameters()}
+    saved["optim/weight/worker_error"] = torch.zeros(2, 7, 4)  # a crafted shape
+    with pytest.raises(ValueError, match=r"optim/weight/worker_error: checkpoint shape"):
+        state.load_state(_Source(saved), opt)
+
+
 @pytest.mark.parametrize("keys,field", [
     (dict(zero=1), "train.optimizer"),
     (dict(sync="local_sgd"), "train.optimizer"),

@@ -117,6 +117,7 @@ class ReplicatedState:
                 full = f"{OPTIM}{name.removeprefix(MODEL)}/{key}"
                 if full not in source.names(full):
                     continue  # saved before the optimizer kept it: it starts at zero
+                _check_residual_shape(source, full, name, key in rank_keys)
                 t = source.tensor(full)
                 if key in rank_keys:  # [dp, *shape]: this rank's row, or from another
                     # dp size the mean of the rows (what the ranks owed, in total)
@@ -126,6 +127,19 @@ class ReplicatedState:
                 else:
                     optimizer.load_range_state(p, key, self.placement.to_local(
                         name.removeprefix(MODEL), t))
+
+
+def _check_residual_shape(source: TensorSource, full: str, model_name: str,
+                          per_rank: bool) -> None:
+    """A residual's saved shape must be its parameter's ([ranks, *shape] per rank), or
+    the checkpoint is not one this run can read (checked before anything is copied)."""
+    shape, want = tuple(source.shape(full)), tuple(source.shape(model_name))
+    ok = (len(shape) == len(want) + 1 and shape[0] >= 1 and shape[1:] == want) if per_rank \
+        else shape == want
+    if not ok:
+        expected = f"[ranks, {', '.join(map(str, want))}]" if per_rank else list(want)
+        raise ValueError(f"{full}: checkpoint shape {list(shape)} does not fit its "
+                         f"parameter (expected {expected})")
 
 
 def _key(p: StatePiece) -> str:

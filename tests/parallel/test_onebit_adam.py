@@ -179,6 +179,7 @@ def _four_rank_cases(run_dir: str) -> dict:
     fit_tiny(5, f"{run_dir}/warm", optimizer="onebit_adam", freeze_step=100)
     replicas = fit_tiny(STEPS, f"{run_dir}/dp4", **_onebit())
     fit_tiny(STEPS, f"{run_dir}/dp2pp2", **_onebit(pp=2))
+    fit_tiny(STEPS, f"{run_dir}/dp2tp2", **_onebit(tp=2))
     saving = {"every": 4, "keep": 2, "async": False}
     fit_tiny(STEPS, f"{run_dir}/save", checkpoint=saving, **_onebit())
     _copy_checkpoint(root / "save", root / "resumed", 4)
@@ -255,11 +256,13 @@ def test_checkpoint_holds_the_residuals(four_ranks):
     assert float(moved.abs().max()) > 0  # the residuals were saved, not zeros
 
 
-def test_resharded_run_finishes_near_the_uninterrupted_one(four_ranks):
-    """dp 4 -> dp 2 x pp 2 after the freeze: another trajectory (two workers, other
-    chunks), but the same run: every weight within a few steps' moves (lr 3e-3 each)."""
+@pytest.mark.parametrize("case", ["resharded", "dp2tp2"])
+def test_other_layouts_finish_near_the_dp4_run(four_ranks, case):
+    """dp 4 -> dp 2 x pp 2 after the freeze, and dp 2 x tp 2 (each tp shard compressed
+    on its own: other chunks, other scales): other trajectories, but the same run, every
+    weight within a few steps' moves (lr 3e-3 each) of the dp 4 run's."""
     root = four_ranks[1]
-    ours, dp4 = _weights(root / "resharded"), _weights(root / "dp4")
+    ours, dp4 = _weights(root / case), _weights(root / "dp4")
     assert all(torch.isfinite(t).all() for t in ours.values())
     assert max(float((ours[k] - dp4[k]).abs().max()) for k in dp4) < 4 * 2 * 3e-3
 

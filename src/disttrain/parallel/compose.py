@@ -31,15 +31,15 @@ from torch import nn
 
 from ..comm.collectives import Communicator
 from ..config.schema import Config
+from ..names import OPTIMIZER_ONEBIT_ADAM
 from ..spec import ModelSpec, block_list
 from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import GradSync, ShardedState
-from .pipeline.check import pipeline_cuts
-from ..names import OPTIMIZER_ONEBIT_ADAM
 from .onebit import OnebitGrads
+from .pipeline.check import pipeline_cuts
 from .placement import Placement, tensor_pieces, whole_model_placement
 from .registry import StrategyContext, get_strategy
 from .sync import SyncStrategy, build_sync

@@ -30,6 +30,7 @@ from ..comm import Communicator
 from ..config.schema import ParallelConfig
 from ..spec import ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
+from .clipping import clip_to_global_norm
 from .interfaces import GradSync, Work
 from .pipeline import (PipelineChunk, Schedule, build_chunks, build_schedule,
                        chunk_param_names, exchange_tied_grads, plan_stages)
@@ -188,12 +189,7 @@ class ModelParallelGrads:
         weight = self.mp.placement.norm_weight
         for p, g in pieces:
             sq += weight(p) / self.grad_replicas * g.detach().double().pow(2).sum()
-        self.world.all_reduce(sq)
-        norm = float(sq.sqrt())
-        if max_norm > 0 and norm > max_norm:
-            for _, g in pieces:
-                g.mul_(max_norm / (norm + 1e-6))
-        return norm
+        return clip_to_global_norm([g for _, g in pieces], sq, self.world, max_norm)
 
     def after_optimizer_step(self) -> None:
         self.inner.after_optimizer_step()

@@ -112,21 +112,19 @@ class ReplicatedState:
         range_keys = tuple(getattr(optimizer, "range_keys", ()))
         restore_optimizer(source, self.module, optimizer, self.placement.names,
                           self.placement.to_local, skip=rank_keys + range_keys)
-        for name, p in params.items():
+        for name, p in self._parameters():
             for key in rank_keys + range_keys:
-                full = f"{OPTIM}{name.removeprefix(MODEL)}/{key}"
+                full = f"{OPTIM}{name}/{key}"
                 if full not in source.names(full):
                     continue  # saved before the optimizer kept it: it starts at zero
-                _check_residual_shape(source, full, name, key in rank_keys)
+                per_rank = key in rank_keys
+                _check_residual_shape(source, full, MODEL + name, per_rank)
                 t = source.tensor(full)
-                if key in rank_keys:  # [dp, *shape]: this rank's row, or from another
-                    # dp size the mean of the rows (what the ranks owed, in total)
+                if per_rank:  # [dp, *shape]: this rank's row, or from another dp size
+                    # the mean of the rows (what the ranks owed, in total)
                     t = t[self.dp_rank] if t.shape[0] == self.dp_size else t.mean(0)
-                    optimizer.load_rank_state(p, key, self.placement.to_local(
-                        name.removeprefix(MODEL), t))
-                else:
-                    optimizer.load_range_state(p, key, self.placement.to_local(
-                        name.removeprefix(MODEL), t))
+                load = optimizer.load_rank_state if per_rank else optimizer.load_range_state
+                load(p, key, self.placement.to_local(name, t))
 
 
 def _check_residual_shape(source: TensorSource, full: str, model_name: str,

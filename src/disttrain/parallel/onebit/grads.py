@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
+from ..clipping import clip_to_global_norm
 from ..interfaces import GradSync, Work
 from .adam import OnebitAdam
 
@@ -70,16 +71,11 @@ class OnebitGrads:
     def clip_grad_norm(self, max_norm: float) -> float:
         if not self.local:
             return self.inner.clip_grad_norm(max_norm)
-        pieces = self.inner.gradient_pieces()
+        grads = [g for _, g in self.inner.gradient_pieces()]
         sq = self.comm.zeros(1, dtype=torch.float64)
-        for _, g in pieces:
-            sq += g.detach().double().pow(2).sum()
-        self.comm.all_reduce(sq)
-        norm = float((sq / self.comm.size).sqrt())
-        if max_norm > 0 and norm > max_norm:
-            for _, g in pieces:
-                g.mul_(max_norm / (norm + 1e-6))
-        return norm
+        for g in grads:
+            sq += g.detach().double().pow(2).sum() / self.comm.size
+        return clip_to_global_norm(grads, sq, self.comm, max_norm)
 
     def after_optimizer_step(self) -> None:
         self.inner.after_optimizer_step()

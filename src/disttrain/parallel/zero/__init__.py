@@ -27,6 +27,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...spec import generic_spec
+from ..clipping import clip_to_global_norm
 from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
@@ -139,17 +140,11 @@ class ZeroDataParallel:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm over every rank's gradient shard; clip if ``max_norm > 0``."""
+        grads = [f.shard.grad for f in self.flats if f.shard.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64, device=self.flats[0].full.device)
-        for f in self.flats:
-            if f.shard.grad is not None:
-                sq += f.shard.grad.double().pow(2).sum()
-        self.comm.all_reduce(sq)
-        norm = float(sq.sqrt())
-        if max_norm > 0 and norm > max_norm:
-            for f in self.flats:
-                if f.shard.grad is not None:
-                    f.shard.grad.mul_(max_norm / (norm + 1e-6))
-        return norm
+        for g in grads:
+            sq += g.double().pow(2).sum()
+        return clip_to_global_norm(grads, sq, self.comm, max_norm)
 
     def after_skipped_step(self) -> None:
         """Nothing: ZeRO's codecs (casts) keep no state."""

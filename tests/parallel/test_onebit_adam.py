@@ -2,19 +2,23 @@
 
 - warmup only (freeze_step beyond the run): torch's AdamW in one process;
 - with the freeze: an independent single-process simulation of W workers (each one's
-  gradient on its slice of the global batch, its momentum over the frozen step size
-  compressed to scale x sign per chunk with its own residual, each chunk's server
-  averaging, compressing again, keeping its residual), written with plain tensors (no
-  bit packing, no collectives);
+  gradient on its slice of the global batch; b1 times the last averaged momentum plus
+  its gradient's share, over the frozen step size, plus its residual, compressed to
+  scale x sign per chunk; each chunk's server averaging, compressing again, keeping its
+  residual), written with plain tensors (no bit packing, no collectives);
+- under ZeRO-1: the same simulation with the chunks cut from ZeRO's flat buffers,
+  rebuilt here (each block's matrices, its other parameters, then the rest);
 - resume: from a checkpoint taken after the freeze, the same trajectory as the
-  uninterrupted run, bit for bit; from another layout (dp 4 -> dp 2 x pp 2), the
-  residuals are cut and averaged as documented.
+  uninterrupted run, bit for bit (with and without ZeRO-1); from another layout (dp 4
+  -> dp 2 x pp 2, ZeRO-1 -> replicas), the residuals are cut and averaged as
+  documented.
 
 One spawn of 4 ranks runs every distributed case.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -33,6 +37,7 @@ from disttrain.models import GPT, token_loss
 from disttrain.parallel.onebit import OnebitAdam
 from disttrain.parallel.placement import whole_model_placement
 from disttrain.parallel.replicated import ReplicatedState
+from disttrain.plan.memory import model_state_bytes
 from disttrain.testing import run_distributed
 from disttrain.train.optim import lr_at
 from disttrain.validation import resolve
@@ -84,7 +89,19 @@ def _compress(x: torch.Tensor) -> torch.Tensor:
     return x.abs().mean() * torch.where(x >= 0, 1.0, -1.0)
 
 
-def reference_onebit(workers: int, steps: int = STEPS, **train) -> dict[str, torch.Tensor]:
+def _flat_groups(model: GPT) -> list[list[torch.nn.Parameter]]:
+    """ZeRO's flat buffers of the tiny GPT, rebuilt: per block, then the rest (the tied
+    embedding once), matrices and the others apart."""
+    units = [list(b.parameters()) for b in model.blocks]
+    inside = {id(p) for u in units for p in u}
+    units.append([p for p in model.parameters() if id(p) not in inside])
+    return [[p for p in u if (p.dim() >= 2) == matrices]
+            for u in units for matrices in (True, False)
+            if any((p.dim() >= 2) == matrices for p in u)]
+
+
+def reference_onebit(workers: int, steps: int = STEPS, zero: int = 0,
+                     **train) -> dict[str, torch.Tensor]:
     cfg = tiny_config(steps=steps, **_onebit(**train))
     t = cfg.train
     data = SyntheticTokens()
@@ -94,46 +111,74 @@ def reference_onebit(workers: int, steps: int = STEPS, **train) -> dict[str, tor
     decay = [t.weight_decay if p.dim() >= 2 else 0.0 for p in params]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
-    worker_err = [[torch.zeros(p.numel()) for p in params] for _ in range(workers)]
-    server_err = [torch.zeros(p.numel()) for p in params]
+    # runs of each compressed vector: a parameter (evenly, multiples of 8) or a buffer
+    index = {id(p): i for i, p in enumerate(params)}
+    vectors = ([[index[id(p)] for p in g] for g in _flat_groups(model)] if zero
+               else [[i] for i in range(len(params))])
+    worker_err = [[None] * len(vectors) for _ in range(workers)]
+    server_err = [None] * len(vectors)
     for step in range(steps):
         lr = lr_at(step, t, t.lr)
         grads, total = _worker_grads(model, data, cfg, step, workers)
+        denom = [(v[i] / (1 - t.beta2 ** min(step + 1, FREEZE))).sqrt() + 1e-8
+                 for i in range(len(params))]
         if step < FREEZE:  # AdamW on the global gradient
             g = [sum(gw[i] for gw in grads) / total for i in range(len(params))]
             _clip(g, math.sqrt(sum(float(x.pow(2).sum()) for x in g)), t.grad_clip)
             for i in range(len(params)):
                 m[i] = t.beta1 * m[i] + (1 - t.beta1) * g[i]
                 v[i] = t.beta2 * v[i] + (1 - t.beta2) * g[i] ** 2
+            denom = [(v[i] / (1 - t.beta2 ** (step + 1))).sqrt() + 1e-8
+                     for i in range(len(params))]
+            direction = [m[i] / denom[i] for i in range(len(params))]
         else:  # each worker's estimate of the global gradient, compressed momentum
             est = [[workers * x / total for x in gw] for gw in grads]
             sq = sum(float(x.pow(2).sum()) for gw in est for x in gw) / workers
             for gw in est:
                 _clip(gw, math.sqrt(sq), t.grad_clip)
-            for i, p in enumerate(params):
-                # compressed in units of the frozen step size sqrt(v_hat) + eps
-                d = ((v[i] / (1 - t.beta2 ** FREEZE)).sqrt() + 1e-8).reshape(-1)
-                n = p.numel()
-                chunk = 8 * math.ceil(n / (8 * workers))
-                bounds = [(min(n, j * chunk), min(n, (j + 1) * chunk)) for j in range(workers)]
+            direction = [None] * len(params)
+            for k, members in enumerate(vectors):
+                # in units of the frozen step size sqrt(v_hat) + eps
+                d = torch.cat([denom[i].reshape(-1) for i in members])
+                n = d.numel()
+                if zero:  # ZeRO's shards: the buffer padded to a multiple of the workers
+                    stride = -(-n // workers)
+                else:
+                    stride = 8 * math.ceil(n / (8 * workers))
+                bounds = [(min(n, j * stride), min(n, (j + 1) * stride))
+                          for j in range(workers)]
+
+                def flat(ts, members=members):
+                    return torch.cat([ts[i].reshape(-1) for i in members])
+
+                def compress(x, bounds=bounds):
+                    return torch.cat([_compress(x[a:b]) for a, b in bounds])
+
                 sent = []
                 for w in range(workers):
-                    x = ((t.beta1 * m[i] + (1 - t.beta1) * est[w][i]).reshape(-1) / d
-                         + worker_err[w][i])
-                    c = torch.cat([_compress(x[a:b]) for a, b in bounds])
-                    worker_err[w][i] = x - c
+                    if worker_err[w][k] is None:  # the freeze: the warmup's momentum
+                        worker_err[w][k] = t.beta1 * flat(m) / d
+                    x = (1 - t.beta1) * flat(est[w]) / d + worker_err[w][k]
+                    c = compress(x)
+                    worker_err[w][k] = x - c
                     sent.append(c)
-                avg = torch.stack(sent).mean(0) + server_err[i]
-                out = torch.cat([_compress(avg[a:b]) for a, b in bounds])
-                server_err[i] = avg - out
-                m[i] = (out * d).view(p.shape)
+                z = torch.stack(sent).mean(0)
+                if server_err[k] is not None:
+                    z = z + server_err[k]
+                out = compress(z)  # the momentum over d, the same on every rank
+                server_err[k] = z - out
+                for w in range(workers):
+                    worker_err[w][k] = worker_err[w][k] + t.beta1 * out
+                offset = 0
+                for i in members:
+                    size = params[i].numel()
+                    direction[i] = out[offset:offset + size].view(params[i].shape)
+                    m[i] = direction[i] * denom[i]
+                    offset += size
         with torch.no_grad():
-            k = step + 1
             for i, p in enumerate(params):
-                bc1 = 1 - t.beta1 ** k
-                bc2 = 1 - t.beta2 ** min(k, FREEZE)
                 p.mul_(1 - lr * decay[i])
-                p.sub_(lr / bc1 * m[i] / ((v[i] / bc2).sqrt() + 1e-8))
+                p.sub_(lr / (1 - t.beta1 ** (step + 1)) * direction[i])
     return state_of(model)
 
 
@@ -173,20 +218,29 @@ def _copy_checkpoint(src: Path, dst: Path, step: int) -> None:
     dist.barrier()
 
 
-def _four_rank_cases(run_dir: str) -> dict:
+def _four_rank_cases(run_dir: str) -> tuple[dict, dict]:
     """Every case in one set of processes; rank 0 writes each run's final weights."""
     root = Path(run_dir)
     fit_tiny(5, f"{run_dir}/warm", optimizer="onebit_adam", freeze_step=100)
     replicas = fit_tiny(STEPS, f"{run_dir}/dp4", **_onebit())
     fit_tiny(STEPS, f"{run_dir}/dp2pp2", **_onebit(pp=2))
     fit_tiny(STEPS, f"{run_dir}/dp2tp2", **_onebit(tp=2))
+    sharded = fit_tiny(STEPS, f"{run_dir}/z1dp4", **_onebit(zero=1))
+    fit_tiny(STEPS, f"{run_dir}/z1dp2pp2", **_onebit(zero=1, pp=2))
     saving = {"every": 4, "keep": 2, "async": False}
     fit_tiny(STEPS, f"{run_dir}/save", checkpoint=saving, **_onebit())
     _copy_checkpoint(root / "save", root / "resumed", 4)
     fit_tiny(STEPS, f"{run_dir}/resumed", checkpoint=saving, **_onebit())
     _copy_checkpoint(root / "save", root / "resharded", 4)
     fit_tiny(STEPS, f"{run_dir}/resharded", checkpoint=saving, **_onebit(pp=2))
-    return replicas
+    fit_tiny(STEPS, f"{run_dir}/z1save", checkpoint=saving, **_onebit(zero=1))
+    _copy_checkpoint(root / "z1save", root / "z1resumed", 4)
+    fit_tiny(STEPS, f"{run_dir}/z1resumed", checkpoint=saving, **_onebit(zero=1))
+    _copy_checkpoint(root / "z1save", root / "z1toreplicas", 4)
+    fit_tiny(STEPS, f"{run_dir}/z1toreplicas", checkpoint=saving, **_onebit(pp=2))
+    _copy_checkpoint(root / "save", root / "toz1", 4)
+    fit_tiny(STEPS, f"{run_dir}/toz1", checkpoint=saving, **_onebit(zero=1, tp=2))
+    return replicas, sharded
 
 
 @pytest.fixture(scope="module")
@@ -218,9 +272,10 @@ def test_warmup_is_adamw(four_ranks):
     _close(_weights(four_ranks[1] / "warm"), reference_adamw(5))
 
 
-@pytest.mark.parametrize("case,workers", [("dp4", 4), ("dp2pp2", 2)])
-def test_matches_the_simulated_workers(four_ranks, case, workers):
-    expected = reference_onebit(workers)
+@pytest.mark.parametrize("case,workers,zero", [("dp4", 4, 0), ("dp2pp2", 2, 0),
+                                               ("z1dp4", 4, 1)])
+def test_matches_the_simulated_workers(four_ranks, case, workers, zero):
+    expected = reference_onebit(workers, zero=zero)
     cfg = tiny_config()
     torch.manual_seed(cfg.train.seed)
     initial = state_of(GPT(cfg.model))
@@ -229,21 +284,45 @@ def test_matches_the_simulated_workers(four_ranks, case, workers):
     _close(_weights(four_ranks[1] / case), expected, flipped=FLIPPED)
 
 
-def test_replicas_hold_the_same_parameters(four_ranks):
-    ranks = four_ranks[0]
+@pytest.mark.parametrize("case,zero", [("dp4", 0), ("z1dp4", 1)])
+def test_optimizer_memory_is_what_the_planner_counts(four_ranks, case, zero):
+    """What each rank reported holding for the optimizer (AdamW's state, residuals and,
+    under ZeRO-1, the whole frozen step sizes) against the planner's formula: 13 and 11
+    bytes per parameter at dp 4; ZeRO pads each buffer to a multiple of 4 elements."""
+    summary = json.loads((four_ranks[1] / case / "summary.json").read_text())
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    n = sum(p.numel() for p in GPT(cfg.model).parameters())
+    planned = model_state_bytes(n, dp=4, zero=zero, optimizer="onebit_adam").optimizer
+    for rank in summary["memory_bytes_per_rank"]:
+        assert planned <= rank["optimizer"] <= planned * 1.01
+
+
+def test_the_two_chunkings_differ():
+    """ZeRO-1 cuts its chunks from flat buffers, the replicas per parameter: other
+    scales, another trajectory (so the ZeRO-1 case checks the chunks it documents)."""
+    a, b = reference_onebit(4), reference_onebit(4, zero=1)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) > 10 * ATOL
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["replicas", "zero1"])
+def test_replicas_hold_the_same_parameters(four_ranks, which):
+    ranks = [r[which] for r in four_ranks[0]]
     for rank in ranks[1:]:
         _close(rank, ranks[0], atol=0.0)
 
 
-def test_resume_after_the_freeze_is_exact(four_ranks):
+@pytest.mark.parametrize("prefix,run", [("", "dp4"), ("z1", "z1dp4")])
+def test_resume_after_the_freeze_is_exact(four_ranks, prefix, run):
     root = four_ranks[1]
-    _close(_weights(root / "resumed"), _weights(root / "save"), atol=0.0)
-    _close(_weights(root / "save"), _weights(root / "dp4"), atol=0.0)
+    _close(_weights(root / f"{prefix}resumed"), _weights(root / f"{prefix}save"), atol=0.0)
+    _close(_weights(root / f"{prefix}save"), _weights(root / run), atol=0.0)
 
 
-def test_checkpoint_holds_the_residuals(four_ranks):
+@pytest.mark.parametrize("run", ["save", "z1save"])
+def test_checkpoint_holds_the_residuals(four_ranks, run):
     run_dir = four_ranks[1]
-    ckpt = open_checkpoint(run_dir / "save" / "checkpoints" / "step-00000004")
+    ckpt = open_checkpoint(run_dir / run / "checkpoints" / "step-00000004")
     cfg = tiny_config()
     torch.manual_seed(0)
     shapes = {n: tuple(p.shape) for n, p in GPT(cfg.model).named_parameters()}
@@ -256,11 +335,14 @@ def test_checkpoint_holds_the_residuals(four_ranks):
     assert float(moved.abs().max()) > 0  # the residuals were saved, not zeros
 
 
-@pytest.mark.parametrize("case", ["resharded", "dp2tp2"])
+@pytest.mark.parametrize("case", ["resharded", "dp2tp2", "z1dp2pp2", "z1toreplicas",
+                                  "toz1"])
 def test_other_layouts_finish_near_the_dp4_run(four_ranks, case):
-    """dp 4 -> dp 2 x pp 2 after the freeze, and dp 2 x tp 2 (each tp shard compressed
-    on its own: other chunks, other scales): other trajectories, but the same run, every
-    weight within a few steps' moves (lr 3e-3 each) of the dp 4 run's."""
+    """dp 4 -> dp 2 x pp 2 after the freeze, dp 2 x tp 2 (each tp shard compressed on
+    its own: other chunks, other scales), ZeRO-1 at dp 2 x pp 2 (other buffers), and
+    after the freeze ZeRO-1 dp 4 -> replicas at dp 2 x pp 2 and replicas dp 4 -> ZeRO-1
+    at dp 2 x tp 2: other trajectories, but the same run, every weight within a few
+    steps' moves (lr 3e-3 each) of the dp 4 run's."""
     root = four_ranks[1]
     ours, dp4 = _weights(root / case), _weights(root / "dp4")
     assert all(torch.isfinite(t).all() for t in ours.values())
@@ -324,7 +406,8 @@ def test_a_residual_of_the_wrong_shape_is_refused():
 
 
 @pytest.mark.parametrize("keys,field", [
-    (dict(zero=1), "train.optimizer"),
+    (dict(zero=2), "train.optimizer"),
+    (dict(zero=3), "train.optimizer"),
     (dict(sync="local_sgd"), "train.optimizer"),
     (dict(codec="topk"), "comm.codec"),
 ])

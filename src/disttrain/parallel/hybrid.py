@@ -158,7 +158,10 @@ class ModelParallelGrads:
 
     def __init__(self, inner: GradSync, mp: ModelParallel, world: Communicator) -> None:
         self.inner, self.mp, self.world = inner, mp, world
-        self.grad_replicas = inner.grad_replicas
+
+    @property
+    def grad_replicas(self) -> int:
+        return self.inner.grad_replicas  # may change with the step (1-bit Adam's phase)
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()

@@ -81,11 +81,10 @@ class ReplicatedState:
         for name, p in self._parameters():
             if not self.placement.writes(p):
                 continue
-            boxes = self.placement.boxes(name, p)
             for key, t in rank_state(p).items():
-                out += [StatePiece(f"{OPTIM}{name}/{key}", g.tensor.unsqueeze(0),
-                                   (self.dp_size, *g.global_shape), (self.dp_rank, *g.offsets))
-                        for g in tensor_pieces(boxes, t)]
+                out += rank_row_pieces(self.placement, name, p, key, t, self.dp_rank,
+                                       self.dp_size)
+            boxes = self.placement.boxes(name, p)
             for key, (start, stop, data) in range_state(p).items():
                 out += [StatePiece(f"{OPTIM}{name}/{key}", g.tensor, g.global_shape,
                                    g.offsets)
@@ -118,13 +117,32 @@ class ReplicatedState:
                 if full not in source.names(full):
                     continue  # saved before the optimizer kept it: it starts at zero
                 per_rank = key in rank_keys
-                _check_residual_shape(source, full, MODEL + name, per_rank)
-                t = source.tensor(full)
-                if per_rank:  # [dp, *shape]: this rank's row, or from another dp size
-                    # the mean of the rows (what the ranks owed, in total)
-                    t = t[self.dp_rank] if t.shape[0] == self.dp_size else t.mean(0)
+                if per_rank:
+                    t = read_rank_row(source, full, MODEL + name, self.dp_rank, self.dp_size)
+                else:
+                    _check_residual_shape(source, full, MODEL + name, per_rank=False)
+                    t = source.tensor(full)
                 load = optimizer.load_rank_state if per_rank else optimizer.load_range_state
                 load(p, key, self.placement.to_local(name, t))
+
+
+def rank_row_pieces(placement: Placement, name: str, p: torch.Tensor, key: str,
+                    t: torch.Tensor, dp_rank: int, dp_size: int) -> list[StatePiece]:
+    """``t`` (state of parameter ``p`` that differs on every dp rank, ``p``-shaped) as
+    row ``dp_rank`` of the global [dp, *shape] tensor ``optim/<name>/<key>``."""
+    return [StatePiece(f"{OPTIM}{name}/{key}", g.tensor.unsqueeze(0),
+                       (dp_size, *g.global_shape), (dp_rank, *g.offsets))
+            for g in tensor_pieces(placement.boxes(name, p), t.view(p.shape))]
+
+
+def read_rank_row(source: TensorSource, full: str, model_name: str, dp_rank: int,
+                  dp_size: int) -> torch.Tensor:
+    """This dp rank's row of a saved [ranks, *shape] tensor (checked against its
+    parameter's shape); saved at another dp size, the mean of the rows (what the ranks
+    owed, in total)."""
+    _check_residual_shape(source, full, model_name, per_rank=True)
+    t = source.tensor(full)
+    return t[dp_rank] if t.shape[0] == dp_size else t.mean(0)
 
 
 def _check_residual_shape(source: TensorSource, full: str, model_name: str,

@@ -30,9 +30,10 @@ from dataclasses import dataclass, replace
 from ..config.schema import ModelConfig
 from ..models import num_params as gpt_num_params
 
-# per parameter; SGD's is its momentum buffer; 1-bit Adam's adds its worker residual
-# (and a server residual of 4 / dp, counted below)
-_STATE_BYTES = {"adamw": 8, "sgd": 4, "onebit_adam": 12}
+# per parameter, sharded by ZeRO; SGD's is its momentum buffer; 1-bit Adam keeps
+# AdamW's and adds (below) a worker residual held whole, a server residual of 4 / dp and,
+# under ZeRO, a whole copy of the frozen step sizes
+_STATE_BYTES = {"adamw": 8, "sgd": 4, "onebit_adam": 8}
 _ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _CHECKPOINTING = ("none", "full", "every_k")
 _FP32, _INT64 = 4, 8
@@ -75,9 +76,11 @@ def model_state_bytes(num_params: int, *, dp: int, zero: int, optimizer: str = "
     weight = 2 if master_copy else _FP32
     if master_copy:
         state += _FP32  # the fp32 master weights live with the optimizer state
-    server = -(-_FP32 * num_params // dp) if optimizer == "onebit_adam" else 0
+    extra = 0
+    if optimizer == "onebit_adam":
+        extra = _FP32 * num_params * (2 if zero else 1) + -(-_FP32 * num_params // dp)
     return MemoryEstimate(params=weight * held(3), grads=weight * held(2),
-                          optimizer=state * held(1) + server)
+                          optimizer=state * held(1) + extra)
 
 
 def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str = "fp32",

@@ -9,26 +9,50 @@ only delays it. The phases, counted in optimizer steps taken:
 - ``step < freeze_step``: the gradients arrive all-reduced (the dp strategy runs as
   usual) and this is AdamW exactly: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2)
   g^2``, ``p -= lr (wd p + m_hat / (sqrt(v_hat) + eps))`` with bias corrections;
-- after: each rank's gradient stays local (:class:`~.grads.OnebitGrads` skips the
-  all-reduce; ``.grad`` holds this rank's estimate of the global gradient, dp x its
-  share), ``m_r = b1 m + (1 - b1) g_r`` is averaged by the
-  :class:`~.exchange.MomentumExchange` (worker and server error feedback) in units of
-  the frozen step size ``sqrt(v_hat) + eps`` (see :meth:`OnebitAdam._exchange_momentum`),
-  the result becomes ``m`` on every rank, and ``v`` stays as it was at the freeze (its
-  bias correction too).
+- after: ``v`` stays as it was at the freeze (its bias correction too), each rank's
+  gradient stays local (:class:`~.grads.OnebitGrads` skips the all-reduce; ``.grad``
+  holds this rank's estimate of the global gradient, dp x its share), and the momentum
+  is averaged by the :class:`~.exchange.MomentumExchange` (compress, all-to-all,
+  average, compress again, all-gather; error feedback on both sides).
+
+Everything after the freeze is in units of the frozen step size ``d = sqrt(v_hat) +
+eps`` (the same on every rank): the momentum is kept as ``u = m / d``, the update
+direction itself, and ``p -= lr (wd p + u / bc1)``. Compressing the raw momentum, as the
+paper does, gives an element with a tiny variance its chunk's mean |m|, which its small
+``d`` then turns into a step far larger than Adam ever takes. A round, per rank:
+
+    x     = (1 - b1) g_rank / d + c        (c: this rank's carry)
+    u     = exchange(x)                    (the same decoded u on every rank)
+    c     = (x - what the rank sent of x) + b1 u
+
+so the rank compresses ``b1 u_prev + (1 - b1) g_rank / d`` plus its residual, as in the
+paper, without keeping ``u_prev``: the carry holds it (created at the freeze as
+``b1 m / d`` from the warmup's momentum). ``exp_avg`` is kept equal to ``u d``, so a
+checkpoint reads like AdamW's.
+
+Under ZeRO-1 (:meth:`OnebitAdam.shard_over`) the parameters are the dp ranks' shards of
+flat buffers and a shard's owner is its server: the runs the exchange cuts are the
+shards, ``m``, ``v`` and the server residual are kept for the shard only, ``d`` is
+all-gathered once into a whole copy, and every rank applies the same decoded direction
+to its whole copy of the buffer, so no dense parameter all-gather follows. Per element
+a rank holds the carry and ``d`` whole and the rest 1/dp: 8 + 12/dp bytes, against
+12 + 4/dp without ZeRO (``m``, ``v`` and the carry whole, the server residual 1/dp).
 
 State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (as torch's AdamW keeps
-them, so a checkpoint reads like one), and from the freeze on two residuals kept outside
-``optimizer.state``: ``worker_error`` (parameter-shaped, different on every dp rank)
-and ``server_error`` (the chunk of the parameter this rank serves). The dp strategy's
-state saves them (:meth:`rank_state`, :meth:`range_state`) and loads them back into any
-dp size: a worker residual from another dp size is replaced by the mean of the saved
-ones (what the ranks owed in total is kept), the server residual is cut by element.
+them), and from the freeze on the carry, ``worker_error`` (different on every dp rank,
+kept outside ``optimizer.state``), and the server residual ``server_error`` (the run
+this rank serves; under ZeRO-1 in ``optimizer.state`` beside ``exp_avg``). Both mean
+the same with and without ZeRO-1, so a checkpoint moves between the two. The dp
+strategy's state saves them (:meth:`rank_state`, :meth:`range_state`, or as ZeRO's shard
+state) and loads them back into any dp size: a carry from another dp size is replaced
+by the mean of the saved ones (what the ranks owed in total is kept), the server
+residual is cut by element.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +60,16 @@ from ...comm.collectives import Communicator
 from .exchange import MomentumExchange
 
 WORKER_ERROR, SERVER_ERROR = "worker_error", "server_error"
+
+
+@dataclass(frozen=True)
+class FlatShard:
+    """A ZeRO-1 flat buffer as 1-bit Adam sees it: the optimizer's parameter is this
+    rank's shard, a slice of ``full``."""
+
+    full: torch.Tensor  # [padded] the whole buffer, held by every dp rank
+    grad: torch.Tensor  # [padded] this rank's whole local gradient
+    numel: int  # real elements (the rest of ``full`` is padding)
 
 
 def freeze_step_for(freeze_step: int, steps: int) -> int:
@@ -62,6 +96,22 @@ class OnebitAdam(torch.optim.Optimizer):
         self.exchange = MomentumExchange(comm)
         self.worker_error: dict[torch.Tensor, torch.Tensor] = {}
         self.server_error: dict[torch.Tensor, torch.Tensor] = {}
+        self.flats: dict[torch.Tensor, FlatShard] = {}  # ZeRO-1: shard -> its buffer
+        # ZeRO-1: shard -> (the exp_avg_sq it was built from, the whole frozen d)
+        self._denoms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def shard_over(self, flats: dict[torch.Tensor, FlatShard]) -> None:
+        """ZeRO-1: every parameter is a shard of one of ``flats`` (see the module
+        docstring)."""
+        params = set(self._params())
+        if set(flats) != params:
+            raise ValueError("shard_over needs a flat buffer for every parameter")
+        for shard, flat in flats.items():
+            lo = self.comm.rank * shard.numel()
+            if flat.full.numel() != self.comm.size * shard.numel() or \
+                    shard.data_ptr() != flat.full[lo:].data_ptr():
+                raise ValueError("a ZeRO-1 shard must be its rank's slice of the buffer")
+        self.flats = dict(flats)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -84,53 +134,103 @@ class OnebitAdam(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
         loss = None if closure is None else closure()
         compress = self.compressing
-        if compress:
-            self._exchange_momentum()
+        directions = self._exchange() if compress else {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if not compress and p.grad is None:
                     continue
                 state = self._state(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if not compress:
-                    g = p.grad
-                    m.lerp_(g, 1 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 state["step"] += 1
                 t = int(state["step"])
                 bc1 = 1 - beta1 ** t
-                bc2_sqrt = math.sqrt(1 - beta2 ** min(t, self.freeze_step))
+                if compress:  # every rank applies the same decoded direction
+                    flat = self.flats.get(p)
+                    if flat is None:  # this parameter
+                        target, u = p, directions[p].view_as(p)
+                    else:  # every rank's whole copy of the shard's buffer
+                        target, u = flat.full, directions[p]
+                    target.mul_(1 - group["lr"] * group["weight_decay"])
+                    target[:u.numel()].add_(u, alpha=-group["lr"] / bc1)
+                    continue
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                denom = (v.sqrt() / bc2_sqrt).add_(group["eps"])
+                denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
                 p.addcdiv_(m, denom, value=-group["lr"] / bc1)
         return loss
 
-    def _exchange_momentum(self) -> None:
-        """m = the 1-bit average over ranks of b1 m + (1 - b1) g (this rank's g), taken
-        in units of each element's frozen step size: what is compressed is the momentum
-        divided by d = sqrt(v_hat) + eps (the same fixed d on every rank, so the average
-        and the residuals carry over exactly), i.e. the update direction itself. With
-        the raw momentum, an element whose variance is tiny would get its chunk's mean
-        |m| and then be divided by its own small d: a step far larger than Adam ever
-        takes."""
-        params, xs, denoms = [], [], []
+    def _exchange(self) -> dict[torch.Tensor, torch.Tensor]:
+        """One compressed round (module docstring): each parameter's decoded direction
+        ``u`` [n] (a ZeRO-1 shard's: over its whole buffer); the worker carries, server
+        residuals and ``exp_avg`` (= u d) updated."""
+        params, xs, denoms, strides, carries, betas = [], [], [], [], [], []
         for group in self.param_groups:
             beta1 = group["betas"][0]
-            bc2_sqrt = math.sqrt(1 - group["betas"][1] ** self.freeze_step)
             for p in group["params"]:
-                state = self._state(p)
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                d = (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(group["eps"])
+                flat = self.flats.get(p)
+                d = self._denominator(p, group)
+                if flat is not None:
+                    g = flat.grad[:flat.numel]
+                else:
+                    g = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(d)
                 params.append(p)
                 denoms.append(d)
-                xs.append(torch.lerp(state["exp_avg"], g.to(d.dtype), 1 - beta1)
-                          .div_(d).reshape(-1))
-        workers = [self._worker(p) for p in params]
+                strides.append(p.numel() if flat is not None else None)
+                xs.append(g.to(d.dtype).mul(1 - beta1).div_(d))
+                carries.append(self._carry(p, d, beta1))
+                betas.append(beta1)
         servers = [self._server(p) for p in params]
-        averaged = self.exchange.average(xs, workers, servers)
-        for p, u, d in zip(params, averaged, denoms):
-            self.state[p]["exp_avg"].copy_(u.view(p.shape).mul_(d))
+        directions = self.exchange.average(xs, carries, servers, strides=strides)
+        out = {}
+        for p, u, d, carry, beta1 in zip(params, directions, denoms, carries, betas):
+            carry.add_(u, alpha=beta1)  # b1 u goes into the next round
+            m = self.state[p]["exp_avg"]
+            if p in self.flats:  # this rank's shard of m = u d
+                lo, hi = self.exchange.chunk(self.flats[p].numel, p.numel())
+                m[:hi - lo].copy_(u[lo:hi] * d[lo:hi])
+            else:
+                m.copy_((u * d).view(p.shape))
+            out[p] = u
+        return out
+
+    def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """The frozen step size ``sqrt(v_hat) + eps`` of ``p``, flat [n]; under ZeRO-1
+        over the shard's whole buffer [n], all-gathered from the shards once (again
+        after a checkpoint replaced the variance)."""
+        v = self.state[p]["exp_avg_sq"]
+        bc2_sqrt = math.sqrt(1 - group["betas"][1] ** self.freeze_step)
+        flat = self.flats.get(p)
+        if flat is None:
+            return (v.sqrt() / bc2_sqrt).add_(group["eps"]).reshape(-1)
+        cached = self._denoms.get(p)
+        if cached is None or cached[0] is not v:
+            d = (v.sqrt() / bc2_sqrt).add_(group["eps"])
+            full = torch.empty(self.comm.size * d.numel(), dtype=d.dtype, device=d.device)
+            self.comm.all_gather_into(full, d)
+            self._denoms[p] = cached = (v, full[:flat.numel])
+        return cached[1]
+
+    def _carry(self, p: torch.Tensor, d: torch.Tensor, beta1: float) -> torch.Tensor:
+        """``p``'s worker carry (flat, [n] of its buffer under ZeRO-1); created at the
+        first compressed step as ``b1 m / d`` from the warmup's momentum (under ZeRO-1
+        the shards of ``m / d`` all-gathered)."""
+        carry = self.worker_error.get(p)
+        if carry is not None:
+            return carry
+        m, flat = self.state[p]["exp_avg"], self.flats.get(p)
+        if flat is None:
+            carry = m.reshape(-1) / d
+        else:
+            lo, hi = self.exchange.chunk(flat.numel, p.numel())
+            mine = torch.zeros_like(m)
+            mine[:hi - lo] = m[:hi - lo] / d[lo:hi]
+            carry = torch.empty(self.comm.size * m.numel(), dtype=m.dtype, device=m.device)
+            self.comm.all_gather_into(carry, mine)
+            carry = carry[:flat.numel].clone()
+        self.worker_error[p] = carry.mul_(beta1)
+        return carry
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -139,12 +239,11 @@ class OnebitAdam(torch.optim.Optimizer):
                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         return state
 
-    def _worker(self, p: torch.Tensor) -> torch.Tensor:
-        if p not in self.worker_error:
-            self.worker_error[p] = torch.zeros(p.numel(), device=p.device)
-        return self.worker_error[p]
-
     def _server(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s server residual: the run this rank serves (ZeRO-1: the shard's, in
+        ``optimizer.state`` beside ``exp_avg``, so it is saved and cut like it)."""
+        if p in self.flats:
+            return self.state[p].setdefault(SERVER_ERROR, torch.zeros_like(p))
         if p not in self.server_error:
             self.server_error[p] = torch.zeros(self.exchange.server_size(p.numel()),
                                                device=p.device)
@@ -152,12 +251,16 @@ class OnebitAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpointing
     def rank_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameter-shaped state that differs on every dp rank (saved per rank)."""
+        """State that differs on every dp rank (saved per rank): parameter-shaped, or
+        under ZeRO-1 flat over the shard's whole buffer."""
         e = self.worker_error.get(p)
-        return {} if e is None else {WORKER_ERROR: e.view(p.shape)}
+        if e is None:
+            return {}
+        return {WORKER_ERROR: e if p in self.flats else e.view(p.shape)}
 
     def range_state(self, p: torch.Tensor) -> dict[str, tuple[int, int, torch.Tensor]]:
-        """State this rank holds for elements [start, stop) of ``p``'s flattening."""
+        """State this rank holds for elements [start, stop) of ``p``'s flattening
+        (none under ZeRO-1: the server residual is in ``optimizer.state``)."""
         e = self.server_error.get(p)
         if e is None:
             return {}
@@ -165,8 +268,9 @@ class OnebitAdam(torch.optim.Optimizer):
         return {SERVER_ERROR: (start, stop, e[:stop - start])}
 
     def load_rank_state(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
-        """``value``: this rank's worker residual, parameter-shaped."""
-        self._worker(p).copy_(value.reshape(-1))
+        """``value``: this rank's worker residual, parameter-shaped (ZeRO-1: flat over
+        the shard's whole buffer)."""
+        self.worker_error[p] = value.reshape(-1).to(p.device, torch.float32).clone()
 
     def load_range_state(self, p: torch.Tensor, key: str, full: torch.Tensor) -> None:
         """``full``: the server residual of the whole (local) parameter; this rank keeps
@@ -177,9 +281,11 @@ class OnebitAdam(torch.optim.Optimizer):
         e[:stop - start].copy_(full.reshape(-1)[start:stop])
 
     def residual_bytes(self) -> int:
-        """Bytes of the error-feedback residuals this rank holds."""
-        return sum(e.numel() * e.element_size()
-                   for d in (self.worker_error, self.server_error) for e in d.values())
+        """Bytes this rank holds outside ``optimizer.state``: the error-feedback
+        residuals, and under ZeRO-1 the whole frozen step sizes."""
+        tensors = [*self.worker_error.values(), *self.server_error.values(),
+                   *(d for _, d in self._denoms.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def comm_stats(self) -> dict[str, float]:
         """The last momentum exchange, in the gradient sync's metric names."""

@@ -10,16 +10,16 @@ from ..registry import selected_strategy
 
 
 def check_onebit(config: Config, layout: Layout) -> None:
-    """onebit_adam runs over the ddp strategy's whole replicas (any pp / tp), every
-    step, and compresses its own exchange (no gradient codec on top)."""
+    """onebit_adam runs over the ddp strategy's whole replicas or ZeRO-1's shards (any
+    pp / tp), every step, and compresses its own exchange (no gradient codec on top)."""
     t = config.train
     if t.optimizer != OPTIMIZER_ONEBIT_ADAM:
         return
-    if layout.zero:
+    if layout.zero > 1:
         raise ConfigError("train.optimizer", t.optimizer,
-                          f"is not built for parallel.zero={layout.zero} (its momentum "
-                          "exchange needs the whole momentum on every rank, ZeRO shards it)",
-                          "set parallel.zero=0, or train.optimizer=adamw with ZeRO")
+                          f"is not built for parallel.zero={layout.zero} (each worker "
+                          "compresses its whole local gradient; ZeRO-2/3 keep only a "
+                          "shard of it)", "set parallel.zero=1 (or 0) with onebit_adam")
     if t.sync != SYNC_EVERY_STEP:
         raise ConfigError("train.optimizer", t.optimizer,
                           f"exchanges its momentum every step; train.sync={t.sync} does not",
@@ -31,7 +31,7 @@ def check_onebit(config: Config, layout: Layout) -> None:
                           "compresses its own exchange afterwards",
                           "set comm.codec=none with train.optimizer=onebit_adam")
     strategy = selected_strategy(config)
-    if strategy != "ddp":
+    if strategy not in ("ddp", "zero"):
         raise ConfigError("parallel.strategy", strategy,
-                          "is not the ddp strategy 1-bit Adam runs on",
+                          "is not the ddp or zero strategy 1-bit Adam runs on",
                           "set parallel.strategy=auto")

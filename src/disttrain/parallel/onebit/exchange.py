@@ -1,9 +1,10 @@
 """1-bit Adam's momentum exchange: an average over the dp group in sign bits, with
 error feedback on both sides (Tang et al., 2021, "1-bit Adam").
 
-Each tensor ``x`` [n] of a rank is cut into ``size`` chunks of ``c`` elements (``c`` =
-ceil(n / size) rounded up to a multiple of 8, the tail padded): chunk j goes to rank j,
-its *server*. One round, per tensor:
+Each tensor ``x`` [n] of a rank is cut into ``size`` runs (by default of ceil(n / size)
+rounded up to a multiple of 8 elements; a ZeRO flat buffer's are its shards), each
+padded to a chunk of a multiple of 8 elements: chunk j goes to rank j, its *server*.
+One round, per tensor:
 
 1. worker: ``y = x + e_w``; each chunk becomes ``s_j * sign(y_j)`` with ``s_j`` = mean
    |y_j| over its real elements (sign of 0 is +); ``e_w = y - decoded`` (all-to-all of
@@ -32,24 +33,45 @@ from ...comm.collectives import Communicator, wire_bytes
 
 @dataclass(frozen=True)
 class _Layout:
-    """One tensor of ``numel`` elements cut into ``parts`` chunks of ``chunk``."""
+    """One tensor of ``numel`` elements cut into ``parts`` runs of ``stride`` (run j,
+    elements [j*stride, (j+1)*stride), goes to rank j), each run padded to ``chunk``, a
+    multiple of 8 (for the sign bits)."""
 
     numel: int
     parts: int
-    chunk: int
+    stride: int
 
     @classmethod
-    def of(cls, numel: int, parts: int) -> _Layout:
-        return cls(numel, parts, 8 * math.ceil(numel / (8 * parts)))
+    def of(cls, numel: int, parts: int, stride: int | None = None) -> _Layout:
+        """Even runs of a multiple of 8 (the default), or runs of a given ``stride`` (a
+        ZeRO flat buffer's shards)."""
+        return cls(numel, parts, stride if stride is not None
+                   else 8 * math.ceil(numel / (8 * parts)))
+
+    @property
+    def chunk(self) -> int:
+        return 8 * math.ceil(self.stride / 8)
 
     def real(self, j: int) -> int:
-        """Real (unpadded) elements in chunk j."""
-        return max(0, min(self.chunk, self.numel - j * self.chunk))
+        """Real (unpadded) elements in run j."""
+        return max(0, min(self.stride, self.numel - j * self.stride))
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """[parts, chunk] bool: True on real elements."""
-        index = torch.arange(self.parts * self.chunk, device=device)
-        return (index < self.numel).view(self.parts, self.chunk)
+        real = torch.tensor([self.real(j) for j in range(self.parts)], device=device)
+        return torch.arange(self.chunk, device=device).unsqueeze(0) < real.unsqueeze(1)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [numel] as [parts, chunk], zero on the padding."""
+        runs = torch.zeros(self.parts * self.stride, dtype=x.dtype, device=x.device)
+        runs[:self.numel] = x
+        out = torch.zeros(self.parts, self.chunk, dtype=x.dtype, device=x.device)
+        out[:, :self.stride] = runs.view(self.parts, self.stride)
+        return out
+
+    def flat(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`rows`: [parts, chunk] back to [numel]."""
+        return rows[:, :self.stride].reshape(-1)[:self.numel]
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
@@ -80,39 +102,43 @@ class ExchangeStats:
 
 class MomentumExchange:
     """Averages lists of tensors over ``comm`` in 1-bit form; the error-feedback state is
-    the caller's (one worker residual [n] and one server residual [chunk] per tensor)."""
+    the caller's (one worker residual [n] and one server residual, at least as long as
+    the run it serves, per tensor)."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.stats = ExchangeStats()
 
-    def chunk(self, numel: int) -> tuple[int, int]:
+    def chunk(self, numel: int, stride: int | None = None) -> tuple[int, int]:
         """The [start, stop) of a tensor of ``numel`` elements this rank serves."""
-        lay = _Layout.of(numel, self.comm.size)
-        start = min(numel, self.comm.rank * lay.chunk)
-        return start, min(numel, start + lay.chunk)
+        lay = _Layout.of(numel, self.comm.size, stride)
+        start = min(numel, self.comm.rank * lay.stride)
+        return start, start + lay.real(self.comm.rank)
 
     def server_size(self, numel: int) -> int:
         return _Layout.of(numel, self.comm.size).chunk
 
     @torch.no_grad()
     def average(self, xs: list[torch.Tensor], worker_errors: list[torch.Tensor],
-                server_errors: list[torch.Tensor]) -> list[torch.Tensor]:
+                server_errors: list[torch.Tensor], *,
+                strides: list[int | None] | None = None) -> list[torch.Tensor]:
         """The 1-bit average over ranks of each ``xs[i]`` (flat fp32 [n_i], the same
         shapes on every rank); updates ``worker_errors[i]`` [n_i] and
-        ``server_errors[i]`` [chunk_i] in place. Returns new flat tensors [n_i]."""
+        ``server_errors[i]`` (its first ``real`` elements: the run this rank serves) in
+        place. Returns new flat tensors [n_i].
+
+        ``strides``: each tensor's run length (None, the default: even runs, a
+        multiple of 8 each)."""
         comm, size, rank = self.comm, self.comm.size, self.comm.rank
         device = xs[0].device if xs else comm.device
-        layouts = [_Layout.of(x.numel(), size) for x in xs]
+        layouts = [_Layout.of(x.numel(), size, None if strides is None else strides[i])
+                   for i, x in enumerate(xs)]
         scales, signs = [], []
         for x, e, lay in zip(xs, worker_errors, layouts):
-            y = torch.zeros(size * lay.chunk, device=device)
-            y[:lay.numel] = x + e
-            y = y.view(size, lay.chunk)
+            y = lay.rows(x + e)
             mask = lay.mask(device)
-            real = mask.sum(1)
-            s, decoded = _compress(y, real, mask)
-            e.copy_((y - decoded).view(-1)[:lay.numel])
+            s, decoded = _compress(y, mask.sum(1), mask)
+            e.copy_(lay.flat(y - decoded))
             scales.append(s)
             signs.append(pack_signs(y.reshape(-1)).view(size, lay.chunk // 8))
         # one row per destination rank: [P fp32 scales | each tensor's packed chunk]
@@ -129,11 +155,13 @@ class MomentumExchange:
             mine = unpack_signs(recv[:, offset:offset + nbytes], lay.chunk)  # [size, c]
             offset += nbytes
             real = lay.real(rank)
+            mean = (mine[:, :real] * got_scales[:, i:i + 1]).mean(0)
+            a = torch.zeros(lay.chunk, device=device)
+            a[:real] = mean + es[:real]
             mask = (torch.arange(lay.chunk, device=device) < real).unsqueeze(0)
-            a = ((mine * got_scales[:, i:i + 1]).mean(0) + es).mul_(mask[0])
             t, decoded = _compress(a.unsqueeze(0), torch.tensor([real], device=device),
                                    mask)
-            es.copy_(a - decoded[0])
+            es[:real] = a[:real] - decoded[0, :real]
             out_scales.append(t)
             out_signs.append(pack_signs(a))
         payload = torch.cat([torch.cat(out_scales).view(torch.uint8), *out_signs])
@@ -146,7 +174,7 @@ class MomentumExchange:
             nbytes = lay.chunk // 8
             s = unpack_signs(rows[:, offset:offset + nbytes], lay.chunk)
             offset += nbytes
-            result.append(s.mul_(all_scales[:, i:i + 1]).view(-1)[:lay.numel].clone())
+            result.append(lay.flat(s.mul_(all_scales[:, i:i + 1])).clone())
         dense = sum(lay.numel for lay in layouts) * 4
         self.stats = ExchangeStats(
             payload=send.numel() + payload.numel(), dense_payload=dense,

@@ -11,7 +11,8 @@ from torch import nn
 from ...comm.collectives import Communicator
 from ..clipping import clip_to_global_norm
 from ..interfaces import GradSync, Work
-from .adam import OnebitAdam
+from ..zero import ZeroDataParallel
+from .adam import FlatShard, OnebitAdam
 
 
 class OnebitGrads:
@@ -26,20 +27,43 @@ class OnebitGrads:
       mean over ranks is the global gradient); the norm is the root mean square of those
       estimates' norms over dp (one all-reduce of a scalar), the same on every rank, so
       every rank clips by the same factor and skips a non-finite step together.
+
+    Over ZeRO-1 the local gradients are the whole ones stage 1 keeps (``.grad`` of each
+    parameter, views of its flat buffer's), the optimizer updates every rank's whole
+    copy of the parameters itself, and no parameter all-gather follows a local step.
     """
 
     def __init__(self, inner: GradSync, comm: Communicator) -> None:
         self.inner, self.comm = inner, comm
-        self.grad_replicas = inner.grad_replicas
+        self.zero = inner if isinstance(inner, ZeroDataParallel) else None
+        if self.zero is not None and self.zero.stage != 1:
+            raise ValueError(f"1-bit Adam runs over ZeRO-1, not stage {self.zero.stage}")
         self.optimizer: OnebitAdam | None = None
         self.local = False
         self._held = contextlib.ExitStack()  # inner.no_sync() through a local step
 
+    @property
+    def grad_replicas(self) -> int:
+        """During a local step every dp rank holds an estimate of the same gradient."""
+        return self.comm.size if self.local else self.inner.grad_replicas
+
     def follow(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take the phase from ``optimizer`` (the trainer binds it once built)."""
+        """Take the phase from ``optimizer`` (the trainer binds it once built); over
+        ZeRO-1, hand it the flat buffers its shards belong to."""
         if not isinstance(optimizer, OnebitAdam):
             raise TypeError(f"OnebitGrads follows a OnebitAdam, got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        if self.zero is not None:
+            optimizer.shard_over({
+                f.shard: FlatShard(full=f.full, grad=f.grad_full,
+                                   numel=f.offsets[-1] + f.params[-1].numel())
+                for f in self.zero.flats})
+
+    def _local_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, this rank's own whole gradient) during a local step."""
+        if self.zero is not None:
+            return [(p, p.grad) for f in self.zero.flats for p in f.params]
+        return self.inner.gradient_pieces()
 
     def zero_grad(self) -> None:
         self._held.close()
@@ -62,23 +86,24 @@ class OnebitGrads:
             self.inner.finish_gradient_sync(scale)
             return
         self._held.close()
-        for _, g in self.inner.gradient_pieces():
+        for _, g in self._local_pieces():
             g.mul_(scale * self.comm.size)
 
     def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return self.inner.gradient_pieces()
+        return self._local_pieces() if self.local else self.inner.gradient_pieces()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if not self.local:
             return self.inner.clip_grad_norm(max_norm)
-        grads = [g for _, g in self.inner.gradient_pieces()]
+        grads = [g for _, g in self._local_pieces()]
         sq = self.comm.zeros(1, dtype=torch.float64)
         for g in grads:
             sq += g.detach().double().pow(2).sum() / self.comm.size
         return clip_to_global_norm(grads, sq, self.comm, max_norm)
 
     def after_optimizer_step(self) -> None:
-        self.inner.after_optimizer_step()
+        if not (self.local and self.zero is not None):  # ZeRO-1: already every rank's
+            self.inner.after_optimizer_step()
 
     def after_skipped_step(self) -> None:
         self.inner.after_skipped_step()

@@ -32,7 +32,7 @@ from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
 from .hooks import ShardReducer, Stage3Gathers
-from .state import load_shards, shard_pieces
+from .state import load_rank_state, load_shards, rank_pieces, shard_pieces
 
 
 class ZeroDataParallel:
@@ -198,12 +198,16 @@ class ZeroDataParallel:
     param_groups = optimizer_groups
 
     def state_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
-        return shard_pieces(self.flats, self.comm.rank, self.placement, optimizer)
+        return (shard_pieces(self.flats, self.comm.rank, self.placement, optimizer)
+                + rank_pieces(self.flats, self.placement, optimizer, self.comm.rank,
+                              self.comm.size))
 
     def load_state(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
         """Fill this rank's shards (and their optimizer state) from any checkpoint; the
         full parameters are rebuilt from the shards (stages 1-2)."""
         load_shards(self.flats, self.comm.rank, self.placement, source, optimizer)
+        load_rank_state(self.flats, self.placement, source, optimizer, self.comm.rank,
+                        self.comm.size)
         self.after_optimizer_step()
 
 

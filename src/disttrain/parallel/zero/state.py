@@ -6,6 +6,10 @@ range (of the parameter and of each of its optimizer-state tensors) into boxes o
 global tensors (:func:`~disttrain.parallel.placement.range_pieces`), so a checkpoint
 written at any (dp, pp, tp, stage) loads into any other. :func:`load_shards` reads each
 parameter whole by its global name, cuts this rank's tp part and then its flat range.
+
+State that differs on every dp rank (1-bit Adam's worker residual, flat over a whole
+buffer) is saved by each rank as its row of a [dp, *shape] tensor per parameter
+(:func:`rank_pieces`) and read back by :func:`load_rank_state`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement, range_pieces
+from ..replicated import rank_row_pieces, read_rank_row
 from .flat import FlatParam
 
 MODEL, OPTIM = "model/", "optim/"
@@ -44,9 +49,47 @@ def shard_pieces(flats: list[FlatParam], rank: int, placement: Placement,
     return out
 
 
+def rank_pieces(flats: list[FlatParam], placement: Placement,
+                optimizer: torch.optim.Optimizer, dp_rank: int,
+                dp_size: int) -> list[StatePiece]:
+    """What this rank saves of the optimizer's per-rank state (``rank_state(shard)``:
+    flat tensors over each buffer's real elements), per parameter it writes."""
+    rank_state = getattr(optimizer, "rank_state", None)
+    if rank_state is None:
+        return []
+    out: list[StatePiece] = []
+    for f in flats:
+        for key, flat in rank_state(f.shard).items():
+            for p, name, view in zip(f.params, f.names, f.views(flat)):
+                if placement.writes(p):
+                    out += rank_row_pieces(placement, name, p, key, view, dp_rank, dp_size)
+    return out
+
+
+def load_rank_state(flats: list[FlatParam], placement: Placement, source: TensorSource,
+                    optimizer: torch.optim.Optimizer, dp_rank: int, dp_size: int) -> None:
+    """Give the optimizer its per-rank state back (``load_rank_state(shard, key,
+    flat)``), for each buffer that has any saved; a parameter without it starts at 0."""
+    for key in getattr(optimizer, "rank_keys", ()):
+        for f in flats:
+            parts, found = [], False
+            for p, name in zip(f.params, f.names):
+                full = f"{OPTIM}{name}/{key}"
+                if full in source.names(full):
+                    row = read_rank_row(source, full, MODEL + name, dp_rank, dp_size)
+                    parts.append(placement.to_local(name, row).reshape(-1))
+                    found = True
+                else:
+                    parts.append(torch.zeros(p.numel()))
+            if found:
+                optimizer.load_rank_state(f.shard, key, torch.cat(parts).to(f.full.device))
+
+
 def load_shards(flats: list[FlatParam], rank: int, placement: Placement,
                 source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
-    """Fill this rank's shards (and their optimizer state) from any checkpoint."""
+    """Fill this rank's shards (and their optimizer state, but the optimizer's
+    ``rank_keys``) from any checkpoint."""
+    skip = set(getattr(optimizer, "rank_keys", ()))
     for f in flats:
         state: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -55,9 +98,15 @@ def load_shards(flats: list[FlatParam], rank: int, placement: Placement,
                 f.shard[where] = _local_range(source, placement, MODEL + name, name, a, b)
                 for full_name in source.names(f"{OPTIM}{name}/"):
                     key = full_name.rsplit("/", 1)[1]
+                    if key in skip:
+                        continue
                     if source.shape(full_name) == ():
                         state[key] = source.tensor(full_name)
                         continue
+                    if tuple(source.shape(full_name)) != tuple(source.shape(MODEL + name)):
+                        raise ValueError(f"{full_name}: checkpoint shape "
+                                         f"{list(source.shape(full_name))} does not fit its "
+                                         f"parameter ({list(source.shape(MODEL + name))})")
                     state.setdefault(key, torch.zeros_like(f.shard))[where] = \
                         _local_range(source, placement, full_name, name, a, b)
         if state:

@@ -8,6 +8,8 @@ in a row, one of 3 ranks (1 server + 2 workers) the async cases.
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,8 +181,31 @@ def _fedavg_client_indices() -> list[int]:
     return seen
 
 
+def _diloco_resume(run_dir: str) -> dict:
+    """DiLoCo with plain SGD (no per-rank optimizer state) and no outer momentum, the
+    state a checkpoint leaves out: resumed from the checkpoint of the first round, the
+    run must end where the uninterrupted one does."""
+    keys = dict(sync="diloco", sync_every=4, optimizer="sgd", momentum=0.0, lr=0.3,
+                outer_lr=0.7, outer_momentum=0.0)
+    saving = {"every": 4, "keep": 3, "async": False}
+    full = fit_tiny(12, f"{run_dir}/dl_full", checkpoint=saving, **keys)
+    if dist.get_rank() == 0:
+        name = "step-00000004"
+        (Path(run_dir) / "dl_resumed" / "checkpoints").mkdir(parents=True)
+        shutil.copytree(Path(run_dir) / "dl_full" / "checkpoints" / name,
+                        Path(run_dir) / "dl_resumed" / "checkpoints" / name)
+        (Path(run_dir) / "dl_resumed" / "checkpoints" / "latest").write_text(name + "\n")
+    dist.barrier()
+    resumed = fit_tiny(12, f"{run_dir}/dl_resumed", checkpoint=saving, **keys)
+    torch.manual_seed(0)
+    initial = {k: v.detach() for k, v in GPT(tiny_config().model).state_dict().items()}
+    return {"resumed": max((full[k] - resumed[k]).abs().max().item() for k in full),
+            "moved": max((full[k] - initial[k]).abs().max().item() for k in full)}
+
+
 def _two_rank_cases(run_dir: str) -> dict:
     out = {"h1": _local_sgd_h1_equals_every_step(run_dir),
+           "diloco_resume": _diloco_resume(run_dir),
            "rounds": {m: _rounds_agree(m) for m in ("local_sgd", "diloco")},
            "outer": _outer_step_by_hand(), "weighted": _weighted_average_by_hand(),
            "outer_topk": _diloco_topk_by_hand(),
@@ -211,6 +236,14 @@ def test_replicas_agree_after_each_round_and_only_then(two_ranks, mode):
             assert diff == 0.0, (step, diff)
         else:  # between rounds each rank follows its own data
             assert diff > 1e-4, (step, diff)
+
+
+def test_diloco_resumes_from_the_checkpoint_weights(two_ranks):
+    """The round after a resume starts from the loaded weights, not from the weights
+    the run was built with (which would pull it 30% of the way back to them)."""
+    for rank in two_ranks:
+        assert rank["diloco_resume"]["moved"] > 1e-2  # the run trains
+        assert rank["diloco_resume"]["resumed"] < 1e-6
 
 
 def test_diloco_outer_step_by_hand(two_ranks):

@@ -290,6 +290,7 @@ class Trainer:
         resumed = self.checkpoints.resume(say=self.bar.message)
         if resumed is not None:
             self.start_step, self.position = resumed
+            self.parallel.sync.restart()  # e.g. DiLoCo's round starts from these weights
             if self.runtime.is_main:  # records past the checkpoint are redone
                 try:
                     truncate_metrics(self.run_dir / METRICS_FILE, self.start_step)

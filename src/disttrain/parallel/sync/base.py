@@ -7,6 +7,7 @@ A mode is a :class:`SyncStrategy`; the trainer calls it at fixed points of its l
   (fedavg swaps in its client's partition, or None when the client sits out a round);
 - :meth:`SyncStrategy.after_step` - after every optimizer step (rounds end here);
 - :meth:`SyncStrategy.at_boundary` - whether replicas agree now (checkpoints wait for it);
+- :meth:`SyncStrategy.restart` - after a checkpoint replaced the parameters (resume);
 - :meth:`SyncStrategy.metrics` - fields added to metrics records and the summary.
 
 The base class is ``every_step``: gradients are all-reduced inside each step by
@@ -47,6 +48,10 @@ class SyncStrategy:
     def at_boundary(self, done: int) -> bool:
         """Whether every replica holds the same parameters after step ``done``."""
         return True
+
+    def restart(self) -> None:
+        """A checkpoint has replaced the parameters: state kept from the old ones (a
+        round's starting point) must start from these."""
 
     def metrics(self) -> dict[str, Any]:
         return {}

@@ -64,11 +64,18 @@ class DiLoCo(PeriodicSync):
     """Inner steps on local gradients; an outer Nesterov step every ``every`` steps."""
 
     name = SYNC_DILOCO
+
     def __init__(self, model: nn.Module, comm: Communicator, every: int, outer_lr: float,
                  outer_momentum: float, codec: GradientCodec | None = None) -> None:
         super().__init__(model, comm, every)
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.outer = OuterNesterov(flatten(self.params), outer_lr, outer_momentum)
         self.codec = codec
+
+    def restart(self) -> None:
+        """The next round starts from the parameters now in the model (a checkpoint
+        replaced them); the outer momentum, which checkpoints do not hold, starts over."""
+        self.outer = OuterNesterov(flatten(self.params), self.outer_lr, self.outer_momentum)
 
     def _round(self) -> None:
         outer_round(self.comm, self.params, self.outer, self.codec)

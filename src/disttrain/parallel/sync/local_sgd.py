@@ -39,6 +39,12 @@ class LocalSGD(PeriodicSync):
         self.codec = codec
         self.theta = flatten(self.params) if codec is not None else None
 
+    def restart(self) -> None:
+        """Rounds of compressed updates start from the parameters now in the model (a
+        checkpoint replaced them)."""
+        if self.codec is not None:
+            self.theta = flatten(self.params)
+
     def _round(self) -> None:
         if self.codec is None:
             weighted_average(self.comm, self.params, 1.0)

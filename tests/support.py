@@ -76,3 +76,19 @@ def fit_tiny(steps: int, run_dir: str, mask: bool = False, checkpoint: dict | No
     Trainer(model, SyntheticTokens(mask=mask), token_loss, cfg, run_dir=run_dir,
             collate_fn=collate_token_batch, progress=False).fit()
     return state_of(model)
+
+
+def copy_checkpoint(src, dst, step: int) -> None:
+    """Inside a spawned world: a run dir ``dst`` holding only ``src``'s checkpoint of
+    ``step`` (as if that run had stopped there); rank 0 copies, every rank waits."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        name = f"step-{step:08d}"
+        (Path(dst) / "checkpoints").mkdir(parents=True)
+        shutil.copytree(Path(src) / "checkpoints" / name, Path(dst) / "checkpoints" / name)
+        (Path(dst) / "checkpoints" / "latest").write_text(name + "\n")
+    dist.barrier()

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
-from support import SyntheticTokens, fit_tiny, state_of, tiny_config
+from support import SyntheticTokens, copy_checkpoint, fit_tiny, state_of, tiny_config
 
 from disttrain.checkpoint import open_checkpoint
 from disttrain.data import GlobalOrderSampler, collate_token_batch
@@ -208,16 +206,6 @@ def reference_adamw(steps: int) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ 4 ranks
-def _copy_checkpoint(src: Path, dst: Path, step: int) -> None:
-    """A run dir holding only ``src``'s checkpoint of ``step`` (as if it stopped there)."""
-    if dist.get_rank() == 0:
-        name = f"step-{step:08d}"
-        (dst / "checkpoints").mkdir(parents=True)
-        shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
-        (dst / "checkpoints" / "latest").write_text(name + "\n")
-    dist.barrier()
-
-
 def _four_rank_cases(run_dir: str) -> tuple[dict, dict]:
     """Every case in one set of processes; rank 0 writes each run's final weights."""
     root = Path(run_dir)
@@ -229,16 +217,16 @@ def _four_rank_cases(run_dir: str) -> tuple[dict, dict]:
     fit_tiny(STEPS, f"{run_dir}/z1dp2pp2", **_onebit(zero=1, pp=2))
     saving = {"every": 4, "keep": 2, "async": False}
     fit_tiny(STEPS, f"{run_dir}/save", checkpoint=saving, **_onebit())
-    _copy_checkpoint(root / "save", root / "resumed", 4)
+    copy_checkpoint(root / "save", root / "resumed", 4)
     fit_tiny(STEPS, f"{run_dir}/resumed", checkpoint=saving, **_onebit())
-    _copy_checkpoint(root / "save", root / "resharded", 4)
+    copy_checkpoint(root / "save", root / "resharded", 4)
     fit_tiny(STEPS, f"{run_dir}/resharded", checkpoint=saving, **_onebit(pp=2))
     fit_tiny(STEPS, f"{run_dir}/z1save", checkpoint=saving, **_onebit(zero=1))
-    _copy_checkpoint(root / "z1save", root / "z1resumed", 4)
+    copy_checkpoint(root / "z1save", root / "z1resumed", 4)
     fit_tiny(STEPS, f"{run_dir}/z1resumed", checkpoint=saving, **_onebit(zero=1))
-    _copy_checkpoint(root / "z1save", root / "z1toreplicas", 4)
+    copy_checkpoint(root / "z1save", root / "z1toreplicas", 4)
     fit_tiny(STEPS, f"{run_dir}/z1toreplicas", checkpoint=saving, **_onebit(pp=2))
-    _copy_checkpoint(root / "save", root / "toz1", 4)
+    copy_checkpoint(root / "save", root / "toz1", 4)
     fit_tiny(STEPS, f"{run_dir}/toz1", checkpoint=saving, **_onebit(zero=1, tp=2))
     return replicas, sharded
 

@@ -8,13 +8,10 @@ in a row, one of 3 ranks (1 server + 2 workers) the async cases.
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from support import SyntheticTokens, fit_tiny, tiny_config
+from support import SyntheticTokens, copy_checkpoint, fit_tiny, tiny_config
 from torch.utils.data import Dataset
 
 from disttrain import Trainer
@@ -189,13 +186,7 @@ def _diloco_resume(run_dir: str) -> dict:
                 outer_lr=0.7, outer_momentum=0.0)
     saving = {"every": 4, "keep": 3, "async": False}
     full = fit_tiny(12, f"{run_dir}/dl_full", checkpoint=saving, **keys)
-    if dist.get_rank() == 0:
-        name = "step-00000004"
-        (Path(run_dir) / "dl_resumed" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(Path(run_dir) / "dl_full" / "checkpoints" / name,
-                        Path(run_dir) / "dl_resumed" / "checkpoints" / name)
-        (Path(run_dir) / "dl_resumed" / "checkpoints" / "latest").write_text(name + "\n")
-    dist.barrier()
+    copy_checkpoint(f"{run_dir}/dl_full", f"{run_dir}/dl_resumed", 4)
     resumed = fit_tiny(12, f"{run_dir}/dl_resumed", checkpoint=saving, **keys)
     torch.manual_seed(0)
     initial = {k: v.detach() for k, v in GPT(tiny_config().model).state_dict().items()}

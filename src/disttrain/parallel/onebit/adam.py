@@ -144,14 +144,13 @@ class OnebitAdam(torch.optim.Optimizer):
                 state["step"] += 1
                 t = int(state["step"])
                 bc1 = 1 - beta1 ** t
-                if compress:  # every rank applies the same decoded direction
+                if compress:  # every rank applies the same decoded direction to the
+                    # parameter, or under ZeRO-1 to its whole copy of the shard's buffer
                     flat = self.flats.get(p)
-                    if flat is None:  # this parameter
-                        target, u = p, directions[p].view_as(p)
-                    else:  # every rank's whole copy of the shard's buffer
-                        target, u = flat.full, directions[p]
-                    target.mul_(1 - group["lr"] * group["weight_decay"])
-                    target[:u.numel()].add_(u, alpha=-group["lr"] / bc1)
+                    whole = p if flat is None else flat.full
+                    whole.mul_(1 - group["lr"] * group["weight_decay"])
+                    moved = p if flat is None else flat.full[:flat.numel]
+                    moved.add_(directions[p].view_as(moved), alpha=-group["lr"] / bc1)
                     continue
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
                 m.lerp_(g, 1 - beta1)

@@ -63,10 +63,12 @@ class _Layout:
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [numel] as [parts, chunk], zero on the padding."""
-        runs = torch.zeros(self.parts * self.stride, dtype=x.dtype, device=x.device)
-        runs[:self.numel] = x
         out = torch.zeros(self.parts, self.chunk, dtype=x.dtype, device=x.device)
-        out[:, :self.stride] = runs.view(self.parts, self.stride)
+        whole = self.numel // self.stride  # runs with no padding of their own
+        out[:whole, :self.stride] = x[:whole * self.stride].view(whole, self.stride)
+        if whole < self.parts:  # the tail run (later ones stay zero)
+            tail = x[whole * self.stride:]
+            out[whole, :tail.numel()] = tail
         return out
 
     def flat(self, rows: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,7 @@ class OnebitGrads:
         self.optimizer = optimizer
         if self.zero is not None:
             optimizer.shard_over({
-                f.shard: FlatShard(full=f.full, grad=f.grad_full,
-                                   numel=f.offsets[-1] + f.params[-1].numel())
+                f.shard: FlatShard(full=f.full, grad=f.grad_full, numel=f.numel)
                 for f in self.zero.flats})
 
     def _local_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:

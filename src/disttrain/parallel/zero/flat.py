@@ -91,6 +91,11 @@ class FlatParam:
     def padded(self) -> int:
         return self.full.numel()
 
+    @property
+    def numel(self) -> int:
+        """Real elements: the parameters' (the rest of ``padded`` is padding)."""
+        return self.offsets[-1] + self.params[-1].numel()
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 

@@ -54,7 +54,7 @@ from disttrain.models.gpt import flops_per_token
 from disttrain.monitor.peaks import model_flops_utilisation
 
 TARGET_MFU = 0.5
-DEVICE = torch.device("cuda", 0)
+DEVICE = torch.device("cuda", 0)  # --device cpu: the dry run (scripts/gpu_check.sh)
 
 
 def _synchronize() -> None:
@@ -161,12 +161,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=12, help="attention heads (12)")
     p.add_argument("--compile", action="store_true",
                    help="both sides compile each block (train.compile; block.compile())")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default); cpu only to dry-run this script at a tiny shape")
     return p.parse_args()
 
 
 def main() -> None:
+    global DEVICE
     args = parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cpu":
+        DEVICE = torch.device("cpu")
+    elif not torch.cuda.is_available():
         print("gpu_mfu: no CUDA device: this benchmark needs one GPU", file=sys.stderr)
         sys.exit(2)
     cfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.n_layer,
@@ -182,7 +187,8 @@ def main() -> None:
     # the plain loop is held to the same peak as the Trainer's records
     plain_mfu = model_flops_utilisation(plain, per_token, ours["peak_tflops"] * 1e12, 1)
     print(json.dumps({
-        "bench": "gpu_mfu", "gpu": torch.cuda.get_device_name(DEVICE),
+        "bench": "gpu_mfu",
+        "gpu": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "none (cpu)",
         "torch": torch.__version__, "precision": "bf16", "compile": args.compile,
         "disttrain_device": ours["device"], "disttrain_backend": ours["backend"],
         "peak_tflops": round(ours["peak_tflops"], 3), "peak_source": ours["peak_source"],

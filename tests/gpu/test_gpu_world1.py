@@ -14,7 +14,7 @@ need two ranks: test_gpu_multi.py.
 from __future__ import annotations
 
 import pytest
-from gpu_training import (GPU_SET, Case, assert_follows_plain_loop, assert_ran_on_the_device,
+from gpu_training import (GPU_SET, ON_CPU, Case, assert_follows_plain_loop, assert_ran_on_the_device,
                           assert_weights_close, train_case)
 
 pytestmark = GPU_SET
@@ -58,6 +58,7 @@ def test_one_gpu_sync_mode_follows_its_cpu_run(case, tmp_path):
     assert_weights_close(got.weights, on_cpu.weights, case.precision, case.name)
 
 
+@pytest.mark.skipif(ON_CPU, reason="a CUDA side stream and pinned buffers: GPU only")
 def test_async_checkpoint_snapshots_gpu_tensors_before_the_update(tmp_path):
     """The pinned, non_blocking snapshot on the side stream: the checkpoint holds the
     values at save time although the update is queued right after before_update()

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one command, on a machine with one CUDA GPU and a CUDA build of
+# torch already installed (no network, nothing else installed: disttrain is taken from
+# src/), run from anywhere in the repository. Sections, each under its own time limit:
+#
+#   env      device, driver, torch, CUDA and NCCL versions
+#   mfu      bench/gpu_mfu.py eager (mfu_eager), and last with --compile (mfu_compile):
+#            one JSON line each
+#   default  the default job, 50 steps, world 1 (NCCL), its summary
+#   llama    the same with model.name=llama in bf16, its summary
+#   set      the GPU test set (pytest -m gpu tests/gpu; cases needing 2+ GPUs skip)
+#
+# The whole check stays within $GPU_CHECK_BUDGET_S seconds (480): each section's limit is
+# cut to what is left, and a section with under 20 s left is reported as skipped.
+# Logs and JSON go under $OUT when it is set, else under ./gpu_check_out (one flat
+# folder: a .log per section, results.jsonl with every JSON line, summary.txt). The
+# last lines printed are a table of sections with status and seconds.
+#
+#   bash scripts/gpu_check.sh                 # everything (about 5 minutes on an H100)
+#   GPU_CHECK_ONLY="set mfu" bash scripts/gpu_check.sh     # a rerun of some sections
+#   DISTTRAIN_GPU_SET_ON_CPU=1 bash scripts/gpu_check.sh   # dry run on the CPU
+#
+# The dry run (DISTTRAIN_GPU_SET_ON_CPU=1) runs the same sections on the CPU with Gloo
+# at smaller sizes (the set's fp16 cases skip, the MFU bench at a tiny shape): it shows
+# that the script starts and finishes, not that CUDA works.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEST="${OUT:-$ROOT/gpu_check_out}"
+mkdir -p "$DEST"
+rm -f "$DEST"/*.log
+: > "$DEST/results.jsonl"
+: > "$DEST/summary.txt"
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+ONLY="${GPU_CHECK_ONLY:-env set mfu default llama}"
+DRY="${DISTTRAIN_GPU_SET_ON_CPU:-0}"
+if [ "$DRY" = 1 ]; then
+    MFU_SHAPE=(--device cpu --micro-batch 2 --seq-len 64 --n-layer 2 --d-model 64
+               --n-head 2 --vocab 512 --steps 4 --warmup 2 --log-every 2)
+    JOB_STEPS=8
+else
+    MFU_SHAPE=(--steps 30 --warmup 10 --log-every 10)
+    JOB_STEPS=50
+fi
+# pytest-xdist, where installed, runs the set's cases side by side on the one GPU (each
+# case is a tiny model in its own spawned rank; the oracle is computed once per worker)
+SET_WORKERS=()
+if [ "$DRY" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then SET_WORKERS=(-n 4); fi
+
+# every section's limit is cut to what is left of the whole check's budget
+BUDGET="${GPU_CHECK_BUDGET_S:-480}"
+
+# wanted NAME: the section (mfu_eager: its group, mfu) is in $GPU_CHECK_ONLY
+wanted() { [[ " $ONLY " == *" ${1%%_*} "* ]]; }
+
+# run NAME LIMIT_S CMD...: the command's output to NAME.log (and the terminal); a line
+# of the summary with its status and wall time.
+run() {
+    local name=$1 limit=$2
+    shift 2
+    wanted "$name" || return 0
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        printf '%-12s %-28s %4ds\n' "$name" "SKIPPED (budget spent)" 0 >> "$DEST/summary.txt"
+        return 0
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS rc
+    # through bash -c, so that the exported functions below run under timeout too
+    timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" 2>&1 | tee "$DEST/$name.log"
+    rc=${PIPESTATUS[0]}
+    local status=ok
+    [ "$rc" = 0 ] || status="FAILED (exit $rc$([ "$rc" = 124 ] && echo ', time limit'))"
+    printf '%-12s %-28s %4ds\n' "$name" "$status" $((SECONDS - t0)) >> "$DEST/summary.txt"
+}
+
+# json_lines LOG: the log's lines that are JSON objects, appended to results.jsonl
+json_lines() { grep -h '^{' "$DEST/$1.log" 2>/dev/null >> "$DEST/results.jsonl" || true; }
+
+env_report() {
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+            --format=csv,noheader || true
+    fi
+    "$PY" - <<'EOF'
+import json, platform
+import torch
+info = {"check": "env", "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpus=torch.cuda.device_count(), sms=p.multi_processor_count,
+                memory_gib=round(p.total_memory / 2**30, 1),
+                capability=f"{p.major}.{p.minor}",
+                nccl=".".join(map(str, torch.cuda.nccl.version())))
+try:
+    import transformers
+    info["transformers"] = transformers.__version__
+except ImportError:
+    info["transformers"] = None
+print(json.dumps(info))
+EOF
+}
+
+# job NAME STEPS [--set ...]: the command line's training job on one rank; prints the
+# run's summary.json as one JSON line
+job() {
+    local name=$1 steps=$2 dir="${TMPDIR:-/tmp}/gpu_check_run_$1"
+    shift 2
+    rm -rf "$dir"
+    "$PY" -m disttrain train --nproc 1 --quiet --run-dir "$dir" \
+        --set train.steps="$steps" --set train.log_every=10 --set checkpoint.every=0 "$@" \
+        || return
+    "$PY" -c 'import json,sys; s=json.load(open(sys.argv[1])); s["check"]=sys.argv[2]; print(json.dumps(s))' \
+        "$dir/summary.json" "$name"
+    rm -rf "$dir"
+}
+
+export -f env_report job
+export DEST PY
+run env 60 env_report
+json_lines env
+run mfu_eager 120 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}"
+json_lines mfu_eager
+run default 75 job default "$JOB_STEPS"
+json_lines default
+run llama 75 job llama "$JOB_STEPS" --set model.name=llama --set train.precision=bf16
+json_lines llama
+run set 240 "$PY" -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider "${SET_WORKERS[@]}"
+run mfu_compile 180 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}" --compile
+json_lines mfu_compile
+
+echo "=== results ($DEST/results.jsonl)"
+cat "$DEST/results.jsonl"
+echo "=== summary"
+cat "$DEST/summary.txt"
+! grep -q FAILED "$DEST/summary.txt"

@@ -60,3 +60,16 @@ def test_decorator_runs_body_on_every_rank():
 def test_an_unknown_backend_is_refused_before_anything_is_spawned():
     with pytest.raises(ValueError, match="backend='mpi'"):
         run_distributed(_sum_of_ranks, 1, args=(1.0,), backend="mpi")
+
+
+def test_a_process_that_initialised_cuda_spawns_its_gloo_ranks(monkeypatch):
+    """Seen on an H100 (2026-11-26): a Gloo world forked from a pytest process that had
+    run autograd on CUDA failed in every rank ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"). Such a process spawns."""
+    from disttrain import testing
+
+    monkeypatch.setenv(testing.START_METHOD_ENV, "fork")
+    assert testing.default_start_method("gloo") == "fork"
+    assert testing.default_start_method("nccl") == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert testing.default_start_method("gloo") == "spawn"

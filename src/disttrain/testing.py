@@ -62,13 +62,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
     used its intra-op threads is safe; never after touching CUDA, never with NCCL).
     Default: ``$DISTTRAIN_TEST_START_METHOD`` (the test suite sets ``fork``) for Gloo,
     else ``spawn``; and ``spawn`` whenever this process has a process group of its own
-    (a forked rank would inherit it)."""
+    (a forked rank would inherit it) or has initialised CUDA (a forked rank could use
+    neither CUDA nor autograd: autograd's device threads do not survive a fork)."""
     if start_method is None:
-        import torch.distributed as dist
-
-        start_method = os.environ.get(START_METHOD_ENV) or "spawn"
-        if backend != "gloo" or dist.is_initialized():
-            start_method = "spawn"
+        start_method = default_start_method(backend)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: use 'gloo' or 'nccl'")
     if start_method not in ("spawn", "fork") or (start_method, backend) == ("fork", "nccl"):
@@ -93,6 +90,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+def default_start_method(backend: str) -> str:
+    """``spawn``, or ``$DISTTRAIN_TEST_START_METHOD`` for a Gloo world started from a
+    process that holds no process group and has not initialised CUDA."""
+    import torch
+    import torch.distributed as dist
+
+    if backend != "gloo" or dist.is_initialized() or torch.cuda.is_initialized():
+        return "spawn"
+    return os.environ.get(START_METHOD_ENV) or "spawn"
 
 
 def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> list[Any]:

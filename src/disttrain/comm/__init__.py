@@ -1,5 +1,7 @@
 """Communication: every collective disttrain issues goes through a Communicator."""
 
-from .collectives import CollectiveLedger, CollectiveRecord, Communicator, ReduceOp
+from .collectives import (CollectiveLedger, CollectiveRecord, Communicator, ReduceOp,
+                          control_beside)
 
-__all__ = ["CollectiveLedger", "CollectiveRecord", "Communicator", "ReduceOp"]
+__all__ = ["CollectiveLedger", "CollectiveRecord", "Communicator", "ReduceOp",
+           "control_beside"]

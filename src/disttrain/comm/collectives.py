@@ -385,3 +385,14 @@ class Communicator:
             tensor, group=self.group, tag=tag), True)
         work.wait()
         return work.work._source_rank()
+
+
+def control_beside(comm: Communicator) -> Communicator:
+    """A Gloo (CPU) communicator over ``comm``'s ranks, for control messages whose
+    values the host reads: ``comm`` itself when it is on the CPU already, else a new
+    group (every rank of ``comm`` must call this at the same point)."""
+    if comm.device.type == "cpu":
+        return comm
+    ranks = dist.get_process_group_ranks(comm.group)
+    return Communicator(dist.new_group(ranks, backend="gloo"), comm.ledger,
+                        f"{comm.name}-control", control=True)

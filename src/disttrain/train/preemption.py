@@ -2,7 +2,10 @@
 
 The handler only records the signal; after each step the ranks take the largest
 recorded signal number in one all-reduce of one integer, so a signal that reaches the
-ranks at different moments still stops them all after the same step.
+ranks at different moments still stops them all after the same step. That all-reduce
+runs on a CPU (Gloo) group: on a GPU, an all-reduce on the device group read back by
+the host would wait for the step's queued work every step, and the GPU would then idle
+while the host prepared the next one.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class SignalStop:
     """Records SIGTERM / SIGINT while :meth:`catching`; :meth:`agreed` says whether
-    any rank got one."""
+    any rank got one. ``world``: a communicator over every rank on the CPU (Gloo)."""
 
     def __init__(self, world: Communicator) -> None:
+        if world.device.type != "cpu":
+            raise ValueError(f"SignalStop agrees over a CPU group; {world.name!r} is on "
+                             f"{world.device}")
         self.world = world
         self.received = 0  # the signal number this rank got, 0 for none
 
@@ -44,6 +50,8 @@ class SignalStop:
 
     def agreed(self) -> int:
         """The largest signal number any rank received (0: none); a collective."""
+        if self.world.size == 1:
+            return self.received
         flag = self.world.zeros(1, dtype=torch.int32)
         flag.fill_(self.received)
         self.world.all_reduce(flag, op=ReduceOp.MAX)

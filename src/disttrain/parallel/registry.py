@@ -107,10 +107,17 @@ def get_strategy(config: Config) -> Strategy:
 
 # --------------------------------------------------------------------- built-ins
 def _build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
+    reduce_dtype = WIRE_DTYPES[ctx.parallel.grad_reduce_dtype]
+    codec = build_codec(ctx.comm, ctx.seed)
+    grads: GradSync
+    if ctx.dp_comm.size == 1 and codec is None and reduce_dtype == torch.float32:
+        # nothing to reduce: the gradients autograd accumulates, as a plain loop's
+        # (a lower-precision wire or a codec still rounds them as a larger dp would)
+        grads = LocalGradients(ctx.module, ctx.dp_comm, broadcast=False,
+                               zeros_for_unused=True)
+        return grads, ReplicatedState(ctx.module, ctx.placement, 0, 1)
     grads = DataParallel(ctx.module, ctx.dp_comm, int(ctx.parallel.bucket_mb * 2**20),
-                         tracer=ctx.tracer,
-                         reduce_dtype=WIRE_DTYPES[ctx.parallel.grad_reduce_dtype],
-                         codec=build_codec(ctx.comm, ctx.seed))
+                         tracer=ctx.tracer, reduce_dtype=reduce_dtype, codec=codec)
     grads.broadcast_parameters()
     return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
                                   ctx.dp_comm.size)

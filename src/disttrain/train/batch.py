@@ -138,14 +138,16 @@ def causal_lm_loss(outputs: Any, labels: torch.Tensor, token_loss: TokenLoss | N
 
 def loss_sum_and_terms(loss_fn: LossFn | None, outputs: Any, batch: Batch,
                        token_loss: TokenLoss | None = None
-                       ) -> tuple[torch.Tensor, int, bool]:
+                       ) -> tuple[torch.Tensor, int | torch.Tensor, bool]:
     """(summed loss, loss terms, whether terms are samples): ``loss_fn`` returns a
     micro-batch mean or a (sum, count) pair; None is the batch's default loss (computed
-    by ``token_loss``)."""
+    by ``token_loss``). A count the loss gives as a tensor stays one: reading it on the
+    host would wait for the forward on a GPU, and the host could not queue the
+    backward ahead of it."""
     result = (batch.default_loss(outputs, token_loss) if loss_fn is None
               else loss_fn(outputs, batch.targets))
     if isinstance(result, tuple):
         loss_sum, count = result
-        return loss_sum, int(count), False
+        return loss_sum, count if isinstance(count, torch.Tensor) else int(count), False
     n = len(batch.targets)
     return result * n, n, True

@@ -43,7 +43,7 @@ def count_flops_per_term(model: nn.Module, batch: Batch, loss_fn: LossFn | None,
             loss_sum, count, _ = loss_sum_and_terms(loss_fn, outputs, batch)
         _backward_dropping_grads(loss_sum.float(),
                                  [p for p in params.values() if p.requires_grad])
-    return counter.get_total_flops() / max(count, 1)
+    return counter.get_total_flops() / max(int(count), 1)
 
 
 def _backward_dropping_grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> None:

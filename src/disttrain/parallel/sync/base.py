@@ -91,13 +91,20 @@ class LocalGradients:
     its own gradient, normalised by its own loss-term count.
 
     Parameters and buffers are broadcast from dp rank 0 once, so replicas start equal.
+    ``zeros_for_unused``: a parameter that got no gradient in a step gets a zero one,
+    as a data-parallel bucket would give it, so the optimizer still steps it (weight
+    decay, momentum); otherwise it keeps None and the optimizer skips it. Data
+    parallelism over a group of one rank is this class with zeros: nothing to reduce,
+    so no buckets, hooks or copies (autograd's own accumulation, as in a plain loop).
     """
 
     grad_replicas = 1  # each rank's own gradient: its norm is local
 
-    def __init__(self, model: nn.Module, comm: Communicator, broadcast: bool = True) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, broadcast: bool = True,
+                 zeros_for_unused: bool = False) -> None:
         self.model, self.comm = model, comm
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.zeros_for_unused = zeros_for_unused
         if broadcast:
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
@@ -129,6 +136,8 @@ class LocalGradients:
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
+            elif self.zeros_for_unused:
+                p.grad = torch.zeros_like(p)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """This rank's gradient norm; clip if ``max_norm > 0``."""

@@ -9,8 +9,9 @@ checkpoints off and a small held-out evaluation:
 - balance: rank 1 is slowed ``--slow`` times by an injected per-step delay
   (``DISTTRAIN_SLOW=1:FACTOR``: after its backward passes the rank sleeps FACTOR - 1
   times its compute time, so the delay scales with the samples it is given). Throughput
-  is training samples per second of training time (``summary.json``: samples_seen over
-  train_time_s, rank 0, whose step time includes waiting for the slow rank), with
+  is training samples per second of the steps' wall time (``summary.json``: samples_seen
+  over train_time_s, rank 0: the wall-clock time of the same number of steps, waiting
+  for the slow rank included, evaluations not), with
   ``parallel.balance = static`` and ``dynamic``; runs alternate static, dynamic, ... so
   drifting machine load hits both alike.
 - monitoring: no slow rank; the default monitoring (the hang watchdog, a metrics record

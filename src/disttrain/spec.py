@@ -132,6 +132,22 @@ def output_logits(outputs: Any) -> torch.Tensor:
                     "a tuple, or an object with 'logits', or pass loss_fn")
 
 
+def with_logits(outputs: Any, logits: torch.Tensor) -> Any:
+    """``outputs`` with its logits (as :func:`output_logits` finds them) replaced by
+    ``logits``; the rest of a tuple or mapping kept."""
+    if isinstance(outputs, torch.Tensor):
+        return logits
+    if isinstance(outputs, Mapping):
+        fields = {**outputs, "logits": logits}
+        try:
+            return type(outputs)(**fields)  # a model output class keeps its type
+        except TypeError:
+            return fields
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)([logits, *outputs[1:]])
+    raise TypeError(f"cannot find logits in a {type(outputs).__name__}")
+
+
 _RECOGNISERS: list[Callable[[nn.Module], ModelSpec | None]] = []
 
 

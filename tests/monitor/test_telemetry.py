@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
-from support import fit_tiny
+from support import fit_tiny, tiny_config
 
 from disttrain.faults import SLOW_ENV
 from disttrain.parallel.balance import split_by_rate, split_evenly
@@ -76,3 +77,23 @@ def test_trace_holds_spans_from_every_rank(tmp_path):
         assert any(n.startswith("all_reduce bucket") for n in names)
     assert all(e["dur"] >= 0 and isinstance(e["ts"], float) for e in spans)
     assert not list(tmp_path.glob("trace-rank*.json"))  # merged
+
+
+@pytest.mark.parametrize("balance", ["static", "dynamic"])
+def test_throughput_counts_the_wait_for_a_slow_rank(tmp_path, monkeypatch, balance):
+    """With rank 1 twice as slow, rank 0 waits for it at each step boundary, outside its
+    own step: the summary's tokens/s is over the steps' wall time, so it stays within
+    10% of the tokens trained over the loop's wall time (two evaluations of 2 samples
+    are all the loop adds). Over rank 0's own step time it read about 2x too high."""
+    monkeypatch.setenv(SLOW_ENV, "1:2")
+    run_distributed(fit_tiny, 2, args=(24, str(tmp_path)), timeout=180,
+                    kwargs={"balance": balance, "eval_samples": 2, "log_every": 4})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    seq_len = tiny_config().model.seq_len
+    by_the_clock = summary["samples_seen"] * seq_len / summary["wall_time_s"]
+    assert abs(summary["tokens_per_s"] / by_the_clock - 1) <= 0.10, summary
+    records = _records(tmp_path)
+    assert summary["busy_time_s"] < summary["train_time_s"] <= summary["wall_time_s"]
+    assert all(r["tokens_per_s"] == pytest.approx(
+        4 * summary["global_batch"] * seq_len / (4 * r["step_time_s"]), rel=1e-6)
+        for r in records)

@@ -60,7 +60,16 @@ def _config(layout: tuple[int, int, int] = (1, 1, 1), schedule: str | None = Non
                                "monitor": {"peak_tflops": 1.0}})
 
 
-def _fit(run_dir: str, **kw) -> None:
+def smoothed_loss(logits: torch.Tensor, targets: torch.Tensor):
+    """A loss the vocabulary-parallel cross-entropy does not compute: label smoothing
+    0.1 (summed over the counted positions, with their count)."""
+    keep = targets != -1
+    loss = torch.nn.functional.cross_entropy(logits[keep].float(), targets[keep],
+                                             label_smoothing=0.1, reduction="sum")
+    return loss, keep.sum()
+
+
+def _fit(run_dir: str, loss_fn=None, **kw) -> None:
     from disttrain import Trainer
     from disttrain.data import collate_token_batch
     from disttrain.models import GPT, token_loss
@@ -68,7 +77,7 @@ def _fit(run_dir: str, **kw) -> None:
     cfg = _config(**kw)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
-    Trainer(model, SyntheticTokens(mask=True), token_loss, cfg, run_dir=run_dir,
+    Trainer(model, SyntheticTokens(mask=True), loss_fn or token_loss, cfg, run_dir=run_dir,
             collate_fn=collate_token_batch, progress=False).fit()
 
 
@@ -177,3 +186,30 @@ def test_invalid_pipeline_and_tensor_layouts_are_refused_with_the_fix(parallel, 
         resolve(load_config(values=values), 8)
     assert info.value.field == field and info.value.fix
     assert "\n" not in str(info.value)
+
+
+def _fit_smoothed(root: str, layouts: list[tuple]) -> None:
+    for name, layout, schedule, extra in layouts:
+        _fit(f"{root}/{name}", loss_fn=smoothed_loss, layout=layout, schedule=schedule,
+             extra=extra)
+
+
+def test_a_custom_loss_under_a_vocabulary_parallel_head_is_honoured(tmp_path):
+    """The head's logits are sharded over tp: the user's loss (label smoothing) gets the
+    gathered logits and trains the one-process run's weights, at tp 2 (with and without
+    sequence parallelism) and in a (1, 2, 2) pipeline; it is never swapped for the plain
+    causal-LM loss, whose weights differ from it by far more than the tolerance."""
+    run_distributed(_fit_smoothed, 1, args=(str(tmp_path), [("ref", (1, 1, 1), None, None)]),
+                    timeout=120)
+    run_distributed(_fit, 1, args=(str(tmp_path / "plain"),), timeout=120)
+    cases = [("tp2", (1, 1, 2), None, None),
+             ("tp2-sp", (1, 1, 2), None, {"parallel": {"sequence_parallel": True}})]
+    run_distributed(_fit_smoothed, 2, args=(str(tmp_path), cases), timeout=180)
+    run_distributed(_fit_smoothed, 4, args=(str(tmp_path), [("pp2tp2", (1, 2, 2), "1f1b",
+                                                              None)]), timeout=180)
+    ref = _weights(tmp_path / "ref")
+    for name in ("tp2", "tp2-sp", "pp2tp2"):
+        _assert_close(_weights(tmp_path / name), ref, 1e-4, name)
+    plain = _weights(tmp_path / "plain")
+    assert max((plain[k] - ref[k]).abs().max().item() for k in ref) > 1e-3
+

@@ -162,14 +162,17 @@ def _recognise(model: nn.Module) -> ModelSpec | None:
     return gpt_spec(model.cfg) if isinstance(model, GPT) else None
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over target positions != IGNORE_INDEX, and their count.
+def token_loss(logits: torch.Tensor, targets: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy over target positions != IGNORE_INDEX, and their count (a
+    0-dim int64 tensor on the targets' device: reading it on the host would make a GPU
+    step wait for its forward).
 
     logits: [B, T, V]; targets: [B, T]. The trainer divides by the global count.
     """
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, int((targets != IGNORE_INDEX).sum())
+    return loss, (targets != IGNORE_INDEX).sum()
 
 
 def num_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:

@@ -29,7 +29,12 @@ class StepStats:
 
 
 class StatsWindow:
-    """Sums StepStats between two logged steps."""
+    """Sums StepStats between two logged steps, and the wall time those steps took.
+
+    ``wall_s`` is what throughput divides by: the wall-clock time of the steps, all of
+    it (waiting for other ranks, the work between steps) but held-out evaluation; a
+    rank's own ``total_s`` leaves out the time it waits outside its step (e.g. for a
+    slow rank at the step boundary), so a rate over it overstates the real one."""
 
     def __init__(self) -> None:
         self.reset()
@@ -38,6 +43,11 @@ class StatsWindow:
         self.steps = 0
         self.sum = StepStats()
         self.loss_weighted = 0.0
+        self.wall_s = 0.0
+
+    def add_wall(self, seconds: float) -> None:
+        """Wall-clock seconds the window's steps took (the loop measures them)."""
+        self.wall_s += seconds
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -52,7 +62,19 @@ class StatsWindow:
         return getattr(self.sum, name) / max(self.steps, 1)
 
     def terms_per_s(self) -> float:
-        return self.sum.terms / max(self.sum.total_s, 1e-9)
+        """Loss terms (tokens) per second of wall time."""
+        return self.sum.terms / max(self.wall_s, 1e-9)
+
+    def samples_per_s(self, global_batch: int) -> float:
+        """Global samples per second of wall time."""
+        return self.steps * global_batch / max(self.wall_s, 1e-9)
+
+    def wall_per_step(self) -> float:
+        return self.wall_s / max(self.steps, 1)
+
+    def busy_s(self) -> float:
+        """This rank's time inside its steps, less the time blocked in collectives."""
+        return self.sum.total_s - self.sum.comm_s
 
 
 def memory_mb(device: torch.device) -> tuple[float, float]:

@@ -70,7 +70,7 @@ class Telemetry:
         def mean(key: str) -> float:
             return sum(r[key] for r in ranks) / len(ranks)
         return dict(loss=w.loss(), tokens_per_s=w.terms_per_s(),
-                    step_time_s=w.per_step(RANK_TOTAL_S),
+                    step_time_s=w.wall_per_step(),
                     time_compute_s=mean(RANK_COMPUTE_S), time_comm_s=mean(RANK_COMM_S),
                     time_data_s=mean(RANK_DATA_S), time_optim_s=mean(RANK_OPTIM_S),
                     mem_peak_mb=max(r[MEM_PEAK_MB] for r in ranks),

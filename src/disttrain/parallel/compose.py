@@ -91,6 +91,18 @@ class Parallelized:
         for part in self.followers:
             part.follow(optimizer)
 
+    def loss_for(self, loss_fn: Callable[..., Any] | None, plain: Callable[..., Any]
+                 ) -> Callable[..., Any] | None:
+        """The loss a step calls for the user's ``loss_fn`` (None: the batch's default
+        loss, computed by :attr:`token_loss`). With the head's logits sharded over the
+        vocabulary, ``plain`` (the causal-LM token loss) becomes the default loss's
+        vocabulary-parallel form, and any other ``loss_fn`` gets the full logits."""
+        if self.token_loss is None or loss_fn is None:
+            return loss_fn
+        if loss_fn is plain:
+            return None
+        return self.mp.tp.full_logits_loss(loss_fn)
+
     def describe(self) -> str:
         """This rank's part, in one line (for the start-up banner)."""
         stage = f" (ZeRO-{self.zero_stage})" if self.zero_stage else ""

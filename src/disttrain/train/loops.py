@@ -75,7 +75,11 @@ class StepLoop:
     @staticmethod
     def _steps(trainer: Trainer, totals: StatsWindow, recent: deque[float],
                last_eval: float | None) -> float | None:
+        """The steps. Each step's wall time runs from the end of the previous one's
+        timing to the end of its own checkpoint work, less its evaluation: it holds the
+        step, any wait for other ranks at the boundary, logging and saving."""
         train = trainer.config.train
+        mark = time.perf_counter()
         for step in range(trainer.start_step, train.steps):
             stats = trainer.train_step(step)
             totals.add(stats)
@@ -85,11 +89,18 @@ class StepLoop:
             done = step + 1
             evaluate_now = done % eval_interval(train.eval_every, train.steps,
                                                 train.log_every) == 0
+            evaluating = 0.0
             if evaluate_now or done == train.steps:
+                started = time.perf_counter()
                 last_eval = trainer.evaluate()
                 trainer.callbacks.eval(trainer, done, last_eval)
+                evaluating = time.perf_counter() - started
             trainer.maybe_checkpoint(done)
             maybe_fail("train.step", trainer.rank, done)
+            now = time.perf_counter()
+            for window in (totals, trainer.telemetry.window):
+                window.add_wall(now - mark - evaluating)
+            mark = now
             if done % train.log_every == 0 or done == train.steps or evaluate_now:
                 trainer.log(done, last_eval if evaluate_now or done == train.steps
                             else None)
@@ -122,6 +133,7 @@ class ParameterServerLoop:
         trainer.position = result["samples"]
         totals = StatsWindow()
         totals.add(StepStats(terms=result["terms"], total_s=result["loop_s"]))
+        totals.add_wall(result["loop_s"])
         final_eval = trainer.evaluate()
         trainer.callbacks.eval(trainer, train.steps, final_eval)
         return LoopResult(initial_eval, final_eval, totals, result["train_loss"],

@@ -39,6 +39,7 @@ from ..errors import CheckpointSaveError, DivergenceError, Interrupted, UserErro
 from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
+from ..models import token_loss
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
 from ..monitor.callbacks import Callback, Callbacks
@@ -214,10 +215,9 @@ class Trainer:
         self.parallel = compose(self.model, self.spec, self.config, self.topology,
                                 self.groups, micro_batches=self.plan.batch.grad_accum,
                                 num_samples=len(self.dataset), tracer=self.tracer)
-        if self.parallel.token_loss is not None:
-            # the head's logits are sharded over the vocabulary: the loss is the batch's
-            # causal-LM loss computed on the shards, not a loss_fn that would see them
-            self.loss_fn = None
+        # a head sharded over the vocabulary: the causal-LM loss on the shards, any
+        # other loss on the gathered logits (never swapped for another loss)
+        self.loss_fn = self.parallel.loss_for(self.loss_fn, token_loss)
         self.optimizer = build_optimizer(
             self.parallel.module, train, self.plan.lr,
             self.parallel.state.optimizer_groups(train.weight_decay), self.groups.dp)
@@ -487,8 +487,7 @@ class Trainer:
         window, scaler = self.telemetry.window, self.stepper.scaler
         record = MetricsRecord(
             step=step, lr=self.current_lr, grad_norm=self.stepper.grad_norm,
-            samples_per_s=window.steps * self.plan.batch.global_batch
-            / max(window.sum.total_s, 1e-9),
+            samples_per_s=window.samples_per_s(self.plan.batch.global_batch),
             samples_seen=self.position, shares=list(self.splitter.shares),
             checkpoint_stall_s=self.checkpoints.stall_s,
             loss_scale=scaler.scale if scaler.enabled else None,
@@ -517,7 +516,9 @@ class Trainer:
             "global_batch": self.plan.batch.global_batch,
             "final_train_loss": result.final_loss,
             "initial_eval_loss": result.initial_eval, "final_eval_loss": result.final_eval,
-            "wall_time_s": result.wall_time, "train_time_s": result.totals.sum.total_s,
+            "wall_time_s": result.wall_time, "train_time_s": result.totals.wall_s,
+            "busy_time_s": result.totals.busy_s(),
+            "comm_wait_s": result.totals.sum.comm_s, "data_time_s": result.totals.sum.data_s,
             "tokens_per_s": result.totals.terms_per_s(),
             "samples_seen": self.position, "run_dir": str(self.run_dir),
             "parameters": self.total_params,

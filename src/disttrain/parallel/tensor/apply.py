@@ -26,15 +26,18 @@ positions) itself. With dropout 0 it computes what the full model computes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
 from ...errors import ConfigError
-from ...spec import ModelSpec, spec_for
-from .functions import scatter_to_sequence_region, vocab_parallel_token_loss
+from ...spec import ModelSpec, output_logits, spec_for, with_logits
+from .functions import (gather_from_tp_region, scatter_to_sequence_region,
+                        vocab_parallel_token_loss)
 from .layers import (
     Box,
     ShardedModule,
@@ -107,6 +110,19 @@ class TensorParallel:
         loss, count = vocab_parallel_token_loss(logits, targets, self.comm,
                                                 ignore_index=ignore)
         return loss, torch.tensor(count)
+
+    def full_logits_loss(self, loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """``loss_fn`` called on the full logits: the local ones [B, T, V/tp] are
+        all-gathered over tp first (each rank keeps its block of their gradient), so a
+        loss the vocabulary-parallel cross-entropy does not cover (label smoothing,
+        weights, masks) computes what it computes in one process. Every tp rank then
+        holds [B, T, V] logits for it, as one process would."""
+        comm = self.comm
+
+        def on_full_logits(outputs: Any, targets: Any) -> Any:
+            full = gather_from_tp_region(output_logits(outputs), comm)
+            return loss_fn(with_logits(outputs, full), targets)
+        return on_full_logits
 
     def boxes(self, name: str) -> list[Box]:
         """Where this rank's tensor for parameter ``name`` lies in the global tensor."""

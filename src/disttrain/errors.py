@@ -125,6 +125,15 @@ class DivergenceError(TrainingStopped):
                          "to skip such steps)")
 
 
+class TensorParallelGradientError(TrainingStopped):
+    """At the first step, a parameter every tp rank should compute alike got different
+    gradients on different tp ranks: the model's tensor-parallel plan misclassifies it
+    (e.g. a per-head norm declared replicated). Stopped before any update; refused input,
+    so exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
 class CheckpointSaveError(TrainingStopped):
     """A checkpoint could not be written; its staging directory was removed and the
     previous checkpoint is untouched."""

@@ -15,8 +15,10 @@ knows a model class. The built-in GPT ships its spec (:func:`disttrain.models.gp
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -66,6 +68,9 @@ class ModelSpec:
     ``sequence_divisor``: the dimension sequence parallelism splits. ``config_json``:
     the model's own configuration (a transformers ``config.json``), kept in the run
     directory so the weights can be exported in the model's own format.
+    ``tp_refusal``: why this model's structure cannot run under its tp plan (a
+    parameter the plan cannot classify, see :func:`classify_tp_params`), found when the
+    spec was read off the model; validation refuses ``parallel.tp > 1`` with it.
     """
 
     blocks: str | None
@@ -88,6 +93,7 @@ class ModelSpec:
     flops_per_token: int | None = None
     sequence_divisor: Divisor | None = None
     config_json: str | None = None
+    tp_refusal: str | None = None
 
     @property
     def can_pipeline(self) -> bool:
@@ -146,6 +152,119 @@ def with_logits(outputs: Any, logits: torch.Tensor) -> Any:
     if isinstance(outputs, (tuple, list)):
         return type(outputs)([logits, *outputs[1:]])
     raise TypeError(f"cannot find logits in a {type(outputs).__name__}")
+
+
+# ----------------------------------------------------------- tensor-parallel plans
+# A plan maps module-name patterns (fnmatch) to styles; disttrain.parallel.tensor applies
+# it. Swapped styles replace the module by a sharded one: ``colwise`` / ``colwise_qkv``
+# (output features sharded), ``rowwise`` (input features sharded), ``vocab`` /
+# ``vocab_head`` (vocabulary rows sharded). The others keep the module whole and say how
+# its parameters see the activations: ``partial`` (this rank's heads or features only:
+# each rank's gradient is a partial sum, summed over tp), ``replicated`` (the whole
+# activation: the same gradient on every tp rank), ``sequence`` (replicated; under
+# sequence parallelism it runs on this rank's positions, so partial), ``split_sequence``
+# (replicated; its output starts the sequence-parallel region).
+TP_COLUMN = ("colwise", "colwise_qkv")
+TP_SWAPPED = (*TP_COLUMN, "rowwise", "vocab", "vocab_head")
+TP_STYLES = (*TP_SWAPPED, "partial", "replicated", "sequence", "split_sequence")
+# what a parameter is under a plan, for its gradient
+SHARDED, IDENTICAL, PARTIAL = "sharded", "identical", "partial"
+
+
+class UnclassifiedParameter(ValueError):
+    """A parameter inside a tensor-parallel region that the plan does not classify."""
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, str]]:
+    """[(module name, style)] in module order, vocab heads last (they reuse the
+    embedding's shard). Each pattern must match a module and name a known style; the
+    first matching pattern wins."""
+    for pattern, style in plan.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; "
+                             f"choose one of {', '.join(TP_STYLES)}")
+    names = [n for n, _ in model.named_modules() if n]
+    unused = [p for p in plan if not any(fnmatchcase(n, p) for n in names)]
+    if unused:
+        raise ValueError(f"plan patterns {unused} match no module of the model; "
+                         "fix or remove them")
+    targets = []
+    for n in names:
+        style = next((s for p, s in plan.items() if fnmatchcase(n, p)), None)
+        if style is not None:
+            targets.append((n, style))
+    return sorted(targets, key=lambda t: t[1] == "vocab_head")
+
+
+def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """Every parameter of the unsharded ``model`` (first name of a tied one) -> what it
+    is under ``plan`` without sequence parallelism: :data:`SHARDED` (a swapped module's
+    weight, a column-parallel bias), :data:`PARTIAL` (a ``partial`` module's) or
+    :data:`IDENTICAL` (a row-parallel bias, and everything outside the tensor-parallel
+    regions: it sees the whole activation). A region is a module holding a column- or
+    row-parallel child (an attention, an MLP); a parameter inside one that the plan
+    does not name raises :class:`UnclassifiedParameter`, naming it and the plan entry
+    to add. Works on a model on the meta device."""
+    styles = dict(match_plan(model, plan))
+    regions = sorted({n.rpartition(".")[0] for n, s in styles.items()
+                      if s in (*TP_COLUMN, "rowwise")})
+    kinds: dict[str, str] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        style = styles.get(mod_name)
+        for p_name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if style in TP_SWAPPED:
+                kinds[name] = IDENTICAL if (style, p_name) == ("rowwise", "bias") else SHARDED
+            elif style == "partial":
+                kinds[name] = PARTIAL
+            elif style is not None:
+                kinds[name] = IDENTICAL
+            else:
+                region = next((r for r in regions if _inside(mod_name, r)), None)
+                if region is not None:
+                    raise UnclassifiedParameter(_unclassified(model, name, mod_name, p,
+                                                              region, styles))
+                kinds[name] = IDENTICAL
+    return kinds
+
+
+def _inside(module: str, region: str) -> bool:
+    return not region or module == region or module.startswith(region + ".")
+
+
+def _unclassified(model: nn.Module, name: str, module: str, p: torch.Tensor, region: str,
+                  styles: Mapping[str, str]) -> str:
+    """The one-line refusal for ``name``: where it is, what its size suggests, and the
+    plan entry that would classify it."""
+    widths = {n: _out_width(model.get_submodule(n)) for n, s in styles.items()
+              if s in TP_COLUMN and _inside(n, region)}
+    whole = [n for n, w in widths.items() if w == p.numel()]
+    where = (f"parameter {name!r} sits inside the tensor-parallel region "
+             f"{region or '(the model)'!r}")
+    if whole:
+        return (f"{where}, and its {p.numel()} values match the whole output width of "
+                f"{whole[0]!r}, of which each tp rank holds only its part: an operation "
+                "over that whole width (a norm) cannot run exactly on one rank's part, so "
+                "this model's attention cannot be sharded this way; set parallel.tp=1")
+    pattern = re.sub(r"\.\d+(?=\.|$)", ".*", module)
+    return (f"{where} and the plan does not say how it sees the sharded activations: "
+            f"if it acts on each rank's own heads or features alone (a per-head norm or "
+            f"scale), add {pattern!r}: 'partial' to the model's tp_plan "
+            f"(ModelSpec.tp_plan; its gradient is then summed over tp); if it sees the "
+            f"whole activation, {pattern!r}: 'replicated'; otherwise set parallel.tp=1")
+
+
+def _out_width(m: nn.Module) -> int:
+    """The output features of a linear-like module ([out, in] nn.Linear, or a
+    transposed [in, out] weight)."""
+    if isinstance(m, nn.Linear):
+        return m.out_features
+    w = getattr(m, "weight", None)
+    return int(w.shape[-1]) if isinstance(w, torch.Tensor) and w.dim() == 2 else -1
 
 
 _RECOGNISERS: list[Callable[[nn.Module], ModelSpec | None]] = []

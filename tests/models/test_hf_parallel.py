@@ -1,7 +1,9 @@
 """Tensor, pipeline and hybrid parallelism on Hugging Face transformers models, found by
 their module structure: tiny 4-block GPT-2 (fused, transposed ``c_attn`` cut per head,
-tied head) and Llama (q/k/v/o and gate/up/down, grouped-query attention with 2 key/value
-heads for 4 query heads, untied head), random init, nothing downloaded.
+tied head), Llama (q/k/v/o and gate/up/down, grouped-query attention with 2 key/value
+heads for 4 query heads, untied head) and Qwen3 (Llama's projections plus per-head
+RMSNorms inside attention, whose gradients are partial sums over tp: at tp 2, (2, 1, 2)
+ZeRO-2 and (1, 2, 2)), random init, nothing downloaded.
 
 Every layout trains on dict batches with ``labels`` (-100 on left padding) and an
 ``attention_mask``, no ``loss_fn``, and must follow a plain single-process PyTorch loop
@@ -33,6 +35,13 @@ def _model(family: str) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if family == "qwen3":  # Llama-like, plus per-head RMSNorms q_norm / k_norm
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0))
     if family == "gpt2":
         return GPT2LMHeadModel(GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=LAYERS, n_head=4,
@@ -87,7 +96,7 @@ def _fit_cases(root: str, cases: list[tuple[str, str, dict, dict]]) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, torch.Tensor]]:
-    return {family: _reference(family) for family in FAMILIES}
+    return {family: _reference(family) for family in (*FAMILIES, "qwen3")}
 
 
 def _close(got: dict, want: dict, what: str) -> None:
@@ -105,12 +114,15 @@ def _check(got: dict, references: dict, cases: list) -> None:
         assert start == (4 if "resume_from" in train else 0), (family, name, start)
 
 
-WORLD2 = [(f, name, par, {}) for f in FAMILIES for name, par in (
+WORLD2 = [("qwen3", "tp2", {"tp": 2}, {})] + [(f, name, par, {}) for f in FAMILIES
+                                              for name, par in (
     ("tp2", {"tp": 2}),
     ("pp2-gpipe", {"pp": 2, "pp_schedule": "gpipe"}),
     ("pp2-1f1b", {"pp": 2, "pp_schedule": "1f1b"}),
     ("pp2-interleaved", {"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}))]
-WORLD4 = [(f, name, par, tr) for f in FAMILIES for name, par, tr in (
+WORLD4 = [("qwen3", "dp2-tp2-z2", {"dp": 2, "tp": 2, "zero": 2}, {}),
+          ("qwen3", "pp2-tp2", {"pp": 2, "tp": 2, "pp_schedule": "1f1b"}, {})] + [
+    (f, name, par, tr) for f in FAMILIES for name, par, tr in (
     ("dp2-pp2-z3", {"dp": 2, "pp": 2, "zero": 3}, {}),
     ("dp2-tp2-z2", {"dp": 2, "tp": 2, "zero": 2}, {}),
     ("pp2-tp2-ckpt", {"pp": 2, "tp": 2, "pp_schedule": "1f1b"},

@@ -191,6 +191,10 @@ class ParallelConfig:
                        "cost per block) or block indices, e.g. '0,3,5'")
     sequence_parallel: bool = _f(False, "tp > 1: norms and dropout on sequence shards "
                                  "(reduce-scatter / all-gather instead of all-reduce)")
+    tp_check_grads: bool = _f(True, "tp > 1: at the first step, compare across the tp "
+                              "ranks the gradients of the parameters every tp rank should "
+                              "compute alike, and stop before the update naming any that "
+                              "differ (one small all-gather, once per run)")
 
 
 @dataclass(kw_only=True)

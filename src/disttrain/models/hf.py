@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from ..config.schema import ModelConfig
-from ..spec import Divisor, ModelSpec, generic_spec, register_spec
+from ..spec import (Divisor, ModelSpec, UnclassifiedParameter, classify_tp_params,
+                    generic_spec, register_spec)
 
 # dimension -> the [model] key that sets it, for messages (model.name = gpt2 | llama)
 _MODEL_FIELDS = {"heads": "model.n_head", "kv_heads": "model.n_kv_head",
@@ -127,7 +128,13 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
         spec = dataclasses.replace(spec, inject=None)  # parameters outside the cut
     tp = _tp_layout(model, spec, names.get(id(head)) if head is not None else None,
                     emb_path, fields or {})
-    return dataclasses.replace(spec, **tp) if tp else spec
+    if not tp:
+        return spec
+    try:
+        classify_tp_params(model, tp["tp_plan"])
+    except UnclassifiedParameter as e:  # validation refuses parallel.tp > 1 with it
+        tp["tp_refusal"] = str(e)
+    return dataclasses.replace(spec, **tp)
 
 
 def _no_cache(model: nn.Module) -> dict[str, Any]:
@@ -260,11 +267,29 @@ def _llama_like(modules: dict[str, nn.Module], heads: int
         if not _linear(modules[mlp_names["gate_proj"]]):
             return None
         plan[mlp_names["gate_proj"]] = "colwise"
+    head_dim = modules[attn_names["q_proj"]].out_features // heads
+    plan |= {n: "partial" for n in _per_head_modules(modules, attn, head_dim)}
     parent = modules[attn] if attn else None
     # older transformers versions reshape by these counts; newer ones by -1
     attrs = [join(attn, a) for a in ("num_heads", "num_key_value_heads", "hidden_size")
              if isinstance(getattr(parent, a, None), int)]
     return plan, [], attrs, int(modules[mlp_names["up_proj"]].out_features)
+
+
+def _per_head_modules(modules: dict[str, nn.Module], attn: str, head_dim: int) -> list[str]:
+    """Modules inside the attention other than its projections whose every parameter
+    has ``head_dim`` values: per-head norms (Qwen3's, Gemma 3's ``q_norm`` / ``k_norm``),
+    which act on each head alone, so each tp rank's gradient is a partial sum. Anything
+    else inside the attention is left for the plan's classification to refuse."""
+    out = []
+    for name, m in modules.items():
+        if not (name.startswith(attn + ".") if attn else name) or name.endswith("_proj"):
+            continue
+        own = list(m.parameters(recurse=False))
+        if own and all(p.numel() == head_dim for p in own) and not any(
+                n.startswith(name + ".") for n in modules if n != name):
+            out.append(name)
+    return out
 
 
 def _gpt2_like(modules: dict[str, nn.Module], heads: int

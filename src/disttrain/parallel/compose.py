@@ -165,7 +165,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
         grads = OnebitGrads(grads, groups.dp)  # all-reduce once the variance is frozen
         followers.append(grads)
     if mp is not None:
-        grads = ModelParallelGrads(grads, mp, groups.world)
+        grads = ModelParallelGrads(grads, mp, groups.world, par.tp_check_grads)
     sync = build_sync(train, model, groups.dp, num_samples, config.comm)
     step = (PARAMETER_SERVER if sync.runs_own_loop
             else PIPELINE if mp is not None and mp.chunks else PLAIN)

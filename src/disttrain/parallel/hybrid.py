@@ -28,7 +28,8 @@ from torch import nn
 
 from ..comm import Communicator
 from ..config.schema import ParallelConfig
-from ..spec import ModelSpec, block_list
+from ..errors import TensorParallelGradientError
+from ..spec import IDENTICAL, ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
 from .clipping import clip_to_global_norm
 from .interfaces import GradSync, Work
@@ -156,8 +157,11 @@ class ModelParallelGrads:
     over every stage and shard, and the loss totals summed over the world (only the
     ranks that count the loss contribute)."""
 
-    def __init__(self, inner: GradSync, mp: ModelParallel, world: Communicator) -> None:
+    def __init__(self, inner: GradSync, mp: ModelParallel, world: Communicator,
+                 check_tp_grads: bool = True) -> None:
         self.inner, self.mp, self.world = inner, mp, world
+        # the first step's proof that the plan's identical gradients are identical
+        self.check_pending = check_tp_grads and mp.tp is not None
 
     @property
     def grad_replicas(self) -> int:
@@ -177,9 +181,13 @@ class ModelParallelGrads:
             totals.zero_()
         return self.world.all_reduce(totals, async_op=True)
 
-    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         self.inner.finish_gradient_sync(scale)
-        self.mp.fix_gradients({id(p): g for p, g in self.inner.gradient_pieces()})
+        pieces = self.inner.gradient_pieces()
+        self.mp.fix_gradients({id(p): g for p, g in pieces})
+        if self.check_pending:
+            self.check_pending = False
+            check_identical_grads(self.mp, pieces, self.world)
 
     def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return self.inner.gradient_pieces()
@@ -208,3 +216,45 @@ class ModelParallelGrads:
 
     def finalize(self) -> None:
         self.inner.finalize()
+
+
+def check_identical_grads(mp: ModelParallel, pieces: list[tuple[nn.Parameter, torch.Tensor]],
+                          world: Communicator) -> None:
+    """The first step's proof of the tensor-parallel classification: every parameter
+    classified as replicated with identical gradients must hold the same gradient on
+    every tp rank. Four checksums per parameter (sum, sum of squares, a position-weighted
+    sum, sum of magnitudes) are all-gathered over tp; a parameter whose checksums differ
+    by more than float noise (1e-4 of the checksum's size: the sum of magnitudes, or of
+    squares; the same sums in another order differ by ~1e-7) is named in a
+    :class:`~disttrain.errors.TensorParallelGradientError` raised on every rank (one
+    gather over the world, so ranks of other tp groups stop too). Raised before the
+    optimizer steps."""
+    checked = [(mp.placement.name(p), g) for p, g in pieces]
+    checked = [(name, g) for name, g in checked if mp.tp.kind(name) == IDENTICAL]
+    tp_comm, bad = mp.tp_comm, None
+    if checked:
+        sums = torch.stack([_checksums(g) for _, g in checked])  # [k, 4] float64
+        every = torch.stack(tp_comm.all_gather(sums.to(tp_comm.device)))  # [tp, k, 4]
+        spread = every.sub(every[0]).abs().amax(dim=0)[:, :3]  # [k, 3]
+        size = every.abs().amax(dim=0)  # each checksum's own magnitude bound: [k, 4]
+        scale = torch.stack([size[:, 3], size[:, 1], size[:, 3]], dim=1)
+        off = (spread > 1e-4 * scale + 1e-30).any(dim=1).tolist()
+        if any(off):
+            name = checked[off.index(True)][0]
+            bad = (f"at the first step, tensor-parallel rank(s) of group {tp_comm.name!r} "
+                   f"computed different gradients for {name!r}, which the model's tp plan "
+                   "classifies as replicated with identical gradients (it sees the whole "
+                   "activation); it sees only each rank's heads or features: classify it "
+                   "'partial' in the plan (ModelSpec.tp_plan), or set parallel.tp=1; "
+                   "stopped before the optimizer step")
+    found = [b for b in world.all_gather_object(bad) if b is not None]
+    if found:
+        raise TensorParallelGradientError(found[0])
+
+
+def _checksums(g: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares, position-weighted sum, sum of |g|] of ``g`` in float64."""
+    x = g.detach().reshape(-1).double()
+    ramp = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.float64) / x.numel()
+    return torch.stack([x.sum(), x.square().sum(), (x * ramp).sum(), x.abs().sum()])
+

@@ -10,12 +10,21 @@ A plan is data: module-name patterns (``fnmatch``, matched against
 - ``vocab``: ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
 - ``vocab_head``: ``nn.Linear`` -> :class:`VocabParallelHead` (local logits), sharing
   the vocab embedding's shard when the full head is tied to it
+- ``partial``: a replicated module inside a tensor-parallel region that acts on each
+  rank's own heads or features (a per-head norm): its gradients are partial sums over
+  tp, summed after the backward
+- ``replicated``: a replicated module that sees the whole activation (declared, so that
+  one inside a region is classified)
 - ``sequence``: a replicated module (a norm) that, under sequence parallelism, runs
   on this rank's positions only; its gradients are then partial sums over tp
 - ``split_sequence``: under sequence parallelism, this module's output is split along
   the sequence dim: the sequence-parallel region starts here
 
-The last two do nothing without sequence parallelism. Modules are swapped in place under
+The last two do nothing without sequence parallelism. Before anything is swapped, every
+parameter is classified (:func:`~disttrain.spec.classify_tp_params`): sharded,
+replicated with identical gradients on every tp rank, or replicated with partial ones;
+a parameter inside a region (an attention or MLP holding sharded projections) that the
+plan does not name is refused, since nothing would sum its gradients. Modules are swapped in place under
 the same attribute names, so ``named_parameters()`` keeps the unsharded model's names.
 
 With dropout > 0 the result equals the full model's in distribution only: each rank
@@ -35,7 +44,9 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...errors import ConfigError
-from ...spec import ModelSpec, output_logits, spec_for, with_logits
+from ...spec import (IDENTICAL, PARTIAL, SHARDED, TP_STYLES, TP_SWAPPED, ModelSpec,
+                     UnclassifiedParameter, classify_tp_params, match_plan, output_logits,
+                     spec_for, with_logits)
 from .functions import (gather_from_tp_region, scatter_to_sequence_region,
                         vocab_parallel_token_loss)
 from .layers import (
@@ -49,8 +60,8 @@ from .layers import (
     whole_box,
 )
 
-_SWAPPED = ("colwise", "colwise_qkv", "rowwise", "vocab", "vocab_head")
-STYLES = (*_SWAPPED, "sequence", "split_sequence")
+_SWAPPED = TP_SWAPPED
+STYLES = TP_STYLES
 
 
 class TensorParallelLayoutError(ConfigError, ValueError):
@@ -83,8 +94,10 @@ class TensorParallel:
 
     def __init__(self, comm: Communicator, boxes: dict[str, list[Box]],
                  sharded: set[int], partial: list[nn.Parameter],
-                 sequence_parallel: bool, vocab_sharded: bool = True) -> None:
+                 sequence_parallel: bool, vocab_sharded: bool = True,
+                 kinds: dict[str, str] | None = None) -> None:
         self.comm = comm
+        self._kinds = kinds or {}
         self.sequence_parallel = sequence_parallel
         self.vocab_sharded = vocab_sharded
         self._boxes, self._sharded, self._partial = boxes, sharded, partial
@@ -140,10 +153,21 @@ class TensorParallel:
         be summed over tp); False for a replicated one (count it once)."""
         return id(param) in self._sharded
 
+    def kind(self, name: str) -> str:
+        """What parameter ``name`` (its name in the full model, a tied alias too) is for
+        its gradient: :data:`~disttrain.spec.SHARDED`, :data:`~disttrain.spec.PARTIAL`
+        (summed over tp by :meth:`sync_replicated_grads`) or
+        :data:`~disttrain.spec.IDENTICAL` (every tp rank computes the same gradient)."""
+        try:
+            return self._kinds[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a parameter of the tensor-parallel model") from None
+
     @property
     def partial_params(self) -> list[nn.Parameter]:
-        """Replicated parameters whose gradients are partial sums per tp rank (sequence
-        parallelism's norms and row-parallel biases)."""
+        """Replicated parameters whose gradients are partial sums per tp rank (the
+        plan's ``partial`` modules; sequence parallelism's norms and row-parallel
+        biases)."""
         return list(self._partial)
 
     def sync_replicated_grads(self, grads: list[torch.Tensor] | None = None) -> None:
@@ -152,12 +176,13 @@ class TensorParallel:
         ``.grad``); call once after the backward passes of a step, before clipping and
         the optimizer step. Every tp rank must pass pieces of the same shapes.
 
-        Without sequence parallelism this is a no-op: every replicated parameter (norms,
-        row-parallel biases, position embedding) sees the full activations and the full
-        output gradient on every rank (the all-reduces of copy-to- and
-        reduce-from-tp-region make them identical), so its gradient is already complete.
-        Under sequence parallelism the norms and row-parallel biases see only this
-        rank's positions, so each rank holds a partial sum.
+        A replicated parameter outside the tensor-parallel regions (norms, row-parallel
+        biases, position embedding) sees the full activations and the full output
+        gradient on every rank (the all-reduces of copy-to- and reduce-from-tp-region
+        make them identical), so its gradient is already complete. A ``partial`` one
+        (a per-head norm) sees only this rank's heads, and under sequence parallelism the
+        norms and row-parallel biases see only this rank's positions: each rank holds a
+        partial sum of those.
         """
         if grads is None:
             grads = [p.grad for p in self._partial if p.grad is not None]
@@ -184,10 +209,17 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
                          "plan= (module-name pattern -> style)")
     plan = dict(spec.tp_plan if plan is None else plan)
     check_divisible(spec, comm.size, sequence_parallel=sequence_parallel)
-    targets = _match(model, plan)
+    targets = match_plan(model, plan)
     _check_ties(model, targets)
     transposed = {n for n, _ in targets
                   if any(fnmatchcase(n, p) for p in spec.tp_transposed)}
+    for name, style in targets:
+        if style in _SWAPPED:
+            _check_module(style, model.get_submodule(name), name in transposed)
+    try:
+        classify_tp_params(model, plan)  # before anything is swapped
+    except UnclassifiedParameter as e:
+        raise TensorParallelLayoutError("parallel.tp", comm.size, str(e)) from None
     if sequence_parallel and "split_sequence" not in plan.values():
         raise ValueError("sequence_parallel=True needs a 'split_sequence' entry in the "
                          "plan: the module whose output enters the sequence-parallel region")
@@ -198,7 +230,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
         if style in _SWAPPED:
             _swap(model, name, _build(style, module, comm, sequence_parallel, shards,
                                       transposed=name in transposed))
-        elif sequence_parallel and style == "sequence":
+        elif style == "partial" or (sequence_parallel and style == "sequence"):
             partial.extend(p for p in module.parameters() if p.requires_grad)
         elif sequence_parallel and style == "split_sequence":
             module.register_forward_hook(
@@ -206,26 +238,6 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
     _set_local_heads(model, comm.size, spec.tp_head_attrs)
     vocab_sharded = any(style == "vocab_head" for _, style in targets)
     return _handle(model, comm, partial, sequence_parallel, vocab_sharded)
-
-
-def _match(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
-    """[(module name, style)] in module order, vocab heads last (they reuse the
-    embedding's shard). Each pattern must match a module; the first match wins."""
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; "
-                             f"choose one of {', '.join(STYLES)}")
-    names = [n for n, _ in model.named_modules() if n]
-    unused = [p for p in plan if not any(fnmatchcase(n, p) for n in names)]
-    if unused:
-        raise ValueError(f"plan patterns {unused} match no module of the model; "
-                         "fix or remove them")
-    targets = []
-    for n in names:
-        style = next((s for p, s in plan.items() if fnmatchcase(n, p)), None)
-        if style is not None:
-            targets.append((n, style))
-    return sorted(targets, key=lambda t: t[1] == "vocab_head")
 
 
 def _check_ties(model: nn.Module, targets: list[tuple[str, str]]) -> None:
@@ -246,8 +258,8 @@ _EXPECTED = {"colwise": nn.Linear, "colwise_qkv": nn.Linear, "rowwise": nn.Linea
              "vocab": nn.Embedding, "vocab_head": nn.Linear}
 
 
-def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel: bool,
-           shards: dict[int, nn.Parameter], *, transposed: bool = False) -> nn.Module:
+def _check_module(style: str, module: nn.Module, transposed: bool) -> None:
+    """Refuse a module that ``style`` cannot shard."""
     if transposed and style in ("colwise", "colwise_qkv", "rowwise"):
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -256,6 +268,10 @@ def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel:
     elif type(module) is not _EXPECTED[style]:
         raise ValueError(f"style {style!r} needs a {_EXPECTED[style].__name__} module, "
                          f"got a {type(module).__name__}")
+
+
+def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel: bool,
+           shards: dict[int, nn.Parameter], *, transposed: bool = False) -> nn.Module:
     full_weight = module.weight
     tied = shards.get(id(full_weight))
     if tied is not None and style != "vocab_head":
@@ -303,6 +319,7 @@ def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
     """Collect every parameter's boxes (tied aliases too) once the swaps are done."""
     boxes: dict[str, list[Box]] = {}
     sharded: set[int] = set()
+    found: list[tuple[str, nn.Parameter]] = []
     for mod_name, m in model.named_modules():
         sharded_module = isinstance(m, ShardedModule)
         own = m.param_boxes() if sharded_module else {}
@@ -311,9 +328,14 @@ def _handle(model: nn.Module, comm: Communicator, partial: list[nn.Parameter],
             if p is None:
                 continue
             box = own.get(p_name) or whole_box(tuple(p.shape))
-            boxes[f"{mod_name}.{p_name}" if mod_name else p_name] = box
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            boxes[name] = box
+            found.append((name, p))
             if p.numel() < math.prod(box[0].global_shape):
                 sharded.add(id(p))
+    partial_ids = {id(p) for p in partial}
+    kinds = {name: SHARDED if id(p) in sharded else PARTIAL if id(p) in partial_ids
+             else IDENTICAL for name, p in found}
     return TensorParallel(comm, boxes, sharded, partial, sequence_parallel,
-                          vocab_sharded)
+                          vocab_sharded, kinds)
 

@@ -23,4 +23,6 @@ def check_tensor(config: Config, layout: Layout, spec: ModelSpec) -> None:
                           "sequence-parallel region (its forward reshapes activations "
                           "by the full sequence length)", "set "
                           "parallel.sequence_parallel=false; tp still applies")
+    if spec.tp_refusal is not None:
+        raise ConfigError("parallel.tp", layout.tp, spec.tp_refusal)
     check_divisible(spec, layout.tp, sequence_parallel=config.parallel.sequence_parallel)

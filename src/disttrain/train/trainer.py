@@ -168,7 +168,6 @@ class Trainer:
         self.topology: Topology = build_topology(self.plan.layout, runtime.device.type)
         self.ledger = CollectiveLedger()
         self.world = Communicator(None, self.ledger, "world")
-        self.world_control = control_beside(self.world)  # host-read flags, no GPU sync
         self.groups = Groups(world=self.world, **{
             axis: Communicator(self.topology.group(axis), self.ledger, axis)
             for axis in ("dp", "pp", "tp")})
@@ -192,7 +191,7 @@ class Trainer:
     def _build(self) -> None:
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, self.runtime.rank)
-        self.signals = SignalStop(self.world_control)
+        self.signals = SignalStop(control_beside(self.world))  # no GPU sync per step
         self._build_data()
         self._build_model()
         self._build_outputs()

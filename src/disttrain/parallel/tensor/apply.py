@@ -60,7 +60,6 @@ from .layers import (
     whole_box,
 )
 
-_SWAPPED = TP_SWAPPED
 STYLES = TP_STYLES
 
 
@@ -94,10 +93,10 @@ class TensorParallel:
 
     def __init__(self, comm: Communicator, boxes: dict[str, list[Box]],
                  sharded: set[int], partial: list[nn.Parameter],
-                 sequence_parallel: bool, vocab_sharded: bool = True,
-                 kinds: dict[str, str] | None = None) -> None:
+                 sequence_parallel: bool, vocab_sharded: bool,
+                 kinds: dict[str, str]) -> None:
         self.comm = comm
-        self._kinds = kinds or {}
+        self._kinds = kinds
         self.sequence_parallel = sequence_parallel
         self.vocab_sharded = vocab_sharded
         self._boxes, self._sharded, self._partial = boxes, sharded, partial
@@ -214,7 +213,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
     transposed = {n for n, _ in targets
                   if any(fnmatchcase(n, p) for p in spec.tp_transposed)}
     for name, style in targets:
-        if style in _SWAPPED:
+        if style in TP_SWAPPED:
             _check_module(style, model.get_submodule(name), name in transposed)
     try:
         classify_tp_params(model, plan)  # before anything is swapped
@@ -227,7 +226,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
     partial: list[nn.Parameter] = []
     for name, style in targets:
         module = model.get_submodule(name)
-        if style in _SWAPPED:
+        if style in TP_SWAPPED:
             _swap(model, name, _build(style, module, comm, sequence_parallel, shards,
                                       transposed=name in transposed))
         elif style == "partial" or (sequence_parallel and style == "sequence"):
@@ -243,7 +242,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
 def _check_ties(model: nn.Module, targets: list[tuple[str, str]]) -> None:
     """A module left whole must not share a parameter with one being sharded (the
     GPT's head is tied to tok_emb: sharding one needs the other in the plan too)."""
-    swapped = {n for n, s in targets if s in _SWAPPED}
+    swapped = {n for n, s in targets if s in TP_SWAPPED}
     to_shard = {id(p) for n in swapped
                 for p in model.get_submodule(n).parameters(recurse=False)}
     for name, m in model.named_modules():

@@ -354,7 +354,7 @@ def _llama_like(modules: dict[str, nn.Module], heads: int
 
 def _per_head_modules(modules: dict[str, nn.Module], attn: str, head_dim: int) -> list[str]:
     """Modules inside the attention other than its projections whose every parameter
-    has ``head_dim`` values: per-head norms (Qwen3's, Gemma 3's ``q_norm`` / ``k_norm``),
+    has ``head_dim`` values: per-head norms (Qwen3's ``q_norm`` / ``k_norm``),
     which act on each head alone, so each tp rank's gradient is a partial sum. Anything
     else inside the attention is left for the plan's classification to refuse."""
     out = []

@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -216,6 +217,8 @@ def _train_worker(config: Config, ns: argparse.Namespace) -> int:
                                    f"attempt stopped on purpose (exit {code}, said above) "
                                    "and would again")
             stop.exit_code = code
+            if not main:  # rank 0 says it: leaving first could get it stopped unheard;
+                time.sleep(60.0)  # the agent stops this worker as soon as rank 0 exits
             raise stop
     elif run_dir is not None and main:
         forget_stop(run_dir)

@@ -71,6 +71,9 @@ class ModelSpec:
     ``tp_refusal``: why this model's structure cannot run under its tp plan (a
     parameter the plan cannot classify, see :func:`classify_tp_params`), found when the
     spec was read off the model; validation refuses ``parallel.tp > 1`` with it.
+    ``twin``: builds a small model of the same class and forward code, with values,
+    and its spec: checks that must run the model (the pipeline cut) run on it when the
+    model itself is on the meta device (None: such checks refuse a meta model).
     """
 
     blocks: str | None
@@ -94,6 +97,7 @@ class ModelSpec:
     sequence_divisor: Divisor | None = None
     config_json: str | None = None
     tp_refusal: str | None = None
+    twin: Callable[[], tuple[nn.Module, ModelSpec]] | None = None
 
     @property
     def can_pipeline(self) -> bool:

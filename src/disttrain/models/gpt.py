@@ -85,20 +85,25 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        # Residual projections scaled down with depth (GPT-2).
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.out.weight", "mlp.down.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.head.weight.is_meta:  # on meta: a seeded source fills it later
+            self.apply(self.init_module)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
+    def init_module(self, m: nn.Module) -> None:
+        """Initialise ``m``'s own tensors (applied to every module, children first):
+        matrices N(0, 0.02), biases 0, norms 1 / 0, and the residual projections scaled
+        down with depth (GPT-2)."""
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, (CausalSelfAttention, MLP)):
+            residual = m.out if isinstance(m, CausalSelfAttention) else m.down
+            nn.init.normal_(residual.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = gpt_embed(self, input_ids)

@@ -162,6 +162,19 @@ def matmul_flops_per_token(model: nn.Module, seq_len: int, n_layer: int,
     return int(6 * matmul + 12 * n_layer * seq_len * d_model)
 
 
+def hf_flops_per_token(model: nn.Module, seq_len: int) -> int | None:
+    """:func:`matmul_flops_per_token` of a transformers model at ``seq_len`` (its layers
+    and width from its config); None for any other model."""
+    config = getattr(model, "config", None)
+    if not type(model).__module__.startswith("transformers.") or config is None:
+        return None
+    try:
+        return matmul_flops_per_token(model, seq_len, int(config.num_hidden_layers),
+                                      int(config.hidden_size))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def hf_dimensions(model: nn.Module, cfg: ModelConfig) -> tuple[int, int, int]:
     """(seq_len, n_layer, d_model) of a built model: from ``[model]``, or from the
     transformers config when ``model.hf_config`` chose it."""
@@ -185,6 +198,7 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
     if id(embedding) not in names or (head is not None and id(head) not in names):
         return spec
     before, after = _around_blocks(model, spec.blocks)
+    spec = dataclasses.replace(spec, twin=lambda: _small_twin(model))
     emb_path = names[id(embedding)]
     if emb_path not in before:
         return spec
@@ -211,6 +225,33 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
     except UnclassifiedParameter as e:  # validation refuses parallel.tp > 1 with it
         tp["tp_refusal"] = str(e)
     return dataclasses.replace(spec, **tp)
+
+
+# a small model of the same family: these config keys, where present, set small
+_SMALL = {"num_hidden_layers": 2, "n_layer": 2, "hidden_size": 32, "n_embd": 32,
+          "intermediate_size": 64, "n_inner": 64, "num_attention_heads": 4, "n_head": 4,
+          "head_dim": 8, "vocab_size": 64}
+
+
+def _small_twin(model: nn.Module) -> tuple[nn.Module, ModelSpec] | None:
+    """A 2-block, 32-wide model of ``model``'s class and forward code (grouped-query
+    attention kept as grouped), randomly initialised on the CPU, and its spec; None if
+    its config cannot be made small this way."""
+    values = model.config.to_dict()
+    grouped = values.get("num_key_value_heads") not in (None, values.get(
+        "num_attention_heads"))
+    values.update({k: v for k, v in _SMALL.items() if k in values})
+    if "num_key_value_heads" in values:
+        values["num_key_value_heads"] = 2 if grouped else 4
+    if isinstance(values.get("layer_types"), list):
+        values["layer_types"] = values["layer_types"][:2]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(0)
+            twin = type(model)(type(model.config).from_dict(values))
+    except Exception:  # noqa: BLE001 - a family whose config does not shrink so
+        return None
+    return twin, hf_spec(twin)
 
 
 def _no_cache(model: nn.Module) -> dict[str, Any]:

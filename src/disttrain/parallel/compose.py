@@ -37,13 +37,14 @@ from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
-from .interfaces import GradSync, ShardedState
+from .interfaces import GradSync, ShardedState, TensorSource
 from .onebit import OnebitGrads
 from .pipeline.check import pipeline_cuts
 from .placement import Placement, tensor_pieces, whole_model_placement
 from .registry import StrategyContext, get_strategy
 from .sync import SyncStrategy, build_sync
 from .zero import Unit, build_units
+from ..weights.materialize import allocate, fill_buffers, on_meta
 
 PLAIN, PIPELINE, PARAMETER_SERVER = "plain", "pipeline", "parameter_server"
 
@@ -103,6 +104,15 @@ class Parallelized:
             return None
         return self.mp.tp.full_logits_loss(loss_fn)
 
+    def fill(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
+        """Give this rank's part of a model built on the meta device its values from
+        ``source`` (global tensors by ``model/<name>``: the seeded initialiser, a
+        pretrained directory), each rank reading only what it holds; then whatever
+        follows the weights (a sync mode's round) starts from them."""
+        self.state.load_state(source, optimizer)
+        fill_buffers(self.module, source)
+        self.sync.restart()
+
     def describe(self) -> str:
         """This rank's part, in one line (for the start-up banner)."""
         stage = f" (ZeRO-{self.zero_stage})" if self.zero_stage else ""
@@ -143,6 +153,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     train, par = config.train, config.parallel
     checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
     lay = topology.layout
+    fresh = on_meta(model)  # built on meta: only this rank's part gets storage, below
     if train.compile:  # refused at validation where it cannot apply (tp > 1, no blocks)
         compile_blocks(block_list(model, spec))
     mp = None
@@ -156,10 +167,14 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
         apply_activation_checkpointing(model, *checkpointing, blocks=block_list(model, spec))
         module, placement = model, whole_model_placement(model, canonical_name)
     strategy = get_strategy(config)
+    if fresh:  # parameters too unless the strategy allocates its own part of them
+        allocate(module, groups.dp.device, params=not strategy.allocates)
     grads, state = strategy.build(StrategyContext(
         module=module, placement=placement, units=_units(model, spec, mp),
         dp_comm=groups.dp, parallel=par, comm=config.comm, seed=train.seed,
-        tracer=tracer))
+        tracer=tracer, fresh=fresh))
+    if fresh:  # what the strategy left (parameters that do not train)
+        allocate(module, groups.dp.device)
     followers = []
     if train.optimizer == OPTIMIZER_ONEBIT_ADAM:  # its momentum exchange replaces the
         grads = OnebitGrads(grads, groups.dp)  # all-reduce once the variance is frozen

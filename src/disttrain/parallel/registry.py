@@ -45,7 +45,12 @@ class StrategyContext:
     ``placement``: its parameters' names and boxes in the full model; ``units``: its
     parameters grouped per block and per backward scope (for sharding);
     ``dp_comm``: the dp group; ``parallel`` / ``comm``: its config sections;
-    ``seed``: for codecs that sample; ``tracer``: a span recorder (or None).
+    ``seed``: for codecs that sample; ``tracer``: a span recorder (or None);
+    ``fresh``: the parameters are filled after the build from a source that gives every
+    rank the same values (a model built on the meta device): nothing to broadcast.
+    A strategy registered with ``allocates`` gets any parameter still on the meta device
+    and gives it storage itself (ZeRO: only this rank's shard); the others get the
+    parameters with storage, on the dp group's device.
     """
 
     module: nn.Module
@@ -56,6 +61,7 @@ class StrategyContext:
     comm: CommConfig
     seed: int = 0
     tracer: object | None = None
+    fresh: bool = False
 
 
 Build = Callable[[StrategyContext], tuple[GradSync, ShardedState]]
@@ -71,15 +77,19 @@ class Strategy:
     name: str
     build: Build
     check: Check = _no_check
+    allocates: bool = False
 
 
 _STRATEGIES: dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, build: Build, check: Check = _no_check) -> None:
+def register_strategy(name: str, build: Build, check: Check = _no_check, *,
+                      allocates: bool = False) -> None:
     """Make ``parallel.strategy = name`` build this rank's gradient sync and state with
-    ``build``; ``check`` refuses configurations it cannot train, before launch."""
-    _STRATEGIES[name] = Strategy(name, build, check)
+    ``build``; ``check`` refuses configurations it cannot train, before launch;
+    ``allocates``: ``build`` gives meta parameters their storage (see
+    :class:`StrategyContext`)."""
+    _STRATEGIES[name] = Strategy(name, build, check, allocates)
 
 
 def strategy_names() -> list[str]:
@@ -118,7 +128,8 @@ def _build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
         return grads, ReplicatedState(ctx.module, ctx.placement, 0, 1)
     grads = DataParallel(ctx.module, ctx.dp_comm, int(ctx.parallel.bucket_mb * 2**20),
                          tracer=ctx.tracer, reduce_dtype=reduce_dtype, codec=codec)
-    grads.broadcast_parameters()
+    if not ctx.fresh:
+        grads.broadcast_parameters()
     return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
                                   ctx.dp_comm.size)
 
@@ -126,12 +137,13 @@ def _build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
 def _build_zero(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
     wire = CAST_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
     zero = ZeroDataParallel(ctx.units, ctx.dp_comm, ctx.parallel.zero, ctx.placement, wire)
-    zero.broadcast_parameters()
+    if not ctx.fresh:
+        zero.broadcast_parameters()
     return zero, zero
 
 
 def _build_local(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
-    grads = LocalGradients(ctx.module, ctx.dp_comm)
+    grads = LocalGradients(ctx.module, ctx.dp_comm, broadcast=not ctx.fresh)
     return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
                                   ctx.dp_comm.size)
 
@@ -150,5 +162,5 @@ def _check_replica(name: str, wants_local: bool) -> Check:
 
 
 register_strategy("ddp", _build_ddp, _check_replica("ddp", wants_local=False))
-register_strategy("zero", _build_zero, check_zero)
+register_strategy("zero", _build_zero, check_zero, allocates=True)
 register_strategy("local", _build_local, _check_replica("local", wants_local=True))

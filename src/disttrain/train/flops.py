@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..errors import UserError
 from .batch import Batch, LossFn, loss_sum_and_terms
 from .precision import autocast
 
@@ -65,3 +66,20 @@ def _rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cpu":
         return torch.random.fork_rng(devices=[])
     return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+def shape_flops_per_token(model: nn.Module, batch: Batch) -> float:
+    """Training FLOPs per token of a transformers causal LM without values (built on
+    the meta device), from its shapes and the batch's sequence length; other models
+    on meta need ``flops_per_token`` given."""
+    from ..models.hf import hf_flops_per_token
+
+    ids = batch.kwargs.get("input_ids") if batch.kwargs else None
+    if ids is None and batch.args:
+        ids = batch.args[0]
+    flops = hf_flops_per_token(model, int(ids.shape[-1])) if ids is not None else None
+    if flops is None:
+        raise UserError(f"the model ({type(model).__name__}) is on the meta device, so its "
+                        "FLOPs cannot be counted by running it (pass flops_per_token= to "
+                        "the Trainer)")
+    return float(flops)

@@ -33,21 +33,21 @@ class DefaultJob:
 
 
 def build_default_job(config: Config) -> DefaultJob:
-    """Prepare (or reuse) the token shards and build the model, seeded. The data checks
-    the launcher makes are repeated here for jobs started with torchrun directly."""
+    """Prepare (or reuse) the token shards and build the model on the meta device (the
+    Trainer gives each rank's part its seeded values). The data checks the launcher
+    makes are repeated here for jobs started with torchrun directly."""
     if config.data.format == "text":  # before preparing: refused without the work
         check_vocab(config.model)
     corpus = corpus_from_config(config.data)
     check_corpus_vocab(config.model, corpus, config.explicit)
     seq_len = config.model.seq_len
     check_samples(corpus, config.data, seq_len)
-    torch.manual_seed(config.train.seed)
+    with torch.device("meta"):  # each rank gives storage to its own part only
+        model = build_hf_model(config.model) if is_hf(config.model) else GPT(config.model)
     if is_hf(config.model):
-        model = build_hf_model(config.model)
         flops = matmul_flops_per_token(model, *hf_dimensions(model, config.model))
         loss_fn = None
     else:
-        model = GPT(config.model)
         flops, loss_fn = flops_per_token(config.model), token_loss
     return DefaultJob(model=model,
                       train_data=TokenWindowDataset(corpus.train_shards, seq_len,

@@ -39,6 +39,8 @@ from ..errors import CheckpointSaveError, DivergenceError, Interrupted, UserErro
 from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
+from ..parallel.interfaces import TensorSource
+from ..weights import InitFn, initial_weights, on_meta
 from ..models import token_loss
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
@@ -61,7 +63,7 @@ from ..topology import Topology, build_topology
 from ..validation import resolve
 from . import rundir
 from .checkpointing import RunCheckpoints, finished_run
-from .flops import count_flops_per_term
+from .flops import count_flops_per_term, shape_flops_per_token
 from .loops import LoopResult, ParameterServerLoop, StepLoop, TrainingLoop
 from .optim import build_optimizer, lr_at, set_lr
 from .ownership import RunDirLock, owned_by_launcher
@@ -97,6 +99,10 @@ class Trainer:
     environment that ``disttrain run`` / torchrun set, or as a world of one.
     ``callbacks`` (:class:`~disttrain.Callback`) are called at the points of the run,
     beside the loggers ``monitor.loggers`` names (:mod:`disttrain.monitor.callbacks`).
+    A model built under ``torch.device("meta")`` is never held whole: each rank gives
+    storage to its own part only and fills it from the seeded initialiser
+    (:mod:`disttrain.weights`), with ``init_fn`` (one module's own tensors initialised
+    in place; default: the model's own, for the built-in GPT and transformers models).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn | None = None,
@@ -104,10 +110,14 @@ class Trainer:
                  collate_fn: Callable[[list], Any] | None = None,
                  run_dir: str | Path | None = None, flops_per_token: int | None = None,
                  progress: bool = True, spec: ModelSpec | None = None,
-                 callbacks: Sequence[Callback] = ()) -> None:
+                 callbacks: Sequence[Callback] = (), init_fn: InitFn | None = None) -> None:
         self.config = _as_config(config)
         self.spec = spec or spec_for(model)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
+        # a model built on the meta device: its values, read per rank once composed
+        self.weights: TensorSource | None = (
+            initial_weights(model, self.config.train.seed, init_fn) if on_meta(model)
+            else None)
         if collate_fn is None:  # the default collation takes a datasets.Dataset's rows
             dataset = tensor_rows(dataset)  # as tensors
             eval_dataset = None if eval_dataset is None else tensor_rows(eval_dataset)
@@ -209,7 +219,8 @@ class Trainer:
         train = self.config.train
         self.total_params = sum(p.numel() for p in self.model.parameters())
         check_agreement(self.world, self.config, self.model)  # before any sized collective
-        self.model.to(self.runtime.device)
+        if self.weights is None:  # else: only this rank's part gets storage, in compose
+            self.model.to(self.runtime.device)
         self.flops_per_term = self._flops_per_term()  # on the model as the user gave it
         self.parallel = compose(self.model, self.spec, self.config, self.topology,
                                 self.groups, micro_batches=self.plan.batch.grad_accum,
@@ -221,6 +232,8 @@ class Trainer:
             self.parallel.module, train, self.plan.lr,
             self.parallel.state.optimizer_groups(train.weight_decay), self.groups.dp)
         self.parallel.bind_optimizer(self.optimizer)
+        if self.weights is not None:
+            self.parallel.fill(self.weights, self.optimizer)
 
     def _build_data(self) -> None:
         self.sampler = GlobalOrderSampler(len(self.dataset), self.config.train.seed)
@@ -318,6 +331,8 @@ class Trainer:
         if known:
             return known
         batch = self._load(self.sampler.indices(0, self.plan.batch.micro_batch))
+        if self.weights is not None:  # no values to run: from the shapes, where known
+            return shape_flops_per_token(self.model, batch)
         return count_flops_per_term(self.model, batch, self.loss_fn,
                                     self.config.train.precision, self.runtime.device)
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...spec import ModelSpec, block_list, output_logits
+from ...weights.materialize import on_meta
 
 # Above any tag the runner uses, so the exchange never matches an activation message.
 _TIED_TAG = 1 << 24
@@ -436,7 +437,15 @@ def build_chunks(model: nn.Module, spec: ModelSpec, plan: StagePlan,
     if len(blocks) != plan.bounds[-1]:
         raise ValueError(f"the plan cuts {plan.bounds[-1]} blocks but the model has "
                          f"{len(blocks)}; plan with the model's own spec")
-    check_cut(model, spec)
+    if not on_meta(model):
+        check_cut(model, spec)
+    elif spec.inject is not None:  # no values to run: the check runs on a small twin
+        twin = spec.twin() if spec.twin is not None else None
+        if twin is None:
+            raise ValueError("this model is on the meta device and its pipeline cut can "
+                             "only be checked by running it; build it with values, or "
+                             "pass a ModelSpec with embed/finish functions")
+        check_cut(*twin)
     return [PipelineChunk(model, spec, plan, c) for c in plan.chunks_of(rank)]
 
 

@@ -49,7 +49,7 @@ class ZeroDataParallel:
         self.flats: list[FlatParam] = [
             flat for index, unit in enumerate(units) for decay in (True, False)
             if (flat := flatten_unit(unit, index, decay, placement.names, comm.rank,
-                                     comm.size, stage)) is not None]
+                                     comm.size, stage, comm.device)) is not None]
         self.gathers = Stage3Gathers(units, self.flats, comm) if stage == 3 else None
         self.reducer = ShardReducer(self.flats, comm, stage, reduce_dtype,
                                     self.gathers.launched if self.gathers else lambda f: None)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ...weights.materialize import give_storage
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -119,9 +121,12 @@ class FlatParam:
 
 
 def flatten_unit(unit: Unit, index: int, decay: bool, names: dict[int, str], rank: int,
-                 size: int, stage: int) -> FlatParam | None:
+                 size: int, stage: int, device: torch.device | None = None
+                 ) -> FlatParam | None:
     """The FlatParam of ``unit``'s parameters of one decay class (None if it has none);
-    the parameters become views of its full buffer."""
+    the parameters become views of its full buffer. Parameters on the meta device get
+    their storage here, on ``device``, with undefined values (filled by loading a
+    source): stage 3 then never holds more than its shard of them."""
     params = [p for _, p in unit.params if (p.dim() >= 2) == decay]
     if not params:
         return None
@@ -130,20 +135,30 @@ def flatten_unit(unit: Unit, index: int, decay: bool, names: dict[int, str], ran
         offsets.append(total)
         total += p.numel()
     padded = -(-total // size) * size
-    full = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-    with torch.no_grad():
-        for p, o in zip(params, offsets):
-            full[o:o + p.numel()].copy_(p.detach().reshape(-1))
     n = padded // size
-    mine = full[rank * n:(rank + 1) * n]
+    fresh = params[0].is_meta
+    where = device if fresh else params[0].device
+    if fresh:
+        full = torch.empty(padded, dtype=params[0].dtype, device=where)
+    else:
+        full = torch.zeros(padded, dtype=params[0].dtype, device=where)
+        with torch.no_grad():
+            for p, o in zip(params, offsets):
+                full[o:o + p.numel()].copy_(p.detach().reshape(-1))
     # stages 1-2: the shard is this rank's slice of the full parameters (no second copy);
     # stage 3 frees the full buffer, so the shard is its own tensor
-    shard = nn.Parameter(mine.clone() if stage == 3 else mine)
+    if stage == 3:
+        shard = nn.Parameter(torch.empty(n, dtype=full.dtype, device=where) if fresh
+                             else full[rank * n:(rank + 1) * n].clone())
+    else:
+        shard = nn.Parameter(full[rank * n:(rank + 1) * n])
     flat = FlatParam(unit=index, params=params, names=[names[id(p)] for p in params],
                      offsets=offsets, full=full, shard=shard, decay=decay, scope=unit.scope,
                      root=unit.module is None)
     for p, view in zip(params, flat.views(full)):
-        p.data = view
+        give_storage(p, view)
+    if fresh and stage == 3:  # never written: its pages were never touched
+        free(full)
     if stage == 1:
         flat.grad_full = torch.zeros_like(full)
         for p, view in zip(params, flat.views(flat.grad_full)):

@@ -1,0 +1,43 @@
+"""Where a model's values come from when it is built on the meta device.
+
+A model built under ``torch.device("meta")`` has shapes and no storage; the composition
+gives storage only to this rank's part (:mod:`.materialize`) and then fills it from a
+source of global tensors by name, read piece by piece: the seeded initialiser
+(:mod:`.seeded`), or a pretrained directory.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import UserError
+from .materialize import allocate, fill_buffers, left_on_meta, on_meta
+from .seeded import InitFn, SeededInit, tensor_seed
+
+
+def model_init_fn(model: nn.Module) -> InitFn | None:
+    """The per-module initialisation of a model disttrain knows: the built-in GPT's
+    ``init_module``, a transformers model's ``_init_weights``; else None."""
+    from ..models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return model.init_module
+    if type(model).__module__.startswith("transformers.") and hasattr(model, "_init_weights"):
+        return model._init_weights
+    return None
+
+
+def initial_weights(model: nn.Module, seed: int, init_fn: InitFn | None = None) -> SeededInit:
+    """The seeded initial values of ``model`` (on meta): ``init_fn`` applied per
+    module, or the model's own (:func:`model_init_fn`)."""
+    init_fn = init_fn or model_init_fn(model)
+    if init_fn is None:
+        raise UserError(f"the model ({type(model).__name__}) is on the meta device and "
+                        "disttrain does not know how to initialise it (pass init_fn=, a "
+                        "function that initialises one module's own tensors in place, or "
+                        "pretrained weights)")
+    return SeededInit(model, init_fn, seed)
+
+
+__all__ = ["InitFn", "SeededInit", "allocate", "fill_buffers", "initial_weights",
+           "left_on_meta", "model_init_fn", "on_meta", "tensor_seed"]

@@ -184,6 +184,10 @@ def _train(ns: argparse.Namespace) -> int:
     from .data.check import check_corpus_vocab, check_samples, check_vocab
     from .monitor.progress import status
 
+    if config.model.pretrained:  # its files, before any worker or run directory
+        from .weights import check_pretrained
+
+        check_pretrained(config.model.pretrained, config.model.seq_len)
     if config.data.format == "text":  # before preparing: refused without the work
         check_vocab(config.model)
     status(f"preparing the data in {config.data.path or 'the standard library sources'} "

@@ -70,6 +70,10 @@ class InitialState(Callback):
         torch.save({"inv_freq": {n: b.cpu() for n, b in buffers.items()},
                     "tied": _tied(module)}, self.path + ".extra")
 
+    def on_train_end(self, trainer, summary) -> None:  # every rank's rotary buffers
+        torch.save({n: b.cpu() for n, b in trainer.parallel.module.named_buffers()
+                    if n.endswith("inv_freq")}, f"{self.path}.rank{trainer.rank}.rotary")
+
 
 def _tied(module: torch.nn.Module) -> bool | None:
     heads = [m for n, m in module.named_modules() if n.endswith("lm_head")]
@@ -138,14 +142,16 @@ def test_the_initial_model_is_the_models_own_initialisation_seeded(states, famil
 
 
 def test_rotary_frequencies_are_computed_and_gpt2_stays_tied(states):
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
     from disttrain.models.hf import build_hf_model
 
     cfg = _config("llama", (1, 1, 1), 0)
     fresh = build_hf_model(cfg.model).model.rotary_emb.inv_freq
     extra = torch.load(str(states / "llama-one.safetensors.extra"))
     assert extra["inv_freq"] and all(torch.equal(b, fresh) for b in extra["inv_freq"].values())
-    assert isinstance(LlamaRotaryEmbedding(LlamaConfig()), torch.nn.Module)
     assert torch.load(str(states / "gpt2-one.safetensors.extra"))["tied"] is True
+    # on every rank of every layout, pipeline stages included
+    for world, cases in CASES.items():
+        for case in cases:
+            for rank in range(world):
+                found = torch.load(str(states / f"llama-{case}.safetensors.rank{rank}.rotary"))
+                assert found and all(torch.equal(b, fresh) for b in found.values()), case

@@ -126,6 +126,9 @@ def _build(raw: dict[str, dict[str, Any]], errors: ErrorCollector) -> Config:
             with errors.check():
                 _check_bounds(f"{name}.{config_key(f)}", getattr(sections[name], f.name), f)
     errors.raise_any()
+    model = sections["model"]
+    if model.pretrained and not model.hf_config:  # the directory's config.json
+        model.hf_config = str(Path(model.pretrained).expanduser() / "config.json")
     return Config(**sections, explicit=frozenset(explicit))
 
 

@@ -44,6 +44,9 @@ class ModelConfig:
                    choices=("gpt", "gpt2", "llama"))
     hf_config: str = _f("", "path to a transformers config.json: trains that model "
                         "(random init) instead of model.name")
+    pretrained: str = _f("", "a transformers model directory (config.json and "
+                         "model.safetensors, or shards with an index): trains from its "
+                         "weights; its config.json sets the family and dimensions")
     n_kv_head: int = _f(0, "llama: key/value heads (grouped-query attention); 0 = n_head",
                         ge=0)
     vocab_size: int = _f(256, "vocabulary size (256 for byte-level tokens)", ge=2)

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import ConfigError, ErrorCollector
 from ..names import CODEC_NONE, LOGGER_PACKAGES, SYNC_ASYNC
 from .layout import Layout
-from .schema import Config, TrainConfig
+from .schema import Config, ModelConfig, TrainConfig
 
 BATCH_KEYS = ("global_batch", "micro_batch", "grad_accum")
 # When the user gives fewer than two of the triple, defaults fill in this order.
@@ -117,9 +117,36 @@ def _check_model(config: Config) -> None:
         raise ConfigError(field, value, "needs the transformers package",
                           "pip install transformers (from a disttrain checkout: pip install -e "
                           "'.[hf]'), or model.name=gpt")
+    if m.pretrained:
+        _check_pretrained_beside(config)
     if m.hf_config and not Path(m.hf_config).expanduser().is_file():
         raise ConfigError("model.hf_config", m.hf_config, "no such file",
                           "point it at a transformers config.json")
+
+
+# what a pretrained directory's config.json decides, so nothing may set it beside it
+_PRETRAINED_DECIDES = ("name", "n_layer", "d_model", "n_head", "n_kv_head", "vocab_size")
+
+
+def _check_pretrained_beside(config: Config) -> None:
+    m, defaults = config.model, ModelConfig()
+    root = Path(m.pretrained).expanduser()
+    if not root.is_dir():
+        raise ConfigError("model.pretrained", m.pretrained, "no such directory",
+                          "point it at a transformers model directory (config.json and "
+                          "model.safetensors)")
+    own = str(root / "config.json")
+    if m.hf_config and Path(m.hf_config).expanduser() != Path(own):
+        raise ConfigError("model.hf_config", m.hf_config, "is set beside model.pretrained, "
+                          "whose config.json decides the model", "leave model.hf_config out")
+    for key in _PRETRAINED_DECIDES:
+        if f"model.{key}" in config.explicit and getattr(m, key) != getattr(defaults, key):
+            raise ConfigError(f"model.{key}", getattr(m, key), "is set beside "
+                              "model.pretrained, whose config.json decides the model",
+                              f"leave model.{key} out")
+    if not Path(own).is_file():
+        raise ConfigError("model.pretrained", m.pretrained, "has no config.json",
+                          "point it at a directory written by save_pretrained")
 
 
 def _check_data(config: Config) -> None:

@@ -118,7 +118,8 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
     import transformers as tf
 
     if cfg.hf_config:
-        return tf.AutoModelForCausalLM.from_config(read_hf_config(cfg.hf_config))
+        return tf.AutoModelForCausalLM.from_config(read_hf_config(cfg.hf_config),
+                                                   dtype=torch.float32)  # fp32 masters
     if cfg.name == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
@@ -243,6 +244,8 @@ def _small_twin(model: nn.Module) -> tuple[nn.Module, ModelSpec] | None:
     values.update({k: v for k, v in _SMALL.items() if k in values})
     if "num_key_value_heads" in values:
         values["num_key_value_heads"] = 2 if grouped else 4
+    values.pop("dtype", None)
+    values.pop("torch_dtype", None)
     if isinstance(values.get("layer_types"), list):
         values["layer_types"] = values["layer_types"][:2]
     try:

@@ -37,7 +37,7 @@ from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
-from .interfaces import GradSync, ShardedState, TensorSource
+from .interfaces import GradSync, PartialSource, ShardedState, TensorSource
 from .onebit import OnebitGrads
 from .pipeline.check import pipeline_cuts
 from .placement import Placement, tensor_pieces, whole_model_placement
@@ -47,6 +47,7 @@ from .zero import Unit, build_units
 from ..weights.materialize import allocate, fill_buffers, on_meta
 
 PLAIN, PIPELINE, PARAMETER_SERVER = "plain", "pipeline", "parameter_server"
+MODEL = "model/"
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,16 @@ class Parallelized:
         ``source`` (global tensors by ``model/<name>``: the seeded initialiser, a
         pretrained directory), each rank reading only what it holds; then whatever
         follows the weights (a sync mode's round) starts from them."""
+        if isinstance(source, PartialSource):
+            source.want({MODEL + self.placement.name(p): [
+                (b.global_offsets, b.shape)
+                for b in self.placement.boxes(self.placement.name(p), p)]
+                for p in self.module.parameters() if id(p) in self.placement.names})
         self.state.load_state(source, optimizer)
-        fill_buffers(self.module, source)
+        # buffers by their full-model names: a pipeline chunk keeps the model's paths
+        for part in (self.mp.chunks if self.mp is not None and self.mp.chunks
+                     else [self.module]):
+            fill_buffers(part, source)
         self.sync.restart()
 
     def describe(self) -> str:

@@ -113,6 +113,16 @@ class TensorSource(Protocol):
 
 
 @runtime_checkable
+class PartialSource(Protocol):
+    """A :class:`TensorSource` that can read parts of its tensors only: told the boxes
+    (global offsets, sizes) this rank holds of each ``model/<name>``, its ``tensor``
+    returns tensors of the whole shape in which only those boxes hold values."""
+
+    def want(self, boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+             ) -> None: ...
+
+
+@runtime_checkable
 class ShardedState(Protocol):
     """The training state this rank owns."""
 

@@ -65,7 +65,7 @@ def train_default(config: Config, run_dir: str | Path | None = None,
     trainer = Trainer(job.model, job.train_data, job.loss_fn, config,
                       eval_dataset=job.eval_data, collate_fn=collate_token_batch,
                       run_dir=run_dir, flops_per_token=job.flops_per_token,
-                      progress=progress)
+                      progress=progress, pretrained=config.model.pretrained or None)
     summary = trainer.fit()
     if job.eval_tokens_per_byte is not None:
         _add_bits_per_byte(trainer, summary, job.eval_tokens_per_byte)

@@ -40,7 +40,7 @@ from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
 from ..parallel.interfaces import TensorSource
-from ..weights import InitFn, initial_weights, on_meta
+from ..weights import InitFn, initial_weights, on_meta, open_pretrained
 from ..models import token_loss
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
@@ -103,6 +103,9 @@ class Trainer:
     storage to its own part only and fills it from the seeded initialiser
     (:mod:`disttrain.weights`), with ``init_fn`` (one module's own tensors initialised
     in place; default: the model's own, for the built-in GPT and transformers models).
+    ``pretrained``: a transformers model directory whose safetensors weights the model
+    starts from (each rank reads its own part; :func:`disttrain.weights.pretrained_model`
+    builds the matching model on meta).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn | None = None,
@@ -110,14 +113,16 @@ class Trainer:
                  collate_fn: Callable[[list], Any] | None = None,
                  run_dir: str | Path | None = None, flops_per_token: int | None = None,
                  progress: bool = True, spec: ModelSpec | None = None,
-                 callbacks: Sequence[Callback] = (), init_fn: InitFn | None = None) -> None:
+                 callbacks: Sequence[Callback] = (), init_fn: InitFn | None = None,
+                 pretrained: str | Path | None = None) -> None:
         self.config = _as_config(config)
         self.spec = spec or spec_for(model)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
-        # a model built on the meta device: its values, read per rank once composed
+        # where the values come from (None: the model's own), read per rank once composed
+        seeded = (initial_weights(model, self.config.train.seed, init_fn)
+                  if on_meta(model) else None)
         self.weights: TensorSource | None = (
-            initial_weights(model, self.config.train.seed, init_fn) if on_meta(model)
-            else None)
+            open_pretrained(pretrained, model, rest=seeded) if pretrained else seeded)
         if collate_fn is None:  # the default collation takes a datasets.Dataset's rows
             dataset = tensor_rows(dataset)  # as tensors
             eval_dataset = None if eval_dataset is None else tensor_rows(eval_dataset)
@@ -219,7 +224,7 @@ class Trainer:
         train = self.config.train
         self.total_params = sum(p.numel() for p in self.model.parameters())
         check_agreement(self.world, self.config, self.model)  # before any sized collective
-        if self.weights is None:  # else: only this rank's part gets storage, in compose
+        if not on_meta(self.model):  # else: only this rank's part gets storage, in compose
             self.model.to(self.runtime.device)
         self.flops_per_term = self._flops_per_term()  # on the model as the user gave it
         self.parallel = compose(self.model, self.spec, self.config, self.topology,
@@ -331,7 +336,7 @@ class Trainer:
         if known:
             return known
         batch = self._load(self.sampler.indices(0, self.plan.batch.micro_batch))
-        if self.weights is not None:  # no values to run: from the shapes, where known
+        if on_meta(self.model):  # no values to run: from the shapes, where known
             return shape_flops_per_token(self.model, batch)
         return count_flops_per_term(self.model, batch, self.loss_fn,
                                     self.config.train.precision, self.runtime.device)

@@ -8,10 +8,13 @@ source of global tensors by name, read piece by piece: the seeded initialiser
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 
 from ..errors import UserError
 from .materialize import allocate, fill_buffers, left_on_meta, on_meta
+from .pretrained import PretrainedWeights, open_pretrained, read_directory
 from .seeded import InitFn, SeededInit, tensor_seed
 
 
@@ -39,5 +42,31 @@ def initial_weights(model: nn.Module, seed: int, init_fn: InitFn | None = None) 
     return SeededInit(model, init_fn, seed)
 
 
-__all__ = ["InitFn", "SeededInit", "allocate", "fill_buffers", "initial_weights",
+def pretrained_model(directory: str) -> nn.Module:
+    """The transformers causal LM of a model directory's ``config.json``, built on the
+    meta device (no memory): pass it with ``pretrained=directory`` to the Trainer."""
+    import torch
+
+    from ..models.hf import read_hf_config
+    import transformers as tf
+
+    config = read_hf_config(str(Path(directory).expanduser() / "config.json"))
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def check_pretrained(directory: str, seq_len: int) -> None:
+    """Everything about a pretrained directory that can be refused before any worker
+    starts: its config, its files, their names and shapes against the model built from
+    that config, and the training context ``seq_len`` against the model's positions."""
+    model = pretrained_model(directory)
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(
+        model.config, "n_positions", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserError(f"model.seq_len {seq_len} is longer than the {limit} positions of "
+                        f"the model in {directory} (set model.seq_len to at most {limit})")
+    open_pretrained(directory, model)
+
+
+__all__ = ["check_pretrained", "PretrainedWeights", "open_pretrained", "pretrained_model", "read_directory", "InitFn", "SeededInit", "allocate", "fill_buffers", "initial_weights",
            "left_on_meta", "model_init_fn", "on_meta", "tensor_seed"]

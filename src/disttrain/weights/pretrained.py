@@ -1,0 +1,264 @@
+"""Pretrained weights from a Hugging Face model directory, read as untrusted input.
+
+A directory holds ``config.json`` and either ``model.safetensors`` or several
+safetensors files listed by ``model.safetensors.index.json``. :func:`read_directory`
+checks everything it will read before anything is allocated: index paths stay inside
+the directory, headers are bounded JSON, dtypes are fp32 / bf16 / fp16, every tensor's
+bytes lie inside its file (a truncated file is refused), no tensor is named twice.
+:func:`check_against` then compares names and shapes with the model.
+
+:class:`PretrainedWeights` is a source of global tensors by ``model/<name>`` (the
+names the model's own ``state_dict`` uses, a tied weight under its first name), read
+with ``safe_open(...).get_slice``: when the composition says which boxes this rank
+holds (:meth:`PretrainedWeights.want`), only those are read; the rest of the returned
+tensor is never looked at. Values become fp32 whatever the file's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+
+MODEL = "model/"
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+MAX_HEADER_BYTES = 100 << 20  # a header lists names, dtypes, shapes: never this large
+MAX_INDEX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """Where one tensor lies: its file, dtype (safetensors' name) and shape."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _refuse(directory: Path, problem: str) -> UserError:
+    return UserError(f"model.pretrained {directory}: {problem}")
+
+
+def read_directory(directory: str | Path) -> dict[str, FileTensor]:
+    """Every tensor of the directory's safetensors files, by name, checked (see the
+    module docstring); raises :class:`UserError` in one line naming the problem."""
+    root = Path(directory).expanduser()
+    if not root.is_dir():
+        raise _refuse(root, "no such directory (give a transformers model directory: "
+                            "config.json and model.safetensors)")
+    if (root / INDEX_FILE).is_file():
+        files = _index_files(root)
+    elif (root / SINGLE_FILE).is_file():
+        files = {SINGLE_FILE: None}
+    else:
+        raise _refuse(root, f"has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors "
+                            "weights are read: save them with save_pretrained)")
+    out: dict[str, FileTensor] = {}
+    for name, listed in files.items():
+        path = _inside(root, name)
+        found = _header(root, path)
+        for tensor, where in found.items():
+            if tensor in out:
+                raise _refuse(root, f"tensor {tensor} is in both {out[tensor].file.name} "
+                                    f"and {path.name}")
+            out[tensor] = where
+        for tensor in listed or ():
+            if tensor not in found:
+                raise _refuse(root, f"{INDEX_FILE} puts tensor {tensor} in {name}, which "
+                                    "does not hold it")
+    return out
+
+
+def _index_files(root: Path) -> dict[str, list[str]]:
+    index = root / INDEX_FILE
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise _refuse(root, f"{INDEX_FILE} is larger than {MAX_INDEX_BYTES >> 20} MiB")
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _refuse(root, f"{INDEX_FILE} is not JSON ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise _refuse(root, f"{INDEX_FILE} has no weight_map of tensor name -> file name")
+    files: dict[str, list[str]] = {}
+    for tensor, name in weight_map.items():
+        files.setdefault(name, []).append(tensor)
+    return files
+
+
+def _inside(root: Path, name: str) -> Path:
+    path = (root / name).resolve()
+    if not path.is_relative_to(root.resolve()) or path.parent != root.resolve():
+        raise _refuse(root, f"the weights file {name!r} lies outside the directory")
+    if not path.is_file():
+        raise _refuse(root, f"the weights file {name} is missing")
+    return path
+
+
+def _header(root: Path, path: Path) -> dict[str, FileTensor]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _refuse(root, f"{path.name} is truncated (no safetensors header)")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise _refuse(root, f"{path.name} has a header of {length} bytes in a file of "
+                                f"{size} (not a safetensors file, or truncated)")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _refuse(root, f"{path.name}'s header is not JSON (not a safetensors "
+                            "file)") from None
+    if not isinstance(header, dict):
+        raise _refuse(root, f"{path.name}'s header is not a JSON object")
+    data_bytes = size - 8 - length
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = _entry(root, path, name, entry, data_bytes)
+    return out
+
+
+def _entry(root: Path, path: Path, name: str, entry: object, data_bytes: int) -> FileTensor:
+    where = f"tensor {name} in {path.name}"
+    if not isinstance(entry, dict):
+        raise _refuse(root, f"{where}: its header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise _refuse(root, f"{where} has dtype {dtype!r} (fp32, bf16 and fp16 are read: "
+                            "F32, BF16, F16)")
+    if not isinstance(shape, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 40
+            for n in shape) or len(shape) > 8:
+        raise _refuse(root, f"{where} has shape {shape!r} (not a list of sizes)")
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * DTYPES[dtype].itemsize
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] or offsets[1] - offsets[0] != nbytes):
+        raise _refuse(root, f"{where} has data offsets {offsets!r} that do not fit its "
+                            f"shape {shape} and dtype {dtype}")
+    if offsets[1] > data_bytes:
+        raise _refuse(root, f"{where} ends at byte {offsets[1]} of a data section of "
+                            f"{data_bytes} (the file is truncated)")
+    return FileTensor(path, dtype, tuple(shape))
+
+
+def model_tensor_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The tensors a pretrained file of ``model`` holds, by name: parameters (a tied
+    weight once, under its first name) and persistent buffers; and each tied weight's
+    other names -> its first name."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+            shapes[name] = tuple(p.shape)
+    persistent = set(model.state_dict().keys())
+    for name, b in model.named_buffers():
+        if name in persistent:
+            shapes[name] = tuple(b.shape)
+    return shapes, aliases
+
+
+def check_against(directory: str | Path, tensors: dict[str, FileTensor],
+                  model: nn.Module) -> None:
+    """Refuse a directory whose tensors are not exactly the model's: one missing, one
+    the model does not have (a tied weight's second name is allowed), a shape that
+    differs."""
+    root = Path(directory).expanduser()
+    shapes, aliases = model_tensor_shapes(model)
+    missing = [n for n in shapes if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise _refuse(root, f"has no tensor {missing[0]}{more}, which the model "
+                            f"{type(model).__name__} has (weights of another model?)")
+    for name, where in tensors.items():
+        expected = shapes.get(name) or shapes.get(aliases.get(name, ""))
+        if expected is None:
+            raise _refuse(root, f"tensor {name} in {where.file.name} is not in the model "
+                                f"{type(model).__name__} (weights of another model?)")
+        if where.shape != expected:
+            raise _refuse(root, f"tensor {name} in {where.file.name} has shape "
+                                f"{list(where.shape)}, the model's is {list(expected)}")
+
+
+class PretrainedWeights:
+    """Global tensors by ``model/<name>`` from a checked directory (see the module
+    docstring), with ``rest`` (e.g. the seeded initialiser) for tensors the files do
+    not hold (non-persistent buffers such as rotary frequencies)."""
+
+    def __init__(self, tensors: dict[str, FileTensor], rest=None) -> None:
+        self.tensors, self.rest = tensors, rest
+        self.wanted: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self.bytes_read = 0
+        self._open: dict[Path, object] = {}
+
+    def want(self, boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
+        """Read only these (global offsets, sizes) boxes of each named tensor."""
+        self.wanted = dict(boxes)
+
+    def names(self, prefix: str = "") -> list[str]:
+        mine = [MODEL + n for n in self.tensors if (MODEL + n).startswith(prefix)]
+        rest = [] if self.rest is None else [n for n in self.rest.names(prefix)
+                                             if n[len(MODEL):] not in self.tensors]
+        return mine + rest
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        key = name[len(MODEL):]
+        if key in self.tensors:
+            return self.tensors[key].shape
+        return self.rest.shape(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """fp32 on the CPU: the whole tensor, or (after :meth:`want`) a tensor of its
+        whole shape of which only the wanted boxes are read."""
+        key = name[len(MODEL):]
+        if key not in self.tensors:
+            return self.rest.tensor(name)
+        where = self.tensors[key]
+        view = self._file(where.file).get_slice(key)
+        boxes = self.wanted.get(name)
+        itemsize = DTYPES[where.dtype].itemsize
+        if not boxes or any(sizes == where.shape for _, sizes in boxes):
+            out = view[tuple(slice(None) for _ in where.shape)] if where.shape else \
+                self._file(where.file).get_tensor(key)
+            self.bytes_read += out.numel() * itemsize
+            return out.to(torch.float32)
+        out = torch.empty(where.shape, dtype=torch.float32)  # pages outside the boxes
+        for offsets, sizes in boxes:  # are never written, so never resident
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            part = view[box]
+            self.bytes_read += part.numel() * itemsize
+            out[box] = part.to(torch.float32)
+        return out
+
+    def _file(self, path: Path):
+        from safetensors import safe_open
+
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+
+def open_pretrained(directory: str | Path, model: nn.Module, rest=None) -> PretrainedWeights:
+    """The checked weights of ``directory`` for ``model`` (on meta or not)."""
+    tensors = read_directory(directory)
+    check_against(directory, tensors, model)
+    return PretrainedWeights(tensors, rest)

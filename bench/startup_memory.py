@@ -1,0 +1,118 @@
+"""Peak host memory per rank of starting (and running) a model that is sharded.
+
+    python bench/startup_memory.py [--n-layer 16] [--d-model 1024] [--world 8]
+
+The built-in GPT of ``--n-layer`` x ``--d-model`` (16 x 1024: 201M parameters, 0.81 GB
+of fp32 weights) trains one step at world ``--world`` (Gloo, CPU) in two layouts: dp
+ZeRO-3, and tp 2 x pp 2 x dp (world / 4) ZeRO-1. Each layout runs twice: built on the
+meta device (what the command line does: each rank allocates and fills only its part),
+and built with values on every rank (the model a user passes, moved whole before
+sharding). Each rank reads its resident-set peak (``ru_maxrss``) at three points:
+when training starts (everything built and filled), after the step, and after the run's
+end (final weights gathered and written). Figures are each rank's peak above its RSS
+after a bare ``import torch, disttrain``, as a multiple of the whole model's fp32 bytes
+(the largest over ranks). One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+
+import torch
+
+from disttrain.testing import run_distributed
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: bool,
+          root: str) -> dict:
+    import disttrain  # noqa: F401  (the baseline includes it)
+
+    base = _rss()
+    from torch.utils.data import Dataset
+
+    from disttrain import Callback, Trainer
+    from disttrain.config import load_config
+    from disttrain.data import collate_token_batch
+    from disttrain.models import GPT, token_loss
+
+    class Tokens(Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            g = torch.Generator().manual_seed(i)
+            t = torch.randint(0, 256, (args.seq_len + 1,), generator=g)
+            return {"input_ids": t[:-1], "targets": t[1:]}
+
+    marks: dict[str, int] = {}
+
+    class Mark(Callback):
+        all_ranks = True
+
+        def on_train_start(self, trainer) -> None:
+            marks["start"] = _peak()
+
+        def on_step_end(self, trainer, record) -> None:
+            marks.setdefault("step", _peak())
+
+    dp, pp, tp, zero = layout
+    cfg = load_config(values={
+        "model": {"vocab_size": 256, "seq_len": args.seq_len, "n_layer": args.n_layer,
+                  "n_head": 16, "d_model": args.d_model},
+        "train": {"steps": 1, "global_batch": dp * 2, "grad_accum": 2, "eval_samples": 2,
+                  "log_every": 1},
+        "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero},
+        "checkpoint": {"every": 0}, "monitor": {"peak_tflops": 1.0}})
+    if meta:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+    else:
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+    fp32 = 4 * sum(p.numel() for p in model.parameters())
+    Trainer(model, Tokens(), token_loss, cfg, collate_fn=collate_token_batch,
+            run_dir=f"{root}/{'meta' if meta else 'whole'}-{dp}x{pp}x{tp}-z{zero}",
+            progress=False, callbacks=[Mark()]).fit()
+    marks["end"] = _peak()
+    return {k: (v - base) / fp32 for k, v in marks.items()} | {"fp32_bytes": fp32}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=16)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=1500)
+    args = parser.parse_args()
+    w = args.world
+    layouts = {"zero3": (w, 1, 1, 3), "tp2_pp2_zero1": (w // 4, 2, 2, 1)}
+    out: dict = {"bench": "startup_memory", "world": w, "n_layer": args.n_layer,
+                 "d_model": args.d_model, "target_start_x_model": 0.75}
+    with tempfile.TemporaryDirectory() as root:
+        for name, layout in layouts.items():
+            for meta in (True, False):
+                ranks = run_distributed(_body, w, args=(args, layout, meta, root),
+                                        timeout=args.timeout)
+                key = f"{name}_{'meta' if meta else 'whole'}"
+                out["fp32_gb"] = round(ranks[0]["fp32_bytes"] / 1e9, 3)
+                for point in ("start", "step", "end"):
+                    out[f"{key}_{point}_x_model"] = round(
+                        max(r[point] for r in ranks), 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import disttrain.launch
+from disttrain.checkpoint.stream import write_streamed
 from disttrain.cli import main
 from disttrain.names import CONFIG_FILE, SUMMARY_FILE, WEIGHTS_FILE
 from disttrain.testing import run_distributed
@@ -105,7 +106,8 @@ def test_the_weights_have_the_mode_of_the_other_outputs(tmp_path, umask):
     old = os.umask(umask)
     try:
         rundir.write_text_atomic(tmp_path / CONFIG_FILE, "")
-        rundir.save_weights({"w": torch.ones(2)}, tmp_path)
+        write_streamed(tmp_path / WEIGHTS_FILE, [("w", (2,), torch.float32)],
+                       lambda _: torch.ones(2))
     finally:
         os.umask(old)
     modes = {stat.S_IMODE((tmp_path / f).stat().st_mode) for f in (CONFIG_FILE, WEIGHTS_FILE)}

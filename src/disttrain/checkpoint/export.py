@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from ..errors import UserError
-from ..fsutil import new_file_mode
 from ..names import MODEL_CONFIG_FILE
+from .format import dtype_from_name
 from .manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
 from .state import MODEL
+from .stream import write_streamed
 
 
 def _newest(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
@@ -25,19 +23,14 @@ def _newest(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
     return open_checkpoint(directory)
 
 
-def _write(tensors: dict, out: Path, metadata: dict[str, str]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".part")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.chmod(tmp, new_file_mode())  # safetensors creates it 0600
-    tmp.replace(out)
-
-
-def _model_tensors(ckpt: LoadedCheckpoint) -> dict:
+def _write_model(ckpt: LoadedCheckpoint, out: Path, metadata: dict[str, str]) -> None:
     """Every ``model/...`` tensor under its plain parameter name (a tied weight once,
-    under its first name)."""
-    return {name[len(MODEL):]: ckpt.reader.tensor(name).contiguous()
-            for name in ckpt.reader.names(MODEL)}
+    under its first name), assembled and written one tensor at a time."""
+    reader = ckpt.reader
+    names = reader.names(MODEL)
+    entries = [(n[len(MODEL):], reader.shape(n),
+                dtype_from_name(reader.index.tensors[n].dtype)) for n in names]
+    write_streamed(out, entries, lambda name: reader.tensor(MODEL + name), metadata)
 
 
 def export_weights(run_dir: Path, out: Path, warn: Callable[[str], None]) -> tuple[Path, int]:
@@ -45,8 +38,7 @@ def export_weights(run_dir: Path, out: Path, warn: Callable[[str], None]) -> tup
     into ``out`` under its plain parameter name (load it with
     ``safetensors.torch.load_model(model, out)``). Returns (out, step)."""
     ckpt = _newest(run_dir, warn)
-    _write(_model_tensors(ckpt), Path(out), {"format": "disttrain-export",
-                                             "step": str(ckpt.step)})
+    _write_model(ckpt, Path(out), {"format": "disttrain-export", "step": str(ckpt.step)})
     return Path(out), ckpt.step
 
 
@@ -61,7 +53,7 @@ def export_hf(run_dir: Path, out_dir: Path, warn: Callable[[str], None]) -> tupl
                         "of transformers models (use the default format for others)")
     ckpt = _newest(run_dir, warn)
     out_dir = Path(out_dir)
-    _write(_model_tensors(ckpt), out_dir / "model.safetensors", {"format": "pt"})
+    _write_model(ckpt, out_dir / "model.safetensors", {"format": "pt"})
     (out_dir / "config.json").write_text(config.read_text(encoding="utf-8"),
                                          encoding="utf-8")
     return out_dir, ckpt.step

@@ -139,6 +139,25 @@ class ShardReader:
     def __init__(self, directory: Path, index: CheckpointIndex) -> None:
         self.directory, self.index = directory, index
         self._open: dict[str, Any] = {}
+        self.wanted: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self.bytes_read = 0
+
+    def want(self, boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
+        """Read only the pieces that overlap these (global offsets, sizes) boxes of each
+        ``model/<name>`` (and of the optimizer state of that parameter's shape): what
+        this rank holds. :meth:`tensor` then returns the whole shape with only those
+        parts filled."""
+        self.wanted = dict(boxes)
+
+    def _wanted(self, name: str, shape: tuple[int, ...]) -> list | None:
+        key = name if name.startswith("model/") else \
+            "model/" + name[len("optim/"):].rpartition("/")[0] if name.startswith("optim/") \
+            else name
+        boxes = self.wanted.get(key)
+        if not boxes or any(tuple(sizes) == tuple(shape) for _, sizes in boxes) or \
+                any(len(o) != len(shape) for o, _ in boxes):
+            return None
+        return boxes
 
     def _file(self, name: str) -> Any:
         if name not in self.index.files or Path(name).name != name:
@@ -160,8 +179,13 @@ class ShardReader:
         entry = self.index.tensors[name]
         out = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
         covered = 0
+        wanted = self._wanted(name, tuple(entry.shape))
         for ref in entry.shards:
+            if wanted is not None and ref.offsets is not None and not any(
+                    _overlap(ref.offsets, ref.shape, o, n) for o, n in wanted):
+                continue  # a part another rank holds
             piece = self._file(ref.file).get_tensor(ref.key)
+            self.bytes_read += piece.numel() * piece.element_size()
             if piece.dtype != out.dtype or piece.numel() != ref.numel:
                 raise CheckpointRejected(self.directory / ref.file,
                                          f"tensor {ref.key!r} is {piece.dtype} x "
@@ -173,7 +197,12 @@ class ShardReader:
                 box = tuple(slice(o, o + n) for o, n in zip(ref.offsets, ref.shape))
                 out[box] = piece.reshape(ref.shape)
             covered += piece.numel()
-        if covered < out.numel():
+        if wanted is None and covered < out.numel():
             raise ValueError(f"checkpoint tensor {name} is only partly stored "
                              f"({covered} of {out.numel()} elements)")
         return out
+
+
+def _overlap(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
+    return all(ao < bo + bn and bo < ao + an
+               for ao, an, bo, bn in zip(a_offsets, a_sizes, b_offsets, b_sizes))

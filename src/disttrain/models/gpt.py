@@ -86,12 +86,25 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         if not self.head.weight.is_meta:  # on meta: a seeded source fills it later
-            self.apply(self.init_module)
+            self.apply(self._init_own)  # (this order of draws: the torch seed's values)
+            for name, p in self.named_parameters():
+                if name.endswith(("attn.out.weight", "mlp.down.weight")):
+                    nn.init.normal_(p, std=self._residual_std())
 
     def init_module(self, m: nn.Module) -> None:
         """Initialise ``m``'s own tensors (applied to every module, children first):
         matrices N(0, 0.02), biases 0, norms 1 / 0, and the residual projections scaled
         down with depth (GPT-2)."""
+        self._init_own(m)
+        if isinstance(m, (CausalSelfAttention, MLP)):
+            residual = m.out if isinstance(m, CausalSelfAttention) else m.down
+            nn.init.normal_(residual.weight, std=self._residual_std())
+
+    def _residual_std(self) -> float:
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer)
+
+    @staticmethod
+    def _init_own(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
             if m.bias is not None:
@@ -101,9 +114,6 @@ class GPT(nn.Module):
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
-        elif isinstance(m, (CausalSelfAttention, MLP)):
-            residual = m.out if isinstance(m, CausalSelfAttention) else m.down
-            nn.init.normal_(residual.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = gpt_embed(self, input_ids)

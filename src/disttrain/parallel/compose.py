@@ -37,14 +37,14 @@ from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
-from .interfaces import GradSync, PartialSource, ShardedState, TensorSource
+from .interfaces import GradSync, PartialSource, ShardedState, StatePiece, TensorSource
 from .onebit import OnebitGrads
 from .pipeline.check import pipeline_cuts
 from .placement import Placement, tensor_pieces, whole_model_placement
 from .registry import StrategyContext, get_strategy
 from .sync import SyncStrategy, build_sync
 from .zero import Unit, build_units
-from ..weights.materialize import allocate, fill_buffers, on_meta
+from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
 
 PLAIN, PIPELINE, PARAMETER_SERVER = "plain", "pipeline", "parameter_server"
 MODEL = "model/"
@@ -105,16 +105,22 @@ class Parallelized:
             return None
         return self.mp.tp.full_logits_loss(loss_fn)
 
+    def local_boxes(self) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+        """``model/<name>`` -> the (global offsets, sizes) boxes of that tensor this rank
+        holds (before data parallelism: a ZeRO shard is a range inside them): what a
+        :class:`~.interfaces.PartialSource` reads for it."""
+        return {MODEL + self.placement.name(p): [
+            (b.global_offsets, b.shape)
+            for b in self.placement.boxes(self.placement.name(p), p)]
+            for p in self.module.parameters() if id(p) in self.placement.names}
+
     def fill(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
         """Give this rank's part of a model built on the meta device its values from
         ``source`` (global tensors by ``model/<name>``: the seeded initialiser, a
         pretrained directory), each rank reading only what it holds; then whatever
         follows the weights (a sync mode's round) starts from them."""
         if isinstance(source, PartialSource):
-            source.want({MODEL + self.placement.name(p): [
-                (b.global_offsets, b.shape)
-                for b in self.placement.boxes(self.placement.name(p), p)]
-                for p in self.module.parameters() if id(p) in self.placement.names})
+            source.want(self.local_boxes())
         self.state.load_state(source, optimizer)
         # buffers by their full-model names: a pipeline chunk keeps the model's paths
         for part in (self.mp.chunks if self.mp is not None and self.mp.chunks
@@ -127,6 +133,32 @@ class Parallelized:
         stage = f" (ZeRO-{self.zero_stage})" if self.zero_stage else ""
         layout = self.mp.describe() if self.mp is not None else ""
         return f"{self.strategy}{stage}" + (f"; {layout}" if layout else "")
+
+    def weight_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
+        """The pieces of the model's weights this rank contributes to the final weights
+        (``model/<name>`` boxes of global tensors; over all ranks they cover every
+        parameter, and every persistent buffer, at least once): under ZeRO each rank's
+        shard pieces, else the data-parallel rank 0 replicas' parameters (their boxes
+        under tp / pp). No rank gathers anything: the writer assembles one tensor at a
+        time. Valid before ``grads.finalize()``."""
+        world, dp = self.groups.world, self.groups.dp
+        if self.zero_stage:
+            pieces = [p for p in self.state.state_pieces(optimizer)
+                      if p.name.startswith(MODEL)]
+        elif dp.rank != 0:
+            pieces = []
+        elif self.mp is None:
+            pieces = [StatePiece(MODEL + self.placement.name(p), p.detach(),
+                                 tuple(p.shape), (0,) * p.dim())
+                      for p in _unique(self.module.parameters())] if world.rank == 0 else []
+        else:
+            pieces = [StatePiece(MODEL + name, g.tensor.detach(), g.global_shape, g.offsets)
+                      for name, p in self.mp.named_parameters() if self.placement.writes(p)
+                      for g in tensor_pieces(self.placement.boxes(name, p), p)]
+        if self.mp is None and world.rank == 0:  # buffers the model saves (whole)
+            pieces += [StatePiece(MODEL + n, b.detach(), tuple(b.shape), (0,) * b.dim())
+                       for n, b in persistent_buffers(self.module)]
+        return pieces
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The unsharded model's parameters and buffers on global rank 0 (None
@@ -151,6 +183,11 @@ class Parallelized:
                 out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
                 out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
         return full
+
+
+def _unique(params) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
 
 
 def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,

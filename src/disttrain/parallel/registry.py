@@ -136,7 +136,8 @@ def _build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
 
 def _build_zero(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
     wire = CAST_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
-    zero = ZeroDataParallel(ctx.units, ctx.dp_comm, ctx.parallel.zero, ctx.placement, wire)
+    zero = ZeroDataParallel(ctx.units, ctx.dp_comm, ctx.parallel.zero, ctx.placement, wire,
+                            gather_at_end=not ctx.fresh)
     if not ctx.fresh:
         zero.broadcast_parameters()
     return zero, zero

@@ -59,9 +59,12 @@ class RunCheckpoints:
     """Saves every ``checkpoint.every`` steps and at the end; resumes a run directory."""
 
     def __init__(self, run_dir: Path, config: Config, plan: RunPlan, world: Communicator,
-                 state: ShardedState, optimizer: torch.optim.Optimizer) -> None:
+                 state: ShardedState, optimizer: torch.optim.Optimizer,
+                 boxes: dict[str, list] | None = None) -> None:
         self.run_dir, self.config, self.plan = run_dir, config, plan
         self.world, self.state, self.optimizer = world, state, optimizer
+        self.boxes = boxes  # what this rank holds of each tensor: read only that
+        self.bytes_read = 0  # of the checkpoint resumed from
         ck = config.checkpoint
         self.every = ck.every
         self.manager = CheckpointManager(run_dir, world.rank, world.size, keep=ck.keep,
@@ -90,7 +93,10 @@ class RunCheckpoints:
         if kind == "none":
             return None
         ckpt = open_checkpoint(Path(value))
+        if self.boxes is not None:
+            ckpt.reader.want(self.boxes)
         self.state.load_state(ckpt.reader, self.optimizer)
+        self.bytes_read = ckpt.reader.bytes_read
         restore_rng(ckpt.reader, self.world.rank)
         saved_world = ckpt.meta.get("world_size")
         total = self.config.train.steps

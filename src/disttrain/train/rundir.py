@@ -1,4 +1,5 @@
-"""The run directory: config snapshot, metrics, summary, final weights."""
+"""The run directory: config snapshot, metrics, summary (the final weights:
+:mod:`.final_weights`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
-from safetensors.torch import save_file
-import torch
-from torch import nn
-
-from ..fsutil import new_file_mode
 from ..monitor.metrics import finite_or_null
-from ..names import STOPPED_FILE, SUMMARY_FILE, WEIGHTS_FILE
+from ..names import STOPPED_FILE, SUMMARY_FILE
 
 
 def new_run_dir_name() -> Path:
@@ -49,31 +44,6 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(finite_or_null(summary), indent=2,
                                                          sort_keys=True, allow_nan=False))
-
-
-def save_weights(model: nn.Module | dict[str, torch.Tensor], run_dir: Path) -> Path:
-    """Final weights as safetensors, loadable with ``safetensors.torch.load_model``: a
-    tensor shared under several names (a tied head) is stored once, under its first
-    name; each is copied out of whatever flat buffer it may live in. ``model`` may be an
-    already assembled state (tensor and pipeline parallelism)."""
-    state, seen = {}, set()
-    items = model.items() if isinstance(model, dict) else model.state_dict().items()
-    for name, t in items:
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if key not in seen:
-            seen.add(key)
-            state[name] = t.detach().cpu().contiguous().clone()
-    path = run_dir / WEIGHTS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(state, str(tmp))
-        os.chmod(tmp, new_file_mode())  # safetensors creates it 0600
-        os.replace(tmp, path)
-    except SafetensorError as exc:  # raised for its I/O errors too (a full disk)
-        raise OSError(f"{tmp}: {exc}") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 # --------------------------------------------------------------------- restarts

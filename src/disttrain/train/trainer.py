@@ -63,6 +63,7 @@ from ..topology import Topology, build_topology
 from ..validation import resolve
 from . import rundir
 from .checkpointing import RunCheckpoints, finished_run
+from .final_weights import write_final_weights
 from .flops import count_flops_per_term, shape_flops_per_token
 from .loops import LoopResult, ParameterServerLoop, StepLoop, TrainingLoop
 from .optim import build_optimizer, lr_at, set_lr
@@ -303,7 +304,8 @@ class Trainer:
 
     def _build_checkpoints(self) -> None:
         self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
-                                          self.parallel.state, self.optimizer)
+                                          self.parallel.state, self.optimizer,
+                                          self.parallel.local_boxes())
         self.start_step = 0
         resumed = self.checkpoints.resume(say=self.bar.message)
         if resumed is not None:
@@ -560,12 +562,14 @@ class Trainer:
         summary[MEMORY_BYTES_PER_RANK] = self.world.all_gather_object(summary[MEMORY_BYTES])
         summary[DEVICE_NAME] = _device_name(self.runtime.device)
         summary |= self.parallel.sync.metrics()
-        self.parallel.grads.finalize()  # the model keeps its full parameters
-        full = self.parallel.full_state()
-        self._on_main(lambda: (rundir.save_weights(full, self.run_dir),
-                               rundir.write_summary(self.run_dir, summary)),
-                      f"could not write the final weights and summary in {self.run_dir}",
-                      CheckpointSaveError)
+        # the final weights from every rank's pieces, one tensor at a time on rank 0
+        problem = write_final_weights(self.parallel.weight_pieces(self.optimizer),
+                                      self.world, self.run_dir)
+        if problem is not None:
+            raise CheckpointSaveError(f"could not write the final weights: {problem}")
+        self.parallel.grads.finalize()  # a model built whole keeps its full parameters
+        self._on_main(lambda: rundir.write_summary(self.run_dir, summary),
+                      f"could not write the summary in {self.run_dir}", CheckpointSaveError)
         if self.runtime.is_main:
             self.bar.message(_summary_text(summary, self.bar.unit))
         self._write_trace()

@@ -62,3 +62,13 @@ def left_on_meta(module: nn.Module) -> list[str]:
     """Names of the parameters and buffers of ``module`` still without storage."""
     return [n for n, t in (*module.named_parameters(), *module.named_buffers())
             if t.is_meta]
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(full name, buffer) of every buffer of ``module`` that its ``state_dict`` saves."""
+    out = []
+    for mname, m in module.named_modules():
+        for bname, b in m._buffers.items():
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                out.append((canonical_name(f"{mname}.{bname}" if mname else bname), b))
+    return out

@@ -43,13 +43,17 @@ class ZeroDataParallel:
     grad_replicas = 1  # every dp rank holds a different slice of the gradient
 
     def __init__(self, units: list[Unit], comm: Communicator, stage: int,
-                 placement: Placement, reduce_dtype: torch.dtype | None = None) -> None:
+                 placement: Placement, reduce_dtype: torch.dtype | None = None, *,
+                 gather_at_end: bool = True) -> None:
         self.comm, self.stage, self.placement = comm, stage, placement
+        self.gather_at_end = gather_at_end
         self.modules = list({id(u.entry): u.entry for u in units}.values())
+        # parameters on meta get their storage here, only this rank's part of them
+        device = comm.device if any(p.is_meta for u in units for _, p in u.params) else None
         self.flats: list[FlatParam] = [
             flat for index, unit in enumerate(units) for decay in (True, False)
             if (flat := flatten_unit(unit, index, decay, placement.names, comm.rank,
-                                     comm.size, stage, comm.device)) is not None]
+                                     comm.size, stage, device)) is not None]
         self.gathers = Stage3Gathers(units, self.flats, comm) if stage == 3 else None
         self.reducer = ShardReducer(self.flats, comm, stage, reduce_dtype,
                                     self.gathers.launched if self.gathers else lambda f: None)
@@ -178,10 +182,13 @@ class ZeroDataParallel:
         return {}
 
     def finalize(self) -> None:
-        """End of training: every rank keeps the full parameters (stage 3 gathers them
-        once more) and the hooks are removed, so the model is a plain model again."""
+        """End of training: the hooks are removed, and every rank keeps the full
+        parameters (stage 3 gathers them once more, unless built without
+        ``gather_at_end``: a model built on the meta device stays sharded, as no rank
+        may hold it whole)."""
         if self.gathers is not None:
-            self.gathers.gather_all()
+            if self.gather_at_end:
+                self.gathers.gather_all()
             self.gathers.remove()
         for h in self._hooks:
             h.remove()

@@ -11,6 +11,9 @@
 #   set      the GPU test set (pytest -m gpu tests/gpu; cases needing 2+ GPUs skip)
 #   profile  scripts/gpu_profile.py: a few profiled steps of disttrain and the plain
 #            loop (GPU busy and idle time per step, host-device syncs, top host ops)
+#   pretrained  scripts/gpu_pretrained.py: a bf16 Llama directory (8 x 1024) trained
+#            from under ZeRO-3, built on meta and filled on the GPU: memory peak, and
+#            the held-out loss against transformers' own
 #
 # The whole check stays within $GPU_CHECK_BUDGET_S seconds (480): each section's limit is
 # cut to what is left, and a section with under 20 s left is reported as skipped.
@@ -36,14 +39,16 @@ rm -f "$DEST"/*.log
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-ONLY="${GPU_CHECK_ONLY:-env mfu jobs set profile}"
+ONLY="${GPU_CHECK_ONLY:-env mfu jobs set profile pretrained}"
 DRY="${DISTTRAIN_GPU_SET_ON_CPU:-0}"
 if [ "$DRY" = 1 ]; then
     MFU_SHAPE=(--device cpu --micro-batch 2 --seq-len 64 --n-layer 2 --d-model 64
                --n-head 2 --vocab 512 --steps 4 --warmup 2 --log-every 2)
     JOB_STEPS=8
     PROFILE_ARGS=(--device cpu --steps 2)
+    PRETRAINED_ARGS=(--device cpu --layers 2 --width 128)
 else
+    PRETRAINED_ARGS=()
     PROFILE_ARGS=(--steps 6)
     MFU_SHAPE=(--steps 60 --warmup 10 --log-every 10)
     JOB_STEPS=50
@@ -143,6 +148,8 @@ run mfu_compile 180 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}" --compile
 json_lines mfu_compile
 run profile 90 "$PY" scripts/gpu_profile.py "${PROFILE_ARGS[@]}"
 json_lines profile
+run pretrained 90 "$PY" scripts/gpu_pretrained.py "${PRETRAINED_ARGS[@]}"
+json_lines pretrained
 
 echo "=== results ($DEST/results.jsonl)"
 cat "$DEST/results.jsonl"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from disttrain.comm.collectives import (CollectiveLedger, Communicator, MessageOrderError,
                                         nccl_rules_default)
+from disttrain.monitor.watchdog import default_store
 from disttrain.testing import run_distributed
 
 OPS = ["all_reduce", "broadcast", "reduce_scatter", "all_gather_into", "all_gather",
@@ -62,6 +63,7 @@ def _misordered() -> str:
         works = [comm.isend(first, 1, tag=7), comm.isend(second, 1, tag=8)]
         for w in works:
             w.wait()
+        default_store().set("misordered/sent", "1")
         return "sent"
     a, b = torch.empty(3), torch.empty(3)
     # receives posted in the other order: tags alone would sort them out on Gloo
@@ -69,9 +71,11 @@ def _misordered() -> str:
     try:
         later.wait()
         earlier.wait()
+        said = "not caught"
     except MessageOrderError as exc:
-        return str(exc)
-    return "not caught"
+        said = str(exc)
+    default_store().wait(["misordered/sent"])  # rank 0's sends done: leaving resets none
+    return said
 
 
 def test_messages_received_out_of_posting_order_are_caught():

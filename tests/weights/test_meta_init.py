@@ -155,3 +155,39 @@ def test_rotary_frequencies_are_computed_and_gpt2_stays_tied(states):
             for rank in range(world):
                 found = torch.load(str(states / f"llama-{case}.safetensors.rank{rank}.rotary"))
                 assert found and all(torch.equal(b, fresh) for b in found.values()), case
+
+
+def test_a_70b_llama_is_built_on_meta_in_little_memory():
+    """The command line's model path for a 70B-Llama shape (80 layers, 8192 wide, GQA
+    64/8, 128k vocabulary): the model on meta, its spec and its seeded initialiser
+    (which keeps a meta copy) allocate under 100 MB beyond the code they import,
+    although the fp32 weights are ~280 GB."""
+    import tracemalloc
+
+    from disttrain.config import load_config
+    from disttrain.models.hf import build_hf_model, hf_spec
+    from disttrain.weights import initial_weights
+
+    cfg = load_config(values={"model": {"name": "llama", "n_layer": 80, "d_model": 8192,
+                                        "n_head": 64, "n_kv_head": 8, "vocab_size": 128256,
+                                        "seq_len": 4096}})
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    with torch.device("meta"):  # the code it runs, imported first: not the model's
+        initial_weights(build_hf_model(_config("llama", (1, 1, 1), 0).model), seed=0)
+    before = rss()
+    tracemalloc.start()
+    with torch.device("meta"):
+        model = build_hf_model(cfg.model)
+    spec = hf_spec(model)
+    source = initial_weights(model, seed=0)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    grown = rss() - before
+    params = sum(p.numel() for p in model.parameters())
+    assert params > 60e9 and spec.tp_plan and source.shape(
+        "model/model.layers.79.mlp.down_proj.weight") == (8192, 4 * 8192)
+    assert peak < 100e6 and grown < 100e6, (peak, grown)

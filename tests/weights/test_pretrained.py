@@ -11,7 +11,8 @@ point at every layout, each rank reading only the parts it holds.
   ``from_pretrained`` on the same samples (1e-5: the same fp32 model, other kernels'
   summation order).
 - At tp 2 each rank reads exactly the bytes of the tensor parts it holds (its shards,
-  and the tensors it replicates), less than the file.
+  and the tensors it replicates), less than the file; under ZeRO-3 at dp 2 each rank
+  reads about its half (its shard's ranges).
 """
 
 from __future__ import annotations
@@ -169,3 +170,13 @@ def test_each_tp_rank_reads_only_the_parts_it_holds(runs, key):
         assert figures["tp"] == 2
         assert figures["read"] == figures["held"], figures  # fp32 files: bytes alike
         assert figures["read"] < 0.75 * total
+
+
+@pytest.mark.parametrize("key", ["gpt2", "llama"])
+def test_each_zero3_rank_reads_about_its_shard(runs, key):
+    root, dirs = runs
+    total = sum(f.stat().st_size for f in Path(dirs[key]).glob("*.safetensors"))
+    reads = [json.loads((root / f"{key}-dp2-z3.rank{rank}").read_text())["read"]
+             for rank in (0, 1)]
+    assert all(0.3 * total < r < 0.6 * total for r in reads), (reads, total)
+    assert 0.95 * total < sum(reads) < 1.05 * total  # together: the file, about once

@@ -105,10 +105,19 @@ class Parallelized:
             return None
         return self.mp.tp.full_logits_loss(loss_fn)
 
-    def local_boxes(self) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    def local_boxes(self, optimizer: torch.optim.Optimizer
+                    ) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
         """``model/<name>`` -> the (global offsets, sizes) boxes of that tensor this rank
-        holds (before data parallelism: a ZeRO shard is a range inside them): what a
-        :class:`~.interfaces.PartialSource` reads for it."""
+        holds: its tensor-parallel boxes, or under ZeRO the boxes of its shard's range
+        (a tensor this rank holds but does not save, such as a tied copy, is absent:
+        read whole). What a :class:`~.interfaces.PartialSource` reads for it."""
+        if self.zero_stage:
+            out: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+            for piece in self.state.state_pieces(optimizer):
+                if piece.name.startswith(MODEL):
+                    out.setdefault(piece.name, []).append(
+                        (piece.offsets, tuple(piece.tensor.shape)))
+            return out
         return {MODEL + self.placement.name(p): [
             (b.global_offsets, b.shape)
             for b in self.placement.boxes(self.placement.name(p), p)]
@@ -120,7 +129,7 @@ class Parallelized:
         pretrained directory), each rank reading only what it holds; then whatever
         follows the weights (a sync mode's round) starts from them."""
         if isinstance(source, PartialSource):
-            source.want(self.local_boxes())
+            source.want(self.local_boxes(optimizer))
         self.state.load_state(source, optimizer)
         # buffers by their full-model names: a pipeline chunk keeps the model's paths
         for part in (self.mp.chunks if self.mp is not None and self.mp.chunks

@@ -305,7 +305,7 @@ class Trainer:
     def _build_checkpoints(self) -> None:
         self.checkpoints = RunCheckpoints(self.run_dir, self.config, self.plan, self.world,
                                           self.parallel.state, self.optimizer,
-                                          self.parallel.local_boxes())
+                                          self.parallel.local_boxes(self.optimizer))
         self.start_step = 0
         resumed = self.checkpoints.resume(say=self.bar.message)
         if resumed is not None:

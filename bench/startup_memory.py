@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--only", default="", help="run only the cases whose name "
+                        "(e.g. zero3_meta) contains this")
     args = parser.parse_args()
     w = args.world
     layouts = {"zero3": (w, 1, 1, 3), "tp2_pp2_zero1": (w // 4, 2, 2, 1)}
@@ -104,6 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for name, layout in layouts.items():
             for meta in (True, False):
+                if args.only not in f"{name}_{'meta' if meta else 'whole'}":
+                    continue
                 ranks = run_distributed(_body, w, args=(args, layout, meta, root),
                                         timeout=args.timeout)
                 key = f"{name}_{'meta' if meta else 'whole'}"
@@ -111,6 +115,7 @@ def main() -> None:
                 for point in ("start", "step", "end"):
                     out[f"{key}_{point}_x_model"] = round(
                         max(r[point] for r in ranks), 3)
+                out[f"{key}_end_x_model_rank0"] = round(ranks[0]["end"], 3)
     print(json.dumps(out))
 
 

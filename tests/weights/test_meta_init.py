@@ -191,3 +191,26 @@ def test_a_70b_llama_is_built_on_meta_in_little_memory():
     assert params > 60e9 and spec.tp_plan and source.shape(
         "model/model.layers.79.mlp.down_proj.weight") == (8192, 4 * 8192)
     assert peak < 100e6 and grown < 100e6, (peak, grown)
+
+
+def _compiled(root: str) -> None:
+    """The built-in GPT compiled per block, with activation checkpointing, under ZeRO-3."""
+    from disttrain import Trainer
+    from disttrain.data import collate_token_batch
+    from disttrain.models import token_loss
+
+    cfg = _config("gpt", (2, 1, 1), 3)
+    cfg.train.compile = True
+    cfg.train.activation_checkpointing = "full"
+    path = f"{root}/gpt-compiled.safetensors"
+    Trainer(_build("gpt", cfg), SyntheticTokens(), token_loss, cfg,
+            collate_fn=collate_token_batch, run_dir=f"{root}/gpt-compiled",
+            progress=False, callbacks=[InitialState(path)]).fit()
+
+
+def test_compiled_blocks_start_from_the_same_weights(states):
+    run_distributed(_compiled, 2, args=(str(states),), timeout=600)
+    one = load_file(str(states / "gpt-one.safetensors"))
+    compiled = load_file(str(states / "gpt-compiled.safetensors"))
+    assert sorted(one) == sorted(compiled)
+    assert all(torch.equal(t, compiled[n]) for n, t in one.items())

@@ -5,7 +5,8 @@ point at every layout, each rank reading only the parts it holds.
 - With a learning rate too small to move any weight (1e-30: AdamW's update and decay
   are below half an ulp of every weight), the run's final weights equal the file's,
   bitwise (bf16 files: their exact fp32 values), at dp 2 ZeRO-3, tp 2, pp 2 (1F1B) and
-  (2, 2, 2); a layout that read the wrong slice, missed a tensor or untied GPT-2's head
+  (2, 2, 2), and with activation checkpointing under the interleaved schedule and
+  ZeRO-2; a layout that read the wrong slice, missed a tensor or untied GPT-2's head
   differs in most elements.
 - The held-out loss before training equals the one transformers computes with
   ``from_pretrained`` on the same samples (1e-5: the same fp32 model, other kernels'
@@ -31,8 +32,13 @@ from disttrain.testing import run_distributed
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 64, 16
-LAYOUTS = {2: {"dp2-z3": ((2, 1, 1), 3), "tp2": ((1, 1, 2), 0), "pp2": ((1, 2, 1), 0)},
-           8: {"2x2x2": ((2, 2, 2), 1)}}
+# name -> ((dp, pp, tp), ZeRO stage, extra train / parallel settings)
+LAYOUTS = {2: {"dp2-z3": ((2, 1, 1), 3, {}), "tp2": ((1, 1, 2), 0, {}),
+               "pp2": ((1, 2, 1), 0, {}),
+               "pp2-interleaved-ac": ((1, 2, 1), 0, {"pp_schedule": "interleaved",
+                                                     "activation_checkpointing": "full"}),
+               "dp2-z2-ac": ((2, 1, 1), 2, {"activation_checkpointing": "full"})},
+           8: {"2x2x2": ((2, 2, 2), 1, {})}}
 
 
 def save_tiny(family: str, directory: Path, *, dtype=torch.float32, shards: bool = False,
@@ -58,12 +64,15 @@ def save_tiny(family: str, directory: Path, *, dtype=torch.float32, shards: bool
     return directory
 
 
-def _config(layout, zero, lr=1e-30):
+def _config(layout, zero, extra=None, lr=1e-30):
     dp, pp, tp = layout
+    extra = dict(extra or {})
+    train_extra = {k: extra.pop(k) for k in ("activation_checkpointing",) if k in extra}
     return {"train": {"steps": 2, "global_batch": 8, "grad_accum": 2, "lr": lr,
-                      "warmup_steps": 0, "eval_samples": 8, "log_every": 1, "seed": 3},
+                      "warmup_steps": 0, "eval_samples": 8, "log_every": 1, "seed": 3,
+                      **train_extra},
             "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero,
-                         **({"pp_schedule": "1f1b"} if pp > 1 else {})},
+                         **({"pp_schedule": "1f1b"} if pp > 1 else {}), **extra},
             "checkpoint": {"every": 0}, "monitor": {"peak_tflops": 1.0}}
 
 
@@ -93,10 +102,10 @@ def _fit(root: str, cases: dict, dirs: dict) -> None:
     from disttrain.weights import pretrained_model
 
     for key, directory in dirs.items():
-        for name, (layout, zero) in cases.items():
+        for name, (layout, zero, extra) in cases.items():
             run = f"{root}/{key}-{name}"
             Trainer(pretrained_model(directory), SyntheticTokens(), None,
-                    _config(layout, zero), eval_dataset=SyntheticTokens(n=8, seed=5),
+                    _config(layout, zero, extra), eval_dataset=SyntheticTokens(n=8, seed=5),
                     collate_fn=collate_token_batch, run_dir=run, progress=False,
                     pretrained=directory, callbacks=[BytesRead(run)]).fit()
 
@@ -110,7 +119,8 @@ def runs(tmp_path_factory):
             "llama-bf16": save_tiny("llama", root / "llama-bf16", dtype=torch.bfloat16,
                                     shards=True)}
     dirs = {k: str(v) for k, v in dirs.items()}
-    run_distributed(_fit, 1, args=(str(root), {"one": ((1, 1, 1), 0)}, dirs), timeout=120)
+    run_distributed(_fit, 1, args=(str(root), {"one": ((1, 1, 1), 0, {})}, dirs),
+                    timeout=120)
     for world, cases in LAYOUTS.items():
         run_distributed(_fit, world, args=(str(root), cases, dirs), timeout=300)
     return root, dirs

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..checkpoint.stream import write_streamed
 from ..comm.collectives import Communicator
@@ -42,17 +41,16 @@ def write_final_weights(pieces: list[StatePiece], world: Communicator,
     problem = world.broadcast_object(problem)
     if problem is not None:
         return problem
-    layout, own = [], {}
-    for i, p in enumerate(pieces):
-        own[str(i)] = p.tensor.detach().cpu().contiguous()
-        layout.append((p.name, tuple(p.global_shape), tuple(p.offsets),
-                       tuple(p.tensor.shape), p.tensor.dtype))
-    try:
-        if own:
-            save_file(own, str(staging / f"rank{rank:05d}.safetensors"))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own I/O errors
+    layout = [(p.name, tuple(p.global_shape), tuple(p.offsets), tuple(p.tensor.shape),
+               p.tensor.dtype) for p in pieces]
+    try:  # piece by piece: no copy of this rank's whole share at once
+        if pieces:
+            write_streamed(staging / f"rank{rank:05d}.safetensors",
+                           [(str(i), shape, dtype)
+                            for i, (_, _, _, shape, dtype) in enumerate(layout)],
+                           lambda key: pieces[int(key)].tensor)
+    except (OSError, ValueError) as exc:
         problem = f"{staging}: {exc}"
-    own.clear()
     everyone = world.all_gather_object((layout, problem))
     problems = [p for _, p in everyone if p is not None]
     if rank == 0 and not problems:
@@ -73,16 +71,15 @@ def _assemble(staging: Path, layouts: list[list[tuple]], out: Path) -> None:
                 continue  # the same box again (a replicated tensor): once
             where.setdefault(name, []).append((rank, i, offsets, shape))
             shapes[name] = (global_shape, dtype)
-    files: dict[int, object] = {}
 
     def fetch(key: str) -> torch.Tensor:
         shape, dtype = shapes[MODEL + key]
         out_t = torch.empty(shape, dtype=dtype)
         covered = 0
         for rank, i, offsets, sizes in where[MODEL + key]:
-            if rank not in files:
-                files[rank] = safe_open(str(staging / f"rank{rank:05d}.safetensors"), "pt")
-            piece = files[rank].get_tensor(str(i))
+            # opened per piece: a mapping kept open would keep every page read resident
+            with safe_open(str(staging / f"rank{rank:05d}.safetensors"), "pt") as f:
+                piece = f.get_tensor(str(i))
             out_t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = piece
             covered += piece.numel()
         if covered != out_t.numel():

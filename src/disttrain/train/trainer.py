@@ -40,7 +40,7 @@ from ..data.samples import fetch_samples, tensor_rows
 from ..data.sampler import GlobalOrderSampler, eval_indices
 from ..spec import ModelSpec, spec_for
 from ..parallel.interfaces import TensorSource
-from ..weights import InitFn, initial_weights, on_meta, open_pretrained
+from ..weights import InitFn, initial_weights, on_meta, open_pretrained, stream_seed
 from ..models import token_loss
 from ..monitor import MetricsRecord, MetricsWriter, ProgressBar
 from ..monitor.agreement import check_agreement
@@ -205,6 +205,11 @@ class Trainer:
         return self.world.broadcast_object(found)
 
     def _build(self) -> None:
+        # the random streams (dropout masks) from train.seed, the same on every rank of a
+        # tp group, whose replicated activations need the same masks (a resume then
+        # restores the checkpoint's streams)
+        torch.manual_seed(stream_seed(self.config.train.seed, self.topology.dp_rank,
+                                      self.topology.coordinate("pp")))
         self._build_watchdog()
         self.tracer = Tracer(self.config.monitor.trace, self.runtime.rank)
         self.signals = SignalStop(control_beside(self.world))  # no GPU sync per step

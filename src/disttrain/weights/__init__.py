@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import UserError
 from .materialize import allocate, fill_buffers, left_on_meta, on_meta
 from .pretrained import PretrainedWeights, open_pretrained, read_directory
-from .seeded import InitFn, SeededInit, tensor_seed
+from .seeded import InitFn, SeededInit, stream_seed, tensor_seed
 
 
 def model_init_fn(model: nn.Module) -> InitFn | None:
@@ -68,5 +68,7 @@ def check_pretrained(directory: str, seq_len: int) -> None:
     open_pretrained(directory, model)
 
 
-__all__ = ["check_pretrained", "PretrainedWeights", "open_pretrained", "pretrained_model", "read_directory", "InitFn", "SeededInit", "allocate", "fill_buffers", "initial_weights",
-           "left_on_meta", "model_init_fn", "on_meta", "tensor_seed"]
+__all__ = ["InitFn", "PretrainedWeights", "SeededInit", "allocate", "check_pretrained",
+           "fill_buffers", "initial_weights", "left_on_meta", "model_init_fn", "on_meta",
+           "open_pretrained", "pretrained_model", "read_directory", "stream_seed",
+           "tensor_seed"]

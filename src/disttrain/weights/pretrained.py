@@ -9,14 +9,16 @@ bytes lie inside its file (a truncated file is refused), no tensor is named twic
 
 :class:`PretrainedWeights` is a source of global tensors by ``model/<name>`` (the
 names the model's own ``state_dict`` uses, a tied weight under its first name), read
-with ``safe_open(...).get_slice``: when the composition says which boxes this rank
-holds (:meth:`PretrainedWeights.want`), only those are read; the rest of the returned
-tensor is never looked at. Values become fp32 whatever the file's dtype.
+through a mapping of the file: the caller copies only the boxes this rank holds
+(:meth:`PretrainedWeights.want` says which) straight into its fp32 parameters, so a
+rank reads its own slices and nothing else, each byte copied once, whatever the file's
+dtype (fp32 / bf16 / fp16).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +37,13 @@ MAX_INDEX_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class FileTensor:
-    """Where one tensor lies: its file, dtype (safetensors' name) and shape."""
+    """Where one tensor lies: its file, dtype (safetensors' name), shape, and the byte
+    offset of its data in the file."""
 
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    start: int = 0
 
 
 def _refuse(directory: Path, problem: str) -> UserError:
@@ -126,11 +130,12 @@ def _header(root: Path, path: Path) -> dict[str, FileTensor]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        out[name] = _entry(root, path, name, entry, data_bytes)
+        out[name] = _entry(root, path, name, entry, data_bytes, 8 + length)
     return out
 
 
-def _entry(root: Path, path: Path, name: str, entry: object, data_bytes: int) -> FileTensor:
+def _entry(root: Path, path: Path, name: str, entry: object, data_bytes: int,
+           data_start: int) -> FileTensor:
     where = f"tensor {name} in {path.name}"
     if not isinstance(entry, dict):
         raise _refuse(root, f"{where}: its header entry is not an object")
@@ -154,7 +159,10 @@ def _entry(root: Path, path: Path, name: str, entry: object, data_bytes: int) ->
     if offsets[1] > data_bytes:
         raise _refuse(root, f"{where} ends at byte {offsets[1]} of a data section of "
                             f"{data_bytes} (the file is truncated)")
-    return FileTensor(path, dtype, tuple(shape))
+    if (data_start + offsets[0]) % DTYPES[dtype].itemsize:
+        raise _refuse(root, f"{where} starts at a byte offset that is not a multiple of "
+                            "its element size")
+    return FileTensor(path, dtype, tuple(shape), data_start + offsets[0])
 
 
 def model_tensor_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -202,16 +210,22 @@ def check_against(directory: str | Path, tensors: dict[str, FileTensor],
 class PretrainedWeights:
     """Global tensors by ``model/<name>`` from a checked directory (see the module
     docstring), with ``rest`` (e.g. the seeded initialiser) for tensors the files do
-    not hold (non-persistent buffers such as rotary frequencies)."""
+    not hold (non-persistent buffers such as rotary frequencies).
+
+    :meth:`tensor` returns a view of the file itself (a private, copy-on-write mapping,
+    in the file's dtype): nothing is read until the caller copies from it, and the
+    caller copies only the boxes this rank holds, straight into its fp32 parameters
+    (one copy per byte). ``bytes_read``: the bytes of the boxes handed out
+    (:meth:`want`), or of whole tensors where no boxes were given. The mapping is
+    released with the last view of it."""
 
     def __init__(self, tensors: dict[str, FileTensor], rest=None) -> None:
         self.tensors, self.rest = tensors, rest
         self.wanted: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         self.bytes_read = 0
-        self._open: dict[Path, object] = {}
 
     def want(self, boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
-        """Read only these (global offsets, sizes) boxes of each named tensor."""
+        """The (global offsets, sizes) boxes of each named tensor the caller will read."""
         self.wanted = dict(boxes)
 
     def names(self, prefix: str = "") -> list[str]:
@@ -227,34 +241,31 @@ class PretrainedWeights:
         return self.rest.shape(name)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """fp32 on the CPU: the whole tensor, or (after :meth:`want`) a tensor of its
-        whole shape of which only the wanted boxes are read."""
+        """The whole tensor, as a view of its file (see the class docstring)."""
         key = name[len(MODEL):]
         if key not in self.tensors:
             return self.rest.tensor(name)
         where = self.tensors[key]
-        view = self._file(where.file).get_slice(key)
+        dtype = DTYPES[where.dtype]
+        numel = 1
+        for n in where.shape:
+            numel *= n
         boxes = self.wanted.get(name)
-        itemsize = DTYPES[where.dtype].itemsize
-        if not boxes or any(sizes == where.shape for _, sizes in boxes):
-            out = view[tuple(slice(None) for _ in where.shape)] if where.shape else \
-                self._file(where.file).get_tensor(key)
-            self.bytes_read += out.numel() * itemsize
-            return out.to(torch.float32)
-        out = torch.empty(where.shape, dtype=torch.float32)  # pages outside the boxes
-        for offsets, sizes in boxes:  # are never written, so never resident
-            box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-            part = view[box]
-            self.bytes_read += part.numel() * itemsize
-            out[box] = part.to(torch.float32)
-        return out
+        counted = numel if not boxes else min(numel, sum(_numel(s) for _, s in boxes))
+        self.bytes_read += counted * dtype.itemsize
+        if numel == 0:
+            return torch.empty(where.shape, dtype=dtype)
+        with open(where.file, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return torch.frombuffer(mapping, dtype=dtype, count=numel,
+                                offset=where.start).view(where.shape)
 
-    def _file(self, path: Path):
-        from safetensors import safe_open
 
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        return self._open[path]
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
 
 
 def open_pretrained(directory: str | Path, model: nn.Module, rest=None) -> PretrainedWeights:

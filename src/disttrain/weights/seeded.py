@@ -39,6 +39,13 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 
 
+def stream_seed(seed: int, dp_rank: int, pp_rank: int) -> int:
+    """The seed of a rank's random streams during training (dropout): distinct per data-
+    parallel replica and pipeline stage, the same on every rank of a tensor-parallel
+    group (their replicated activations must draw the same masks)."""
+    return tensor_seed(seed, f"streams/dp{dp_rank}/pp{pp_rank}")
+
+
 class SeededInit:
     """The initial model of a run, as a source of global tensors by name
     (``model/<name>``, as a checkpoint names them): parameters (a tied weight under its

@@ -29,7 +29,10 @@ the same attribute names, so ``named_parameters()`` keeps the unsharded model's 
 
 With dropout > 0 the result equals the full model's in distribution only: each rank
 draws the masks of its own heads (and, under sequence parallelism, of its own
-positions) itself. With dropout 0 it computes what the full model computes.
+positions) itself; the activations every rank holds whole get the same masks on every
+rank, as the Trainer seeds the random streams from ``train.seed`` alike across a tp group
+(:func:`disttrain.weights.stream_seed`). With dropout 0 it computes what the full model
+computes.
 """
 
 from __future__ import annotations

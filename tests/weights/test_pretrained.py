@@ -73,7 +73,7 @@ def _config(layout, zero, extra=None, lr=1e-30):
                       **train_extra},
             "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero,
                          **({"pp_schedule": "1f1b"} if pp > 1 else {}), **extra},
-            "checkpoint": {"every": 0}, "monitor": {"peak_tflops": 1.0}}
+            "checkpoint": {"every": 2, "async": False}, "monitor": {"peak_tflops": 1.0}}
 
 
 class BytesRead(Callback):
@@ -190,3 +190,21 @@ def test_each_zero3_rank_reads_about_its_shard(runs, key):
              for rank in (0, 1)]
     assert all(0.3 * total < r < 0.6 * total for r in reads), (reads, total)
     assert 0.95 * total < sum(reads) < 1.05 * total  # together: the file, about once
+
+
+@pytest.mark.parametrize("case", ["one", "tp2", "2x2x2"])
+def test_the_hf_export_gives_the_files_back(runs, case, tmp_path):
+    """``disttrain export --format hf`` of a run (its step-2 checkpoint): the file's own
+    names and values, and a directory transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.checkpoint.export import export_hf
+
+    root, dirs = runs
+    for key in ("gpt2", "llama-bf16"):
+        out, step = export_hf(root / f"{key}-{case}", tmp_path / key, warn=pytest.fail)
+        assert step == 2
+        exported, files = _file_weights(str(out)), _file_weights(dirs[key])
+        assert sorted(exported) == sorted(files)
+        assert all(torch.equal(exported[n], t) for n, t in files.items())
+        AutoModelForCausalLM.from_pretrained(out)

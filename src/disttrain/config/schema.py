@@ -36,8 +36,10 @@ def config_key(f: Any) -> str:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The model the command line trains: disttrain's byte-level GPT, or a Hugging Face
-    GPT-2 / Llama built with the same dimensions (random init, the `hf` extra)."""
+    """The model the command line trains: disttrain's byte-level GPT, a Hugging Face
+    GPT-2 / Llama built with the same dimensions or any causal LM from a config.json
+    (seeded random init), or a pretrained Hugging Face directory (its weights); the
+    transformers ones need the `hf` extra."""
 
     name: str = _f("gpt", "model family: gpt (disttrain's), gpt2 or llama (transformers "
                    "models with these dimensions; needs transformers: pip install -e '.[hf]')",

@@ -146,3 +146,13 @@ def test_settings_that_the_directory_decides_are_refused(setting, said, pristine
     code, err = _train(tmp_path, capsys, f"model.pretrained={pristine}", setting)
     assert code == 2 and len(err) == 1 and said in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_vocabulary_below_the_corpus_names_the_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path / "cache"))
+    small = save_tiny("llama", tmp_path / "small")  # 64 ids; the byte corpus needs 256
+    code, err = _train(tmp_path, capsys, f"model.pretrained={small}")
+    assert code == 2 and len(err) >= 1, err
+    assert err[-1].startswith(f"disttrain: error: model.pretrained='{small}': has "
+                              "vocab_size 64, below the corpus"), err
+    assert not (tmp_path / "run").exists()

@@ -33,10 +33,12 @@ def check_corpus_vocab(model: ModelConfig, corpus: PreparedCorpus,
     if model.hf_config:  # the transformers config's own vocabulary
         vocab = _hf_vocab(Path(model.hf_config).expanduser())
         if vocab is not None and vocab < corpus.vocab_needed:
-            raise ConfigError("model.hf_config", model.hf_config,
+            field, value = (("model.pretrained", model.pretrained) if model.pretrained
+                            else ("model.hf_config", model.hf_config))
+            raise ConfigError(field, value,
                               f"has vocab_size {vocab}, below {what}'s token range (ids "
                               f"0..{corpus.vocab_needed - 1})",
-                              "use a config whose vocab_size covers the tokenizer's")
+                              "use a model whose vocab_size covers the tokenizer's")
         return
     if "model.vocab_size" not in explicit:
         if model.vocab_size < corpus.vocab_needed:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from disttrain.config import load_config
 from disttrain.data import TokenWindowDataset, corpus_from_config

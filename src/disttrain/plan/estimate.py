@@ -35,7 +35,6 @@ reports TFLOP/s; MFU counts model FLOPs only.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 from .cluster import Cluster

@@ -57,7 +57,6 @@ class StepLoop:
     checkpoints and metrics records at their cadences."""
 
     def run(self, trainer: Trainer) -> LoopResult:
-        train = trainer.config.train
         start = time.perf_counter()
         trainer.bar.status("first evaluation...")
         initial_eval = trainer.evaluate()

@@ -18,7 +18,6 @@ distorted gradient whose normalisation shrinks the rarely sent coordinates' step
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ...comm.codecs import GradientCodec

@@ -150,9 +150,9 @@ class ShardReader:
         self.wanted = dict(boxes)
 
     def _wanted(self, name: str, shape: tuple[int, ...]) -> list | None:
-        key = name if name.startswith("model/") else \
-            "model/" + name[len("optim/"):].rpartition("/")[0] if name.startswith("optim/") \
-            else name
+        key = name  # optim/<parameter>/<key>: the parameter's boxes
+        if name.startswith("optim/"):
+            key = "model/" + name[len("optim/"):].rpartition("/")[0]
         boxes = self.wanted.get(key)
         if not boxes or any(tuple(sizes) == tuple(shape) for _, sizes in boxes) or \
                 any(len(o) != len(shape) for o, _ in boxes):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint.state import MODEL
 from ..comm.collectives import Communicator
 from ..config.schema import Config
 from ..names import OPTIMIZER_ONEBIT_ADAM
@@ -47,7 +48,6 @@ from .zero import Unit, build_units
 from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
 
 PLAIN, PIPELINE, PARAMETER_SERVER = "plain", "pipeline", "parameter_server"
-MODEL = "model/"
 
 
 @dataclass(frozen=True)

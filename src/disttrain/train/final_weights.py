@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..checkpoint.state import MODEL
 from ..checkpoint.stream import write_streamed
 from ..comm.collectives import Communicator
 from ..names import WEIGHTS_FILE
 from ..parallel.interfaces import StatePiece
 
 STAGING = ".final-weights"
-MODEL = "model/"
 
 
 def write_final_weights(pieces: list[StatePiece], world: Communicator,

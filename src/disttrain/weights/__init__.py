@@ -13,7 +13,7 @@ from pathlib import Path
 from torch import nn
 
 from ..errors import UserError
-from .materialize import allocate, fill_buffers, left_on_meta, on_meta
+from .materialize import allocate, fill_buffers, on_meta
 from .pretrained import PretrainedWeights, open_pretrained, read_directory
 from .seeded import InitFn, SeededInit, stream_seed, tensor_seed
 
@@ -69,6 +69,6 @@ def check_pretrained(directory: str, seq_len: int) -> None:
 
 
 __all__ = ["InitFn", "PretrainedWeights", "SeededInit", "allocate", "check_pretrained",
-           "fill_buffers", "initial_weights", "left_on_meta", "model_init_fn", "on_meta",
+           "fill_buffers", "initial_weights", "model_init_fn", "on_meta",
            "open_pretrained", "pretrained_model", "read_directory", "stream_seed",
            "tensor_seed"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.state import MODEL
 from ..naming import canonical_name
 
-MODEL = "model/"
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -56,12 +56,6 @@ def fill_buffers(module: nn.Module, source) -> None:
             full = MODEL + canonical_name(name)
             if full in source.names(full):
                 b.copy_(source.tensor(full))
-
-
-def left_on_meta(module: nn.Module) -> list[str]:
-    """Names of the parameters and buffers of ``module`` still without storage."""
-    return [n for n, t in (*module.named_parameters(), *module.named_buffers())
-            if t.is_meta]
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

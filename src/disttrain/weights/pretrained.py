@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.state import MODEL
 from ..errors import UserError
 
-MODEL = "model/"
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 MAX_HEADER_BYTES = 100 << 20  # a header lists names, dtypes, shapes: never this large
@@ -43,7 +43,7 @@ class FileTensor:
     file: Path
     dtype: str
     shape: tuple[int, ...]
-    start: int = 0
+    start: int
 
 
 def _refuse(directory: Path, problem: str) -> UserError:

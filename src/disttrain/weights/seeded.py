@@ -26,11 +26,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..checkpoint.state import MODEL
 from ..errors import UserError
 from ..naming import canonical_name
 
 InitFn = Callable[[nn.Module], None]
-MODEL = "model/"
 
 
 def tensor_seed(seed: int, name: str) -> int:

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, token_loss
-from disttrain.parallel.data import apply_data_parallel
+from disttrain.parallel.ddp import apply_data_parallel
 from disttrain.testing import run_distributed
 
 WARMUP_STEPS = 3

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dp_vs_ddp import WARMUP_STEPS, _time_steps  # the same timing as the GPT bench
 
 from disttrain.comm import CollectiveLedger, Communicator
-from disttrain.parallel.data import apply_data_parallel
+from disttrain.parallel.ddp import apply_data_parallel
 from disttrain.testing import run_distributed
 from disttrain.train.batch import loss_sum_and_terms, split_batch
 

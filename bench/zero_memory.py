@@ -44,7 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, token_loss
-from disttrain.parallel.data import apply_data_parallel
+from disttrain.parallel.ddp import apply_data_parallel
 from disttrain.parallel.zero import apply_zero
 from disttrain.testing import run_distributed
 

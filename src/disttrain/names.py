@@ -47,6 +47,12 @@ NONFINITE_SKIP = "skip"
 # the periodic modes whose per-round update goes through comm.codec
 CODEC_SYNC_MODES = (SYNC_LOCAL_SGD, SYNC_DILOCO)
 
+# ----------------------------------------------------------- data-parallel strategies
+STRATEGY_AUTO = "auto"
+STRATEGY_DDP = "ddp"
+STRATEGY_ZERO = "zero"
+STRATEGY_LOCAL = "local"  # replicas on their own gradients, between a sync mode's rounds
+
 # ----------------------------------------------------------- the run directory
 CONFIG_FILE = "config.toml"          # the resolved config; a resumed run starts from it
 METRICS_FILE = "metrics.jsonl"       # one MetricsRecord per logged step

@@ -4,7 +4,7 @@
 model's spec into a :class:`~disttrain.config.validate.RunPlan` (the layout, the batch
 triple with its third member derived, the learning rate), asking each part that has
 constraints: the config's own sections, then every strategy the config selects, each
-through the check that lives beside it. It sits above both ``config`` and ``parallel``
+through the check that lives beside it (the registered ones: :mod:`.parallel.registry`). It sits above both ``config`` and ``parallel``
 (the launcher and the Trainer call it), so neither imports the other.
 """
 
@@ -19,10 +19,8 @@ from .models.hf import hf_config_spec, is_hf
 from .spec import ModelSpec
 from .parallel.balance import check_balance
 from .parallel.compilation import check_compile
-from .parallel.onebit.check import check_onebit
 from .parallel.pipeline.check import check_pipeline
-from .parallel.registry import get_strategy
-from .parallel.sync.check import check_sync
+from .parallel.registry import check_selected
 from .parallel.tensor.check import check_tensor
 
 
@@ -35,9 +33,7 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
                     else gpt_spec(config.model))
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
-    check_sync(config, layout)
-    get_strategy(config).check(config, layout)
-    check_onebit(config, layout)
+    check_selected(config, layout)  # the sync mode, dp strategy and optimizer chosen
     check_balance(config, layout)
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
     check_tensor(config, layout, spec)

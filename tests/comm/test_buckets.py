@@ -8,7 +8,7 @@ from torch import nn
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.comm.buckets import assign_buckets
-from disttrain.parallel.data import apply_data_parallel
+from disttrain.parallel.ddp import apply_data_parallel
 from disttrain.testing import run_distributed
 
 

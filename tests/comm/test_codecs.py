@@ -222,7 +222,7 @@ CODEC_CASES = {"fp16": {}, "bf16": {}, "topk": {"topk_ratio": 0.05},
 
 def _reduce_with_every_codec() -> dict[str, object]:
     """Each codec on this rank's known input, and a tiny model's comm_stats."""
-    from disttrain.parallel.data import apply_data_parallel
+    from disttrain.parallel.ddp import apply_data_parallel
 
     comm = Communicator(None, CollectiveLedger())
     x = _inputs(comm.rank)

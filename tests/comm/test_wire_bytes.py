@@ -53,7 +53,7 @@ def test_the_ledger_counts_every_ranks_wire_bytes():
 
 def _topk_ratios(n: int) -> dict[str, float]:
     from disttrain.comm.codecs import TopKCodec
-    from disttrain.parallel.data import DataParallel
+    from disttrain.parallel.ddp import DataParallel
 
     torch.manual_seed(0)
     model = torch.nn.Linear(n, 1, bias=False)

@@ -148,7 +148,7 @@ def test_its_checkpoint_resumes_on_the_same_trajectory(tmp_path):
 
 def test_built_in_strategies_declare_the_interfaces():
     from disttrain.models import GPT
-    from disttrain.parallel.data import DataParallel
+    from disttrain.parallel.ddp import DataParallel
     from disttrain.parallel.placement import whole_model_placement
     from disttrain.parallel.replicated import ReplicatedState
     from disttrain.parallel.sync import LocalGradients

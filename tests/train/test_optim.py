@@ -10,7 +10,8 @@ import torch
 from disttrain.config import load_config
 from disttrain.validation import resolve
 from disttrain.models import GPT
-from disttrain.train.optim import LAMB, LARS, build_optimizer, lr_at, trust_ratio
+from disttrain.optim import LAMB, LARS, trust_ratio
+from disttrain.train.optim import build_optimizer, lr_at
 
 
 def _train(**values):

@@ -5,14 +5,20 @@
     parallelized.state   # ShardedState: what this rank saves and loads
 
 A new data-parallel strategy implements the two protocols of :mod:`.interfaces` and
-registers itself with :func:`register_strategy`.
+registers itself with :func:`register_strategy`; a sync mode
+(:func:`register_sync_mode`) and an optimizer (:func:`register_optimizer`) register the
+same way (:mod:`.registry`).
 """
 
 from .compose import Groups, Parallelized, compose
-from .interfaces import GradSync, ShardedState, StatePiece, TensorSource
+from .interfaces import GradSync, ShardedState, StatePiece, SyncStrategy, TensorSource
 from .placement import Placement
-from .registry import StrategyContext, register_strategy, strategy_names
+from .registry import (register_optimizer, register_strategy, register_sync_mode,
+                       strategy_names)
+from .strategy import (OptimizerContext, OptimizerKind, StrategyContext, SyncContext,
+                       SyncMode)
 
-__all__ = ["GradSync", "Groups", "Parallelized", "Placement", "ShardedState", "StatePiece",
-           "StrategyContext", "TensorSource", "compose", "register_strategy",
-           "strategy_names"]
+__all__ = ["GradSync", "Groups", "OptimizerContext", "OptimizerKind", "Parallelized",
+           "Placement", "ShardedState", "StatePiece", "StrategyContext", "SyncContext",
+           "SyncMode", "SyncStrategy", "TensorSource", "compose", "register_optimizer",
+           "register_strategy", "register_sync_mode", "strategy_names"]

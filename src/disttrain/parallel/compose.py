@@ -12,12 +12,15 @@ of step it needs. In order, over an unchanged model:
    pp or tp > 1, else activation checkpointing on the whole model;
 2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
    the dp group, on whatever step 1 left this rank (blocks grouped per pipeline chunk);
-3. with ``train.optimizer = onebit_adam``, its gradient side made to follow the
-   optimizer's phase (:class:`~.onebit.OnebitGrads`: local once the momentum is
-   compressed), then under pp / tp seen through :class:`~.hybrid.ModelParallelGrads`;
-4. the sync mode ``train.sync`` (:func:`~.sync.build_sync`).
+3. the gradient side the optimizer ``train.optimizer`` needs, if any (1-bit Adam's
+   follows its phase: local once the momentum is compressed), then under pp / tp seen
+   through :class:`~.hybrid.ModelParallelGrads`;
+4. the sync mode ``train.sync``;
+5. how a step's micro-batches run forward and backward (:class:`~.interfaces.StepPass`:
+   through the whole module, or through the pipeline schedule).
 
-The training loop uses only the result's interfaces.
+Each choice is looked up in :mod:`.registry`; the training loop uses only the result's
+interfaces.
 """
 
 from __future__ import annotations
@@ -32,23 +35,21 @@ from torch import nn
 from ..checkpoint.state import MODEL
 from ..comm.collectives import Communicator
 from ..config.schema import Config
-from ..names import OPTIMIZER_ONEBIT_ADAM
 from ..spec import ModelSpec, block_list
 from ..topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
-from .interfaces import GradSync, PartialSource, ShardedState, StatePiece, TensorSource
-from .onebit import OnebitGrads
+from .interfaces import (GradSync, PartialSource, RunsOwnLoop, ShardedState, StatePiece,
+                         StepPass, StepTracer, SyncStrategy, TensorSource)
 from .pipeline.check import pipeline_cuts
+from .pipeline_pass import PipelinePass
 from .placement import Placement, tensor_pieces, whole_model_placement
-from .registry import StrategyContext, get_strategy
-from .sync import SyncStrategy, build_sync
+from .registry import OPTIMIZERS, SYNC_MODES, get_strategy
+from .step_pass import WholeModelPass
+from .strategy import OptimizerContext, StrategyContext, SyncContext
 from .zero import Unit, build_units
 from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
-
-PLAIN, PIPELINE, PARAMETER_SERVER = "plain", "pipeline", "parameter_server"
-
 
 @dataclass(frozen=True)
 class Groups:
@@ -66,19 +67,19 @@ class Parallelized:
 
     ``module``: what this rank runs (the model, or a ModuleList of its pipeline chunks);
     ``grads`` / ``state``: the declared interfaces the loop uses; ``sync``: what happens
-    between steps (``train.sync``); ``step``: the kind of step (:data:`PLAIN`,
-    :data:`PIPELINE`, :data:`PARAMETER_SERVER`); ``mp``: the pipeline / tensor layout
-    (None when pp = tp = 1); ``strategy``: the data-parallel strategy's name;
-    ``token_loss``: the per-token loss the module's outputs need (the
-    vocabulary-parallel cross-entropy when the output head is sharded over tp), or None
-    for the ordinary one.
+    between steps (``train.sync``); ``passes``: how a step's micro-batches run forward
+    and backward; ``mp``: the pipeline / tensor layout (None when pp = tp = 1);
+    ``strategy``: the data-parallel strategy's name; ``token_loss``: the per-token loss
+    the module's outputs need (the vocabulary-parallel cross-entropy when the output
+    head is sharded over tp), or None for the ordinary one; ``layout_head``: the
+    banner's line for the layout (empty when pp = tp = 1).
     """
 
     module: nn.Module
     grads: GradSync
     state: ShardedState
     sync: SyncStrategy
-    step: str
+    passes: StepPass
     mp: ModelParallel | None
     placement: Placement
     strategy: str
@@ -86,6 +87,33 @@ class Parallelized:
     zero_stage: int = 0
     token_loss: Callable[..., Any] | None = None  # what the module's outputs need
     followers: list[Any] = field(default_factory=list)  # parts that track the optimizer
+    layout_head: str = ""
+
+    @property
+    def own_loop(self) -> RunsOwnLoop | None:
+        """The sync mode, when it replaces the step loop with its own."""
+        return self.sync if isinstance(self.sync, RunsOwnLoop) else None
+
+    def build_optimizer(self, config: Config, lr: float) -> torch.optim.Optimizer:
+        """The optimizer ``train.optimizer`` names over :attr:`state`'s groups, handed
+        to the parts that follow it."""
+        train = config.train
+        optimizer = OPTIMIZERS.get(train.optimizer).build(OptimizerContext(
+            groups=self.state.optimizer_groups(train.weight_decay), lr=lr, train=train,
+            dp_comm=self.groups.dp))
+        self.bind_optimizer(optimizer)
+        return optimizer
+
+    def layout_lines(self) -> str:
+        """Which ranks hold which layers and shards (pp or tp > 1; a collective over the
+        world), for the start-up banner; empty otherwise."""
+        if not self.layout_head:
+            return ""
+        g = self.groups
+        mine = (f"rank {g.world.rank} (pp {g.pp.rank}, dp {g.dp.rank}, tp "
+                f"{g.tp.rank}): {self.describe()}")
+        return self.layout_head + "".join(
+            f"\n  {line}" for line in g.world.all_gather_object(mine))
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hand the optimizer, once built over :attr:`state`'s groups, to the parts of
@@ -201,7 +229,7 @@ def _unique(params) -> list[nn.Parameter]:
 
 def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,
             groups: Groups, *, micro_batches: int, num_samples: int,
-            tracer: object | None = None) -> Parallelized:
+            tracer: StepTracer | None = None) -> Parallelized:
     """Apply every strategy ``config`` selects to ``model`` for this rank (see the
     module docstring); ``micro_batches``: per step and dp rank (the pipeline's m);
     ``num_samples``: the training set's size (federated partitions)."""
@@ -231,20 +259,34 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     if fresh:  # what the strategy left (parameters that do not train)
         allocate(module, groups.dp.device)
     followers = []
-    if train.optimizer == OPTIMIZER_ONEBIT_ADAM:  # its momentum exchange replaces the
-        grads = OnebitGrads(grads, groups.dp)  # all-reduce once the variance is frozen
+    wrap = OPTIMIZERS.get(train.optimizer).wrap_grads
+    if wrap is not None:  # the gradient side the optimizer needs
+        grads = wrap(grads, groups.dp)
         followers.append(grads)
     if mp is not None:
         grads = ModelParallelGrads(grads, mp, groups.world, par.tp_check_grads)
-    sync = build_sync(train, model, groups.dp, num_samples, config.comm)
-    step = (PARAMETER_SERVER if sync.runs_own_loop
-            else PIPELINE if mp is not None and mp.chunks else PLAIN)
-    return Parallelized(module=module, grads=grads, state=state, sync=sync, step=step,
+    sync = SYNC_MODES.get(train.sync).build(SyncContext(
+        model=model, dp_comm=groups.dp, num_samples=num_samples, train=train,
+        comm=config.comm))
+    passes: StepPass = (PipelinePass(mp, grads, groups.world, tracer)
+                        if mp is not None and mp.chunks
+                        else WholeModelPass(module, grads, groups.dp, tracer))
+    return Parallelized(module=module, grads=grads, state=state, sync=sync, passes=passes,
                         mp=mp, placement=placement, strategy=strategy.name, groups=groups,
                         zero_stage=lay.zero,
                         token_loss=(mp.tp.token_loss if mp is not None and mp.tp
                                     and mp.tp.vocab_sharded else None),
-                        followers=followers)
+                        followers=followers,
+                        layout_head=_layout_head(config, lay, micro_batches))
+
+
+def _layout_head(config: Config, lay: Any, micro_batches: int) -> str:
+    """The banner's layout line under pp or tp > 1 (empty otherwise)."""
+    if lay.pp == 1 and lay.tp == 1:
+        return ""
+    return (f"\nlayout pp={lay.pp} x dp={lay.dp} x tp={lay.tp}"
+            + (f", schedule {config.parallel.pp_schedule} with {micro_batches} "
+               f"micro-batches" if lay.pp > 1 else ""))
 
 
 def _units(model: nn.Module, spec: ModelSpec, mp: ModelParallel | None) -> list[Unit]:

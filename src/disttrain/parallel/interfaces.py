@@ -15,9 +15,11 @@ a new strategy implements these and registers itself (:mod:`.registry`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -135,3 +137,158 @@ class ShardedState(Protocol):
     def load_state(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
         """Load this rank's part of the state (and the optimizer's) from global tensors
         saved in any layout."""
+
+
+class SyncStrategy(Protocol):
+    """How data-parallel replicas stay in step between optimizer steps (``train.sync``).
+
+    The loop calls it at fixed points: :meth:`select` before a step, :meth:`after_step`
+    after it, :meth:`at_boundary` before a checkpoint, :meth:`restart` after the
+    parameters were replaced (a resume, a fill from pretrained weights).
+    ``steps_apart``: replicas step on their own gradients between rounds, so a nan on
+    one rank is in no total the others see within the step (the loop agrees on it).
+    """
+
+    steps_apart: bool
+
+    def select(self, step: int, indices: list[int]) -> list[int] | None:
+        """This rank's dataset indices for 0-based ``step`` (``indices``: its share of
+        the global batch); None when this rank sits the step out."""
+
+    def after_step(self, done: int, last: bool) -> None:
+        """After optimizer step ``done`` (1-based); ``last`` on the final one."""
+
+    def at_boundary(self, done: int) -> bool:
+        """Whether every replica holds the same parameters after step ``done``."""
+
+    def restart(self) -> None:
+        """The parameters were replaced: state kept from the old ones starts over."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Fields for the metrics records and the summary (may be empty)."""
+
+
+class WorkerGradients(Protocol):
+    """One worker's forward and backward over its micro-batches, without the update:
+    (summed loss, loss terms, the gradient's norm before clipping), the gradient
+    normalised by its own terms and clipped, in ``.grad``."""
+
+    def __call__(self, micro_batches: list[list[int]]) -> tuple[float, int, float]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnLoopInputs:
+    """What a sync mode that runs its own loop is handed: the run's optimizer, its
+    length, the sample order, each worker's share of a global batch and its
+    micro-batch, the worker's gradient computation, the LR schedule and a logger."""
+
+    optimizer: torch.optim.Optimizer
+    steps: int
+    sampler: Any  # GlobalOrderSampler: .indices(start, count)
+    per_worker: int
+    micro_batch: int
+    compute: WorkerGradients
+    lr_at: Callable[[int], float]
+    log: Callable[[Any], None]  # a MetricsRecord
+    log_every: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnLoopResult:
+    """What such a loop reports: the samples consumed, loss terms, seconds in the loop,
+    the mean training loss, the pushes skipped as non-finite, and (step, what) if it
+    stopped on a non-finite value."""
+
+    samples: int
+    terms: int
+    loop_s: float
+    train_loss: float
+    nonfinite_skipped: int
+    diverged: tuple[int, str] | None
+
+
+@runtime_checkable
+class RunsOwnLoop(Protocol):
+    """A sync mode that replaces the step loop with its own (parameter servers and
+    workers): the loop hands it :class:`OwnLoopInputs` and writes no checkpoints."""
+
+    def run_loop(self, inputs: OwnLoopInputs) -> OwnLoopResult: ...
+
+
+@runtime_checkable
+class RankLocalState(Protocol):
+    """An optimizer whose state differs between dp ranks (1-bit Adam's error-feedback
+    residuals): ``rank_keys`` name per-rank tensors of a parameter's shape (saved as row
+    ``dp_rank`` of a global [dp, *shape] tensor), ``range_keys`` [start, stop) ranges of
+    the flattened parameter that the dp ranks' ranges tile. The sharded states save and
+    load them through these methods."""
+
+    rank_keys: tuple[str, ...]
+    range_keys: tuple[str, ...]
+
+    def rank_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def range_state(self, p: torch.Tensor) -> dict[str, tuple[int, int, torch.Tensor]]: ...
+
+    def load_rank_state(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None: ...
+
+    def load_range_state(self, p: torch.Tensor, key: str, full: torch.Tensor) -> None: ...
+
+
+def rank_local_state(optimizer: torch.optim.Optimizer) -> RankLocalState | None:
+    """``optimizer``'s per-rank state, or None for an optimizer whose state is the same
+    on every replica."""
+    return optimizer if isinstance(optimizer, RankLocalState) else None
+
+
+class StepPass(Protocol):
+    """How this rank runs one step's micro-batches forward and backward: through its
+    module one after another (gradients reduced in the last one's backward), or through
+    a pipeline schedule; and a held-out batch forward.
+
+    ``loss(outputs, batch)`` gives (summed loss, loss terms) of a micro-batch;
+    ``autocast()`` the forward's precision context; ``loss_scale`` multiplies the loss
+    before backward (fp16). :meth:`forward_backward` adds each micro-batch's summed loss
+    and terms into ``totals`` ([2], float64) and returns the started reduction of the
+    totals (or None) and the activation bytes saved for backward, when it measured them.
+    ``eval_comm``: the group over which held-out totals are summed.
+    """
+
+    eval_comm: Any  # Communicator
+
+    def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
+                         totals: torch.Tensor, loss_scale: float,
+                         autocast: Callable[[], AbstractContextManager[None]],
+                         measure: bool) -> tuple[Work | None, int | None]: ...
+
+    def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]: ...
+
+
+LossOf = Callable[[Any, Any], tuple[torch.Tensor, int]]
+
+
+class StepTracer(Protocol):
+    """The timeline a step records its phases on (``monitor.trace.Tracer`` satisfies
+    it): ``span`` around a phase, ``complete`` for a span timed elsewhere."""
+
+    enabled: bool
+
+    def span(self, name: str, lane: str = "main", **args: Any
+             ) -> AbstractContextManager[None]: ...
+
+    def complete(self, name: str, start_us: float, end_us: float, lane: str = "main",
+                 **args: Any) -> None: ...
+
+
+class NoTrace:
+    """A :class:`StepTracer` that records nothing."""
+
+    enabled = False
+
+    def span(self, name: str, lane: str = "main", **args: Any
+             ) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def complete(self, name: str, start_us: float, end_us: float, lane: str = "main",
+                 **args: Any) -> None:
+        pass

@@ -16,7 +16,12 @@ from torch import nn
 from ..checkpoint.state import (MODEL, OPTIM, assign_owners, restore_named,
                                 restore_optimizer)
 from .activation import canonical_name
-from .interfaces import StatePiece, TensorSource
+from ..config.layout import Layout
+from ..config.schema import Config
+from ..errors import ConfigError
+from ..names import SYNC_EVERY_STEP
+from .interfaces import StatePiece, TensorSource, rank_local_state
+from .strategy import Check
 from .placement import Placement, range_pieces, tensor_pieces
 
 
@@ -73,19 +78,18 @@ class ReplicatedState:
         each rank itself: ``rank_state`` tensors as row ``dp_rank`` of a global
         [dp, *shape] tensor, ``range_state`` [start, stop) ranges as boxes of a global
         tensor of the parameter's shape (the dp ranks' ranges tile it)."""
-        rank_state = getattr(optimizer, "rank_state", None)
-        range_state = getattr(optimizer, "range_state", None)
-        if rank_state is None or range_state is None:
+        local = rank_local_state(optimizer)
+        if local is None:
             return []
         out = []
         for name, p in self._parameters():
             if not self.placement.writes(p):
                 continue
-            for key, t in rank_state(p).items():
+            for key, t in local.rank_state(p).items():
                 out += rank_row_pieces(self.placement, name, p, key, t, self.dp_rank,
                                        self.dp_size)
             boxes = self.placement.boxes(name, p)
-            for key, (start, stop, data) in range_state(p).items():
+            for key, (start, stop, data) in local.range_state(p).items():
                 out += [StatePiece(f"{OPTIM}{name}/{key}", g.tensor, g.global_shape,
                                    g.offsets)
                         for g in range_pieces(boxes, tuple(p.shape), start, stop, data)]
@@ -107,8 +111,9 @@ class ReplicatedState:
         params = {MODEL + n: p for n, p in self._parameters()}
         restore_named(source, params, self.placement.to_local)
         restore_named(source, {MODEL + n: b for n, b in self.buffers().items()})
-        rank_keys = tuple(getattr(optimizer, "rank_keys", ()))
-        range_keys = tuple(getattr(optimizer, "range_keys", ()))
+        local = rank_local_state(optimizer)
+        rank_keys = local.rank_keys if local is not None else ()
+        range_keys = local.range_keys if local is not None else ()
         restore_optimizer(source, self.module, optimizer, self.placement.names,
                           self.placement.to_local, skip=rank_keys + range_keys)
         for name, p in self._parameters():
@@ -122,7 +127,7 @@ class ReplicatedState:
                 else:
                     _check_residual_shape(source, full, MODEL + name, per_rank=False)
                     t = source.tensor(full)
-                load = optimizer.load_rank_state if per_rank else optimizer.load_range_state
+                load = local.load_rank_state if per_rank else local.load_range_state
                 load(p, key, self.placement.to_local(name, t))
 
 
@@ -160,3 +165,18 @@ def _check_residual_shape(source: TensorSource, full: str, model_name: str,
 
 def _key(p: StatePiece) -> str:
     return f"{p.name}@{','.join(map(str, p.offsets))}"
+
+
+def check_replica(name: str, wants_local: bool) -> Check:
+    """A strategy keeping whole replicas: no ZeRO stage, and (``wants_local``) a sync
+    mode other than every_step, or (not) every_step."""
+    def check(config: Config, layout: Layout) -> None:
+        if config.parallel.zero:
+            raise ConfigError("parallel.zero", config.parallel.zero,
+                              f"shards the state, which parallel.strategy={name} keeps "
+                              "whole", "set parallel.strategy=auto or zero")
+        if (config.train.sync != SYNC_EVERY_STEP) != wants_local:
+            raise ConfigError("parallel.strategy", name,
+                              f"does not fit train.sync={config.train.sync}",
+                              "set parallel.strategy=auto")
+    return check

@@ -1,9 +1,9 @@
-"""The training loops: a step at a time, or the parameter server's own loop.
+"""The training loops: a step at a time, or the loop a sync mode runs itself.
 
-The composition says which one a run needs (``Parallelized.step``); both implement
-:class:`TrainingLoop` and report a :class:`LoopResult`, from which the trainer writes
-the summary. Each calls back into the trainer for what every run shares (evaluation,
-the progress line, metrics records, checkpoints).
+Both implement :class:`TrainingLoop` over a :class:`LoopHost` (what every run shares:
+evaluation, the banner, steps, metrics records, checkpoints; a
+:class:`~disttrain.train.run.Run` is one) and report a :class:`LoopResult`, from which
+the run writes the summary.
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from ..config.schema import TrainConfig
 from ..errors import DivergenceError
-from ..faults import maybe_fail
-from ..monitor.record import MetricsRecord
 from ..monitor.stats import StatsWindow, StepStats
-from .optim import lr_at
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from ..parallel.interfaces import OwnLoopInputs, RunsOwnLoop
 
 
 @dataclass
@@ -48,41 +45,80 @@ def eval_interval(eval_every: int, steps: int, log_every: int) -> int:
     return log_every * math.ceil(target / log_every)
 
 
+class LoopHost(Protocol):
+    """What a loop uses of the run it drives."""
+
+    train: TrainConfig
+    start_step: int
+
+    def evaluate(self, step: int) -> float | None:
+        """The held-out loss (None without held-out data), told to the callbacks as
+        step ``step``'s."""
+
+    def status(self, text: str) -> None:
+        """A transient status on the progress line."""
+
+    def announce(self, initial_eval: float | None) -> None:
+        """The start-up banner."""
+
+    def catching_signals(self) -> AbstractContextManager[None]:
+        """SIGTERM / SIGINT noted, not raised, while the steps run."""
+
+    def train_step(self, step: int) -> StepStats:
+        """Optimizer step ``step`` (0-based) and the sync mode's work after it."""
+
+    def add_wall(self, seconds: float) -> None:
+        """A step's wall time, for the metrics window."""
+
+    def after_step(self, done: int) -> None:
+        """A checkpoint if due, then a fault if one is injected for step ``done``."""
+
+    def log(self, step: int, eval_loss: float | None) -> None:
+        """A metrics record for step ``step`` (a collective)."""
+
+    def stop_if_signalled(self, done: int) -> None:
+        """Save and stop if any rank got a signal."""
+
+    def own_loop_inputs(self) -> OwnLoopInputs:
+        """What a sync mode running its own loop is handed."""
+
+    def own_loop_done(self, samples: int, skipped: int) -> None:
+        """Such a loop consumed ``samples``; ``skipped`` pushes were non-finite."""
+
+
 class TrainingLoop(Protocol):
-    def run(self, trainer: Trainer) -> LoopResult: ...
+    def run(self, host: LoopHost) -> LoopResult: ...
 
 
 class StepLoop:
-    """``train.steps`` optimizer steps from ``trainer.start_step``; evaluation,
+    """``train.steps`` optimizer steps from ``host.start_step``; evaluation,
     checkpoints and metrics records at their cadences."""
 
-    def run(self, trainer: Trainer) -> LoopResult:
+    def run(self, host: LoopHost) -> LoopResult:
         start = time.perf_counter()
-        trainer.bar.status("first evaluation...")
-        initial_eval = trainer.evaluate()
-        trainer.callbacks.eval(trainer, trainer.start_step, initial_eval)
-        trainer.bar.message(trainer.banner(initial_eval))
+        host.status("first evaluation...")
+        initial_eval = host.evaluate(host.start_step)
+        host.announce(initial_eval)
         totals = StatsWindow()
         recent: deque[float] = deque(maxlen=10)
-        last_eval = initial_eval
-        with trainer.signals.catching():
-            last_eval = self._steps(trainer, totals, recent, last_eval)
+        with host.catching_signals():
+            last_eval = self._steps(host, totals, recent, initial_eval)
         final_loss = sum(recent) / len(recent) if recent else float("nan")
         return LoopResult(initial_eval, last_eval, totals, final_loss,
                           time.perf_counter() - start)
 
     @staticmethod
-    def _steps(trainer: Trainer, totals: StatsWindow, recent: deque[float],
+    def _steps(host: LoopHost, totals: StatsWindow, recent: deque[float],
                last_eval: float | None) -> float | None:
         """The steps. Each step's wall time runs from the end of the previous one's
         timing to the end of its own checkpoint work, less its evaluation: it holds the
         step, any wait for other ranks at the boundary, logging and saving."""
-        train = trainer.config.train
+        train = host.train
         mark = time.perf_counter()
-        for step in range(trainer.start_step, train.steps):
-            stats = trainer.train_step(step)
+        for step in range(host.start_step, train.steps):
+            stats = host.train_step(step)
             totals.add(stats)
-            # a fedavg client that sat the step out has no loss; a skipped nan step none
+            # a rank that sat the step out has no loss; a skipped nan step none
             if stats.terms and math.isfinite(stats.loss):
                 recent.append(stats.loss)
             done = step + 1
@@ -91,57 +127,38 @@ class StepLoop:
             evaluating = 0.0
             if evaluate_now or done == train.steps:
                 started = time.perf_counter()
-                last_eval = trainer.evaluate()
-                trainer.callbacks.eval(trainer, done, last_eval)
+                last_eval = host.evaluate(done)
                 evaluating = time.perf_counter() - started
-            trainer.maybe_checkpoint(done)
-            maybe_fail("train.step", trainer.rank, done)
+            host.after_step(done)
             now = time.perf_counter()
-            for window in (totals, trainer.telemetry.window):
-                window.add_wall(now - mark - evaluating)
+            totals.add_wall(now - mark - evaluating)
+            host.add_wall(now - mark - evaluating)
             mark = now
             if done % train.log_every == 0 or done == train.steps or evaluate_now:
-                trainer.log(done, last_eval if evaluate_now or done == train.steps
-                            else None)
+                host.log(done, last_eval if evaluate_now or done == train.steps else None)
             if done < train.steps:  # a signal during the last step: the run completes
-                trainer.stop_if_signalled(done)
+                host.stop_if_signalled(done)
         return last_eval
 
 
-class ParameterServerLoop:
-    """``train.sync=async``: parameter servers and workers run the server's loop
-    (:meth:`~disttrain.parallel.sync.AsyncParameterServer.run`); no checkpoints."""
+class OwnLoop:
+    """The loop of a sync mode that runs its own (:class:`RunsOwnLoop`: parameter
+    servers and workers); held-out evaluations at its start and end, no checkpoints."""
 
-    def run(self, trainer: Trainer) -> LoopResult:
-        train, b = trainer.config.train, trainer.plan.batch
+    def __init__(self, mode: RunsOwnLoop) -> None:
+        self.mode = mode
+
+    def run(self, host: LoopHost) -> LoopResult:
         start = time.perf_counter()
-        initial_eval = trainer.evaluate()
-        trainer.callbacks.eval(trainer, 0, initial_eval)
-        trainer.bar.message(trainer.banner(initial_eval))
-        result = trainer.parallel.sync.run(
-            optimizer=trainer.optimizer, steps=train.steps, sampler=trainer.sampler,
-            per_worker=b.global_batch // b.dp, micro_batch=b.micro_batch,
-            compute=trainer.stepper.gradients,
-            lr_at=lambda s: lr_at(s, train, trainer.plan.lr),
-            log=lambda record: self._log(trainer, record), log_every=train.log_every)
-        if result["diverged"] is not None:  # every rank holds the same summary
-            raise DivergenceError(*result["diverged"])
-        if result["nonfinite_skipped"]:
-            trainer.bar.message(f"{result['nonfinite_skipped']} push(es) with a non-finite "
-                                "loss or gradient norm were skipped")
-        trainer.position = result["samples"]
+        initial_eval = host.evaluate(0)
+        host.announce(initial_eval)
+        result = self.mode.run_loop(host.own_loop_inputs())
+        if result.diverged is not None:  # every rank holds the same result
+            raise DivergenceError(*result.diverged)
+        host.own_loop_done(result.samples, result.nonfinite_skipped)
         totals = StatsWindow()
-        totals.add(StepStats(terms=result["terms"], total_s=result["loop_s"]))
-        totals.add_wall(result["loop_s"])
-        final_eval = trainer.evaluate()
-        trainer.callbacks.eval(trainer, train.steps, final_eval)
-        return LoopResult(initial_eval, final_eval, totals, result["train_loss"],
+        totals.add(StepStats(terms=result.terms, total_s=result.loop_s))
+        totals.add_wall(result.loop_s)
+        final_eval = host.evaluate(host.train.steps)
+        return LoopResult(initial_eval, final_eval, totals, result.train_loss,
                           time.perf_counter() - start)
-
-    @staticmethod
-    def _log(trainer: Trainer, record: MetricsRecord) -> None:
-        """A record of the server's loop (no per-step point: on_step_end gets it too)."""
-        trainer.bar.update(record.step, record.loss, lr=record.lr)
-        trainer.telemetry.writer.write(record)
-        trainer.callbacks.step_end(trainer, record)
-        trainer.callbacks.log(trainer, record)

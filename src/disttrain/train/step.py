@@ -1,49 +1,47 @@
 """One optimizer step on one rank, timed: data, compute, exposed communication, optimizer.
 
 The rank's share of the global batch (equal, or set by the dynamic splitter) is cut into
-micro-batches of at most ``micro_batch`` samples; all but the last run under
-``no_sync()``. The summed loss and the number of loss terms are all-reduced alongside
-the last backward, and the reduced gradients are divided by the global count.
+micro-batches of at most ``micro_batch`` samples; the composition's
+:class:`~disttrain.parallel.interfaces.StepPass` runs them forward and backward (through
+the module, or through the pipeline schedule). The summed loss and the number of loss
+terms are all-reduced alongside the last backward, and the reduced gradients are
+divided by the global count.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from ..comm import CollectiveLedger, Communicator
+from ..comm import CollectiveLedger
 from ..errors import nonfinite_part
 from ..faults import maybe_slow_down
 from ..monitor.stats import StepStats
-from ..monitor.trace import Tracer
-from ..parallel.interfaces import GradSync
+from ..parallel.interfaces import GradSync, StepPass, StepTracer
 from .batch import Batch, LossFn, TokenLoss, loss_sum_and_terms
 from .precision import LossScaler, autocast
 
+
 @dataclass
 class StepRunner:
-    """Everything a plain step needs (no pipeline); ``run`` performs one.
+    """Everything a step needs; ``run`` performs one.
 
-    ``grads``: the composed gradient synchronisation; ``eval_comm``: the group whose
-    ranks evaluate different samples (dp); ``ledger``: where collectives' wait time is
-    counted."""
+    ``passes``: how the micro-batches go forward and backward; ``grads``: the composed
+    gradient synchronisation; ``ledger``: where collectives' wait time is counted."""
 
-    model: nn.Module
+    passes: StepPass
     grads: GradSync
     ledger: CollectiveLedger
-    eval_comm: Communicator
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn | None  # None: the batch's causal-LM loss
     load: Callable[[list[int]], Batch]
     grad_clip: float
     device: torch.device
-    tracer: Tracer
+    tracer: StepTracer
     rank: int = 0
     precision: str = "fp32"
     scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
@@ -55,38 +53,47 @@ class StepRunner:
     nonfinite: str | None = None  # what went non-finite in the last step (None: nothing)
     nonfinite_skipped: int = 0  # steps whose update was skipped for a non-finite value
 
-    def loss(self, outputs: Any, batch: Batch) -> tuple[torch.Tensor, int, bool]:
-        """(summed loss, loss terms, whether the terms are samples) of a micro-batch."""
-        return loss_sum_and_terms(self.loss_fn, outputs, batch, self.token_loss)
-
-    @classmethod
-    def from_parallel(cls, parallel: Any, **common: Any) -> StepRunner:
-        """The runner for a composition (:class:`~disttrain.parallel.Parallelized`):
-        its module and gradient sync; held-out samples are split over dp."""
-        return cls(model=parallel.module, grads=parallel.grads,
-                   eval_comm=parallel.groups.dp, **common)
+    def loss(self, outputs: Any, batch: Batch) -> tuple[torch.Tensor, int]:
+        """(summed loss, loss terms) of a micro-batch (and whether the terms are
+        samples, kept for the progress line's unit)."""
+        loss_sum, count, samples = loss_sum_and_terms(self.loss_fn, outputs, batch,
+                                                      self.token_loss)
+        self.terms_are_samples = samples
+        return loss_sum, count
 
     def run(self, micro_batches: list[list[int]]) -> StepStats:
         stats = StepStats(samples=sum(len(m) for m in micro_batches))
         t0, waited0 = time.perf_counter(), self.ledger.wait_seconds
         self.grads.zero_grad()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        handle = None
-        for i, indices in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            td = time.perf_counter()
-            with self.tracer.span("data"):
-                batch = self.load(indices)
-            stats.data_s += time.perf_counter() - td
-            with contextlib.nullcontext() if last else self.grads.no_sync():
-                handle = self._forward_backward(batch, totals, last)
-        if not micro_batches:  # no samples: still join every collective
-            handle = self.grads.reduce_loss_totals(totals)
+        handle = self._forward_backward(micro_batches, totals, stats)
         maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
         if handle is not None:
             handle.wait()
         loss, count = totals.tolist()
         return self._reduce_and_step(stats, t0, waited0, loss, count)
+
+    def _forward_backward(self, micro_batches: list[list[int]], totals: torch.Tensor,
+                          stats: StepStats | None) -> Any:
+        """The pass over ``micro_batches``, each loaded when the pass asks for it (the
+        time counted as ``stats.data_s``)."""
+        def loader(indices: list[int]) -> Callable[[], Batch]:
+            def load() -> Batch:
+                td = time.perf_counter()
+                with self.tracer.span("data"):
+                    batch = self.load(indices)
+                if stats is not None:
+                    stats.data_s += time.perf_counter() - td
+                return batch
+            return load
+        handle, measured = self.passes.forward_backward(
+            [loader(m) for m in micro_batches], self.loss, totals,
+            self.scaler.scale if self.scaler.enabled else 1.0,
+            lambda: autocast(self.precision, self.device),
+            measure=self.activation_bytes is None)
+        if measured is not None and self.activation_bytes is None:
+            self.activation_bytes = measured
+        return handle
 
     def _reduce_and_step(self, stats: StepStats, t0: float, waited0: float, loss: float,
                          count: float) -> StepStats:
@@ -117,14 +124,15 @@ class StepRunner:
         return stats
 
     def gradients(self, micro_batches: list[list[int]]) -> tuple[float, int, float]:
-        """Forward and backward only (an async worker's half of a step; the servers
-        own the optimizer): leaves this rank's gradient, normalised by its own loss-term
-        count and clipped, in ``.grad``; returns (summed loss, loss terms, the
-        gradient's norm before clipping)."""
+        """Forward and backward only (a worker's half of a step whose update is made
+        elsewhere): leaves this rank's gradient, normalised by its own loss-term count
+        and clipped, in ``.grad``; returns (summed loss, loss terms, the gradient's norm
+        before clipping)."""
         self.grads.zero_grad()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for indices in micro_batches:
-            self._forward_backward(self.load(indices), totals, last=False)
+        handle = self._forward_backward(micro_batches, totals, None)
+        if handle is not None:
+            handle.wait()
         loss, count = totals.tolist()
         self.grads.finish_gradient_sync(1.0 / max(count, 1.0))
         self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
@@ -132,53 +140,8 @@ class StepRunner:
 
     def eval_totals(self, batch: Batch) -> tuple[float, float]:
         """(summed loss, loss terms) of one held-out micro-batch on this rank."""
-        loss_sum, count, _ = self.loss(batch.run(self.model), batch)
-        return float(loss_sum), float(count)
+        return self.passes.eval_loss(batch, self.loss)
 
     def reduce_eval(self, totals: torch.Tensor) -> None:
         """Sum the held-out totals over the ranks that evaluated different samples."""
-        self.eval_comm.all_reduce(totals)
-
-    def _forward_backward(self, batch: Batch, totals: torch.Tensor, last: bool) -> Any:
-        saved = None
-        if self.activation_bytes is None:
-            saved = _SavedBytes(list(self.model.parameters()))
-        with saved or contextlib.nullcontext():
-            with self.tracer.span("forward"), autocast(self.precision, self.device):
-                loss_sum, count, samples = self.loss(batch.run(self.model),
-                                                                   batch)
-            loss_sum = loss_sum.float()
-            self.terms_are_samples = samples
-            totals[0] += loss_sum.detach().double()
-            totals[1] += count
-            # launched before the last backward, so it overlaps it
-            handle = self.grads.reduce_loss_totals(totals) if last else None
-            with self.tracer.span("backward"):
-                (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
-        if saved is not None:
-            self.activation_bytes = saved.peak
-        return handle
-
-
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the activations autograd keeps for backward: distinct storages other
-    than the parameters' (or views of them), summed at the end of the forward."""
-
-    def __init__(self, parameters: list[nn.Parameter]) -> None:
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        self.parameters = parameters
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        # looked up now, not in advance: ZeRO-3 gathers parameters into new storage
-        if all(p.untyped_storage().data_ptr() != key for p in self.parameters):
-            if key not in self.live:
-                self.live[key] = t.untyped_storage().nbytes()
-                self.current += self.live[key]
-                self.peak = max(self.peak, self.current)
-        return t
-
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        self.passes.eval_comm.all_reduce(totals)

@@ -5,16 +5,14 @@ from __future__ import annotations
 from ...config.layout import Layout
 from ...config.schema import Config
 from ...errors import ConfigError
-from ...names import CODEC_NONE, OPTIMIZER_ONEBIT_ADAM, SYNC_EVERY_STEP
-from ..registry import selected_strategy
+from ...names import CODEC_NONE, STRATEGY_DDP, STRATEGY_ZERO, SYNC_EVERY_STEP
+from ..strategy import selected_strategy
 
 
 def check_onebit(config: Config, layout: Layout) -> None:
     """onebit_adam runs over the ddp strategy's whole replicas or ZeRO-1's shards (any
     pp / tp), every step, and compresses its own exchange (no gradient codec on top)."""
     t = config.train
-    if t.optimizer != OPTIMIZER_ONEBIT_ADAM:
-        return
     if layout.zero > 1:
         raise ConfigError("train.optimizer", t.optimizer,
                           f"is not built for parallel.zero={layout.zero} (each worker "
@@ -31,7 +29,7 @@ def check_onebit(config: Config, layout: Layout) -> None:
                           "compresses its own exchange afterwards",
                           "set comm.codec=none with train.optimizer=onebit_adam")
     strategy = selected_strategy(config)
-    if strategy not in ("ddp", "zero"):
+    if strategy not in (STRATEGY_DDP, STRATEGY_ZERO):
         raise ConfigError("parallel.strategy", strategy,
                           "is not the ddp or zero strategy 1-bit Adam runs on",
                           "set parallel.strategy=auto")

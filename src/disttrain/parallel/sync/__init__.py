@@ -1,55 +1,77 @@
 """Synchronisation modes (``[train] sync``): how data-parallel replicas stay in step.
 
-- ``every_step``: gradients all-reduced in every step (:class:`SyncStrategy`);
+- ``every_step``: gradients all-reduced in every step (:class:`EveryStep`);
 - ``local_sgd``: parameters averaged every ``sync_every`` steps (:class:`LocalSGD`);
 - ``diloco``: an outer Nesterov step on averaged pseudo-gradients (:class:`DiLoCo`);
 - ``async``: parameter servers and workers on point-to-point messages
   (:class:`AsyncParameterServer`);
 - ``fedavg``: federated averaging over non-IID client partitions (:class:`FedAvg`).
 
-:func:`build_sync` makes the one a config asks for; the trainer calls its hooks.
+Each is a :class:`~..strategy.SyncMode` entry (:data:`SYNC_MODES_BUILTIN`, registered in
+:mod:`..registry`); the modes other than every_step train on the :data:`LOCAL`
+data-parallel strategy (:class:`LocalGradients`: no communication inside a step).
 """
 
 from __future__ import annotations
 
-from torch import nn
-
 from ...comm.codecs import build_codec
-from ...comm.collectives import Communicator
-from ...config.schema import CommConfig, TrainConfig
-from ...names import SYNC_ASYNC, SYNC_DILOCO, SYNC_FEDAVG, SYNC_LOCAL_SGD
+from ...names import (STRATEGY_LOCAL, SYNC_ASYNC, SYNC_DILOCO, SYNC_EVERY_STEP, SYNC_FEDAVG,
+                      SYNC_LOCAL_SGD)
+from ..interfaces import GradSync, ShardedState
+from ..replicated import ReplicatedState, check_replica
+from ..strategy import DataParallelStrategy, StrategyContext, SyncContext, SyncMode
 from .async_ps import AsyncParameterServer, AsyncReport, assign_shards
-from .base import LocalGradients, SyncStrategy, flatten, unflatten_into, weighted_average
+from .base import EveryStep, LocalGradients, flatten, unflatten_into, weighted_average
+from .check import apart_check, check_async
 from .diloco import DiLoCo, OuterNesterov, outer_round
 from .fedavg import FedAvg, choose_clients, client_partition
 from .local_sgd import LocalSGD
 
 
-def build_sync(train: TrainConfig, model: nn.Module, comm: Communicator,
-               num_samples: int, comm_config: CommConfig | None = None) -> SyncStrategy:
-    """The strategy for ``train.sync`` over ``comm`` (the dp group; the world for
-    async); ``num_samples`` is the training set's size (fedavg partitions it);
-    ``comm_config``'s codec compresses local SGD's per-round updates and DiLoCo's
-    pseudo-gradient."""
-    mode = train.sync
-    codec = build_codec(comm_config, train.seed) if comm_config is not None else None
-    if mode == SYNC_LOCAL_SGD:
-        return LocalSGD(model, comm, train.sync_every, codec)
-    if mode == SYNC_DILOCO:
-        return DiLoCo(model, comm, train.sync_every, train.outer_lr, train.outer_momentum,
-                      codec)
-    if mode == SYNC_FEDAVG:
-        return FedAvg(model, comm, num_samples=num_samples, every=train.sync_every,
-                      fraction=train.fed_fraction, seed=train.seed)
-    if mode == SYNC_ASYNC:
-        return AsyncParameterServer(model, comm, servers=train.ps_servers,
-                                    staleness_bound=train.staleness_bound,
-                                    accumulate=train.ps_accumulate,
-                                    on_nonfinite=train.on_nonfinite)
-    return SyncStrategy()
+def _local_sgd(ctx: SyncContext) -> LocalSGD:
+    return LocalSGD(ctx.model, ctx.dp_comm, ctx.train.sync_every,
+                    build_codec(ctx.comm, ctx.train.seed))
 
 
-__all__ = ["AsyncParameterServer", "AsyncReport", "DiLoCo", "FedAvg", "LocalGradients",
-           "LocalSGD", "OuterNesterov", "SyncStrategy", "assign_shards", "build_sync",
-           "choose_clients", "client_partition", "flatten", "outer_round",
-           "unflatten_into", "weighted_average"]
+def _diloco(ctx: SyncContext) -> DiLoCo:
+    t = ctx.train
+    return DiLoCo(ctx.model, ctx.dp_comm, t.sync_every, t.outer_lr, t.outer_momentum,
+                  build_codec(ctx.comm, t.seed))
+
+
+def _fedavg(ctx: SyncContext) -> FedAvg:
+    t = ctx.train
+    return FedAvg(ctx.model, ctx.dp_comm, num_samples=ctx.num_samples, every=t.sync_every,
+                  fraction=t.fed_fraction, seed=t.seed)
+
+
+def _async(ctx: SyncContext) -> AsyncParameterServer:
+    t = ctx.train
+    return AsyncParameterServer(ctx.model, ctx.dp_comm, servers=t.ps_servers,
+                                staleness_bound=t.staleness_bound,
+                                accumulate=t.ps_accumulate, on_nonfinite=t.on_nonfinite)
+
+
+SYNC_MODES_BUILTIN = (
+    SyncMode(SYNC_EVERY_STEP, lambda ctx: EveryStep()),
+    SyncMode(SYNC_LOCAL_SGD, _local_sgd, apart_check(takes_codec=True)),
+    SyncMode(SYNC_DILOCO, _diloco, apart_check(takes_codec=True)),
+    SyncMode(SYNC_FEDAVG, _fedavg, apart_check(takes_codec=False)),
+    SyncMode(SYNC_ASYNC, _async, apart_check(takes_codec=False, then=check_async)),
+)
+
+
+def build_local(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
+    """Replicas on their own gradients (broadcast from dp rank 0 once, unless fresh)."""
+    grads = LocalGradients(ctx.module, ctx.dp_comm, broadcast=not ctx.fresh)
+    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
+                                  ctx.dp_comm.size)
+
+
+LOCAL = DataParallelStrategy(STRATEGY_LOCAL, build_local,
+                             check_replica(STRATEGY_LOCAL, wants_local=True))
+
+__all__ = ["LOCAL", "SYNC_MODES_BUILTIN", "AsyncParameterServer", "AsyncReport", "DiLoCo",
+           "EveryStep", "FedAvg", "LocalGradients", "LocalSGD", "OuterNesterov",
+           "assign_shards", "build_local", "choose_clients", "client_partition", "flatten",
+           "outer_round", "unflatten_into", "weighted_average"]

@@ -77,7 +77,8 @@ from ...errors import nonfinite_part
 from ...faults import maybe_slow_down
 from ...monitor.record import MetricsRecord
 from ...names import NONFINITE_STOP, SYNC_ASYNC
-from .base import SyncStrategy, flatten, unflatten_into
+from ..interfaces import OwnLoopInputs, OwnLoopResult
+from .base import EveryStep, flatten, unflatten_into
 
 HEADER = 5
 PUSH, BYE, PARAMS, STOP = 1.0, 2.0, 3.0, 4.0
@@ -129,12 +130,11 @@ class _ServerWindow:
     staleness: list[int] = field(default_factory=list)
 
 
-class AsyncParameterServer(SyncStrategy):
-    """Parameter servers and workers over ``comm`` (the world). :meth:`run` replaces
-    the trainer's step loop."""
+class AsyncParameterServer(EveryStep):
+    """Parameter servers and workers over ``comm`` (the world). :meth:`run_loop`
+    replaces the trainer's step loop (:class:`~..interfaces.RunsOwnLoop`)."""
 
     name = SYNC_ASYNC
-    runs_own_loop = True
 
     def __init__(self, model: nn.Module, comm: Communicator, *, servers: int,
                  staleness_bound: int, accumulate: int = 0,
@@ -159,6 +159,17 @@ class AsyncParameterServer(SyncStrategy):
         self.summary: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- the loop
+    def run_loop(self, inputs: OwnLoopInputs) -> OwnLoopResult:
+        """:meth:`run` for the training loop: the run's figures as it reports them."""
+        s = self.run(optimizer=inputs.optimizer, steps=inputs.steps, sampler=inputs.sampler,
+                     per_worker=inputs.per_worker, micro_batch=inputs.micro_batch,
+                     compute=inputs.compute, lr_at=inputs.lr_at, log=inputs.log,
+                     log_every=inputs.log_every)
+        return OwnLoopResult(samples=s["samples"], terms=s["terms"], loop_s=s["loop_s"],
+                             train_loss=s["train_loss"],
+                             nonfinite_skipped=s["nonfinite_skipped"],
+                             diverged=tuple(s["diverged"]) if s["diverged"] else None)
+
     def run(self, *, optimizer: torch.optim.Optimizer, steps: int,
             sampler: GlobalOrderSampler, per_worker: int, micro_batch: int,
             compute: ComputeGradients, lr_at: Callable[[int], float],

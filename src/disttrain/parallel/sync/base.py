@@ -1,17 +1,17 @@
 """What every synchronisation mode shares: the trainer's hooks, local gradients, and
 flat parameter vectors.
 
-A mode is a :class:`SyncStrategy`; the trainer calls it at fixed points of its loop:
+A mode implements :class:`~..interfaces.SyncStrategy`; the loop calls it at fixed points:
 
-- :meth:`SyncStrategy.select` - which dataset indices this rank trains on in a step
-  (fedavg swaps in its client's partition, or None when the client sits out a round);
-- :meth:`SyncStrategy.after_step` - after every optimizer step (rounds end here);
-- :meth:`SyncStrategy.at_boundary` - whether replicas agree now (checkpoints wait for it);
-- :meth:`SyncStrategy.restart` - after a checkpoint replaced the parameters (resume);
-- :meth:`SyncStrategy.metrics` - fields added to metrics records and the summary.
+- ``select`` - which dataset indices this rank trains on in a step (fedavg swaps in
+  its client's partition, or None when the client sits out a round);
+- ``after_step`` - after every optimizer step (rounds end here);
+- ``at_boundary`` - whether replicas agree now (checkpoints wait for it);
+- ``restart`` - after a checkpoint replaced the parameters (resume);
+- ``metrics`` - fields added to metrics records and the summary.
 
-The base class is ``every_step``: gradients are all-reduced inside each step by
-:class:`~disttrain.parallel.data.DataParallel`, so there is nothing to do in between.
+:class:`EveryStep` is ``every_step``: gradients are all-reduced inside each step by
+:class:`~disttrain.parallel.ddp.DataParallel`, so there is nothing to do in between.
 The other modes step on :class:`LocalGradients` (no communication inside a step).
 """
 
@@ -28,11 +28,11 @@ from ...comm.collectives import Communicator
 from ...names import SYNC_EVERY_STEP
 
 
-class SyncStrategy:
-    """``every_step``: today's per-step gradient all-reduce; every hook is a no-op."""
+class EveryStep:
+    """``every_step``: the per-step gradient all-reduce; every hook is a no-op (the base
+    of the other modes)."""
 
     name = SYNC_EVERY_STEP
-    runs_own_loop = False  # the parameter server replaces the step loop with its own
     # replicas step on their own gradients between rounds: a nan on one rank is not in
     # any total the others see within the step
     steps_apart = False
@@ -57,7 +57,7 @@ class SyncStrategy:
         return {}
 
 
-class PeriodicSync(SyncStrategy):
+class PeriodicSync(EveryStep):
     """A mode whose replicas train apart and are reconciled every ``every`` steps and
     after the last one (:meth:`_round`); checkpoints are taken only right after a round,
     when the replicas agree."""

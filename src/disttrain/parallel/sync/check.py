@@ -1,38 +1,40 @@
-"""The sync modes' compatibility check (run by validation before launch)."""
+"""The sync modes' compatibility checks (run by validation before launch)."""
 
 from __future__ import annotations
 
+from ...config.layout import Layout
 from ...config.schema import Config
 from ...errors import ConfigError
-from ...names import CODEC_NONE, CODEC_SYNC_MODES, SYNC_ASYNC, SYNC_EVERY_STEP
-from ...config.layout import Layout
+from ...names import CODEC_NONE, CODEC_SYNC_MODES
+from ..strategy import Check
 
 
-def check_sync(config: Config, layout: Layout) -> None:
-    """Modes other than every_step keep whole replicas; async needs workers and writes
-    no checkpoints; codecs compress only gradients and local updates."""
-    mode = config.train.sync
-    codec = config.comm.codec
-    if mode == SYNC_EVERY_STEP:
-        return
-    p = config.parallel
-    for key, value, off in (("zero", p.zero, 0), ("pp", p.pp, 1), ("tp", p.tp, 1)):
-        if value != off:
-            raise ConfigError(f"parallel.{key}", value,
-                              f"is not supported with train.sync={mode} (replicas keep "
-                              "whole, unsharded models)",
-                              f"set parallel.{key}={off}, or train.sync=every_step")
-    if codec != CODEC_NONE and mode not in CODEC_SYNC_MODES:
-        raise ConfigError("comm.codec", codec,
-                          f"compresses the every_step gradients and the local_sgd / "
-                          f"diloco updates; train.sync={mode} sends parameters, "
-                          "uncompressed", "set comm.codec=none, or train.sync=every_step, "
-                          "local_sgd or diloco")
-    if mode == SYNC_ASYNC:
-        _check_async(config, layout)
+def apart_check(takes_codec: bool, then: Check | None = None) -> Check:
+    """A mode whose replicas train apart: whole, unsharded replicas (no zero / pp / tp);
+    ``takes_codec``: it compresses its per-round updates with ``comm.codec`` (else it
+    sends parameters uncompressed and refuses one); ``then``: the mode's own check."""
+    def check(config: Config, layout: Layout) -> None:
+        mode, codec, p = config.train.sync, config.comm.codec, config.parallel
+        for key, value, off in (("zero", p.zero, 0), ("pp", p.pp, 1), ("tp", p.tp, 1)):
+            if value != off:
+                raise ConfigError(f"parallel.{key}", value,
+                                  f"is not supported with train.sync={mode} (replicas keep "
+                                  "whole, unsharded models)",
+                                  f"set parallel.{key}={off}, or train.sync=every_step")
+        if codec != CODEC_NONE and not takes_codec:
+            raise ConfigError("comm.codec", codec,
+                              f"compresses the every_step gradients and the "
+                              f"{' / '.join(CODEC_SYNC_MODES)} updates; train.sync={mode} "
+                              "sends parameters, uncompressed",
+                              "set comm.codec=none, or train.sync=every_step, "
+                              f"{', '.join(CODEC_SYNC_MODES[:-1])} or {CODEC_SYNC_MODES[-1]}")
+        if then is not None:
+            then(config, layout)
+    return check
 
 
-def _check_async(config: Config, layout: Layout) -> None:
+def check_async(config: Config, layout: Layout) -> None:
+    """Parameter servers need workers beside them and write no checkpoints."""
     t = config.train
     if layout.dp <= t.ps_servers:
         raise ConfigError("train.ps_servers", t.ps_servers,

@@ -25,11 +25,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ...comm.codecs import CAST_DTYPES
 from ...comm.collectives import Communicator
+from ...names import STRATEGY_ZERO
 from ...spec import generic_spec
 from ..clipping import clip_to_global_norm
 from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement
+from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
+from .check import check_zero
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
 from .hooks import ShardReducer, Stage3Gathers
 from .state import load_rank_state, load_shards, rank_pieces, shard_pieces
@@ -227,19 +231,32 @@ def model_units(model: nn.Module) -> list[Unit]:
 
 def apply_zero(model: nn.Module, comm: Communicator, stage: int, names: dict[int, str],
                reduce_dtype: torch.dtype | None = None, *,
-               units: list[Unit] | None = None,
-               placement: Placement | None = None) -> ZeroDataParallel:
+               units: list[Unit] | None = None, placement: Placement | None = None,
+               fresh: bool = False) -> ZeroDataParallel:
     """Shard ``model``'s training state over ``comm``'s group; ``names`` maps id(param)
     to its canonical name (for checkpoints); gradients are reduce-scattered in
     ``reduce_dtype`` (None: the parameters' dtype) and summed into fp32 shards.
     ``units`` (default: :func:`model_units`) and ``placement`` come from the
-    composition under pipeline and tensor parallelism."""
+    composition under pipeline and tensor parallelism; ``fresh``: the values are filled
+    afterwards alike on every rank (nothing broadcast, the shards kept at the end)."""
     placement = placement or Placement(names=names)
-    zero = ZeroDataParallel(units or model_units(model), comm, stage, placement,
-                            reduce_dtype)
-    zero.broadcast_parameters()
+    zero = ZeroDataParallel(model_units(model) if units is None else units, comm, stage,
+                            placement,
+                            reduce_dtype, gather_at_end=not fresh)
+    if not fresh:
+        zero.broadcast_parameters()
     return zero
 
 
-__all__ = ["FlatParam", "Unit", "ZeroDataParallel", "apply_zero", "build_units",
-           "model_units"]
+def build_zero(ctx: StrategyContext) -> tuple[ZeroDataParallel, ZeroDataParallel]:
+    """The registry's builder: :func:`apply_zero` on the composition's units."""
+    wire = CAST_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
+    zero = apply_zero(ctx.module, ctx.dp_comm, ctx.parallel.zero, ctx.placement.names, wire,
+                      units=ctx.units, placement=ctx.placement, fresh=ctx.fresh)
+    return zero, zero
+
+
+ZERO = DataParallelStrategy(STRATEGY_ZERO, build_zero, check_zero, allocates=True)
+
+__all__ = ["ZERO", "FlatParam", "Unit", "ZeroDataParallel", "apply_zero", "build_units",
+           "build_zero", "model_units"]

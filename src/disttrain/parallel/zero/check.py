@@ -9,9 +9,10 @@ from ...names import CAST_CODECS, CODEC_NONE
 
 
 def check_zero(config: Config, layout: Layout) -> None:
-    """ZeRO shards flat buffers: codecs other than casts and layer-wise optimizers need
-    whole per-parameter gradients; a stage must be chosen."""
-    codec, p, opt = config.comm.codec, config.parallel, config.train.optimizer
+    """ZeRO shards flat buffers: codecs other than casts need whole per-parameter
+    gradients; a stage must be chosen (the layer-wise optimizers refuse ZeRO in their
+    own check)."""
+    codec, p = config.comm.codec, config.parallel
     if not p.zero:
         raise ConfigError("parallel.strategy", "zero", "needs a ZeRO stage",
                           "set parallel.zero=1, 2 or 3")
@@ -21,8 +22,3 @@ def check_zero(config: Config, layout: Layout) -> None:
                           "casts apply to a reduce-scatter)",
                           "use comm.codec=fp16 or bf16 with ZeRO, or parallel.zero=0 for "
                           f"{codec}")
-    if opt in ("lars", "lamb"):
-        raise ConfigError("train.optimizer", opt, f"is not supported with parallel.zero="
-                          f"{p.zero} (the trust ratio needs each layer's whole weight, ZeRO "
-                          "holds flat shards)", "use parallel.zero=0 with lars/lamb, or "
-                          "train.optimizer=adamw/sgd with ZeRO")

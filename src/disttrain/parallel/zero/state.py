@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interfaces import StatePiece, TensorSource
+from ..interfaces import StatePiece, TensorSource, rank_local_state
 from ..placement import Placement, range_pieces
 from ..replicated import rank_row_pieces, read_rank_row
 from .flat import FlatParam
@@ -54,12 +54,12 @@ def rank_pieces(flats: list[FlatParam], placement: Placement,
                 dp_size: int) -> list[StatePiece]:
     """What this rank saves of the optimizer's per-rank state (``rank_state(shard)``:
     flat tensors over each buffer's real elements), per parameter it writes."""
-    rank_state = getattr(optimizer, "rank_state", None)
-    if rank_state is None:
+    local = rank_local_state(optimizer)
+    if local is None:
         return []
     out: list[StatePiece] = []
     for f in flats:
-        for key, flat in rank_state(f.shard).items():
+        for key, flat in local.rank_state(f.shard).items():
             for p, name, view in zip(f.params, f.names, f.views(flat)):
                 if placement.writes(p):
                     out += rank_row_pieces(placement, name, p, key, view, dp_rank, dp_size)
@@ -70,7 +70,8 @@ def load_rank_state(flats: list[FlatParam], placement: Placement, source: Tensor
                     optimizer: torch.optim.Optimizer, dp_rank: int, dp_size: int) -> None:
     """Give the optimizer its per-rank state back (``load_rank_state(shard, key,
     flat)``), for each buffer that has any saved; a parameter without it starts at 0."""
-    for key in getattr(optimizer, "rank_keys", ()):
+    local = rank_local_state(optimizer)
+    for key in local.rank_keys if local is not None else ():
         for f in flats:
             parts, found = [], False
             for p, name in zip(f.params, f.names):
@@ -82,14 +83,15 @@ def load_rank_state(flats: list[FlatParam], placement: Placement, source: Tensor
                 else:
                     parts.append(torch.zeros(p.numel()))
             if found:
-                optimizer.load_rank_state(f.shard, key, torch.cat(parts).to(f.full.device))
+                local.load_rank_state(f.shard, key, torch.cat(parts).to(f.full.device))
 
 
 def load_shards(flats: list[FlatParam], rank: int, placement: Placement,
                 source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
     """Fill this rank's shards (and their optimizer state, but the optimizer's
     ``rank_keys``) from any checkpoint."""
-    skip = set(getattr(optimizer, "rank_keys", ()))
+    local = rank_local_state(optimizer)
+    skip = set(local.rank_keys if local is not None else ())
     for f in flats:
         state: dict[str, torch.Tensor] = {}
         with torch.no_grad():

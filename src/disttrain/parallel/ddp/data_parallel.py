@@ -23,10 +23,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..comm.buckets import BucketReducer, GradBucket, assign_buckets
-from ..comm.codecs import GradientCodec
-from ..comm.collectives import Communicator, wire_bytes
-from ..monitor.trace import Tracer
+from ...comm.buckets import BucketReducer, GradBucket, assign_buckets
+from ...comm.codecs import GradientCodec
+from ...comm.collectives import Communicator, wire_bytes
+from ...monitor.trace import Tracer
 
 
 class DataParallel:

@@ -1,0 +1,106 @@
+"""A step's micro-batches through a pipeline schedule: the :class:`~.interfaces.StepPass`
+of a layout with pipeline chunks.
+
+Every micro-batch of this dp rank's share goes through ``mp.schedule``; each chunk's
+backward passes run inside the gradient synchronisation's ``backward(chunk, last)``
+scope, so data parallelism and every ZeRO stage reduce as they do without a pipeline.
+The loss terms are counted on the last stage; held-out totals are summed over the
+world (one rank of each pipeline's last stage counts them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ..comm.collectives import Communicator
+from .hybrid import ModelParallel
+from .interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
+from .pipeline import FORWARD, ActionTiming, run_pipeline
+
+
+class PipelinePass:
+    """This rank's chunks of ``mp`` run by its schedule."""
+
+    def __init__(self, mp: ModelParallel, grads: GradSync, world: Communicator,
+                 tracer: StepTracer | None = None) -> None:
+        self.mp, self.grads, self.eval_comm = mp, grads, world
+        self.tracer = tracer or NoTrace()
+
+    def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
+                         totals: torch.Tensor, loss_scale: float,
+                         autocast: Callable[[], AbstractContextManager[None]],
+                         measure: bool) -> tuple[Work | None, int | None]:
+        loaded = [load() for load in batches]
+        b, t = tokens_shape(loaded[0])
+        shape = (b, self.mp.activation_length(t), self.mp.spec.hidden_size)
+        with autocast():
+            result = run_pipeline(self.mp.chunks, [(m, m) for m in loaded], loss,
+                                  self.mp.pp_comm, self.mp.schedule, activation_shape=shape,
+                                  loss_scale=loss_scale, grad_sync=self.grads.backward,
+                                  clock=time.time)
+        self._trace(result.timings)
+        totals[0] += float(result.loss_sum)
+        totals[1] += float(result.count)
+        return self.grads.reduce_loss_totals(totals), result.peak_activation_bytes
+
+    def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:
+        """Counted on one rank only (every tp rank of the last stage joins the
+        vocabulary-parallel loss)."""
+        out = pipeline_logits(self.mp, batch)
+        if out is None:
+            return 0.0, 0.0
+        loss_sum, count = loss(out, batch)
+        return (float(loss_sum), float(count)) if self.mp.counts_loss else (0.0, 0.0)
+
+    def _trace(self, timings: list[ActionTiming]) -> None:
+        """Each forward / backward of the schedule, and the wait for its input message,
+        as timeline spans (wall-clock seconds -> microseconds)."""
+        if not self.tracer.enabled:
+            return
+        for t in timings:
+            kind = "forward" if t.action.kind == FORWARD else "backward"
+            where = {"chunk": t.action.chunk, "micro": t.action.micro}
+            if t.wait > 0:
+                self.tracer.complete(f"recv for {kind}", (t.start - t.wait) * 1e6,
+                                     t.start * 1e6, "pipeline", **where)
+            self.tracer.complete(kind, t.start * 1e6, t.end * 1e6, "pipeline", **where)
+
+
+def tokens_shape(batch: Any) -> tuple[int, int]:
+    """(micro-batch size, sequence length) of a batch's token inputs: its positional
+    input, else ``input_ids``, else its first tensor."""
+    if batch.args:
+        first = batch.args[0]
+    else:
+        first = batch.kwargs.get("input_ids")
+        if first is None:
+            first = next(v for v in batch.kwargs.values() if isinstance(v, torch.Tensor))
+    return int(first.shape[0]), int(first.shape[1])
+
+
+def pipeline_logits(mp: ModelParallel, inputs: Any) -> torch.Tensor | None:
+    """Forward only, chunk after chunk (no schedule needed): the last stage gets the
+    output [B, T, V(/tp)], the other stages None. ``inputs``: a micro-batch (or its
+    token ids)."""
+    comm, stages = mp.pp_comm, mp.stages
+    mine = {c.index: c for c in mp.chunks}
+    b, t = inputs.shape[:2] if isinstance(inputs, torch.Tensor) else tokens_shape(inputs)
+    t = mp.activation_length(t)
+    x: torch.Tensor | None = None
+    for c in range(stages.n_chunks):
+        if stages.rank_of(c) != comm.rank:
+            continue
+        if c == 0:
+            x = mine[c](None, inputs)
+        else:
+            x = comm.empty(b, t, mp.spec.hidden_size)
+            comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
+            x = mine[c](x, inputs)
+        if c < stages.n_chunks - 1:
+            comm.isend(x.contiguous(), stages.rank_of(c + 1), tag=c + 1).wait()
+    return x if mp.is_last_stage else None

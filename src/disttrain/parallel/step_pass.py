@@ -1,0 +1,89 @@
+"""A step's micro-batches through the whole module (no pipeline): the
+:class:`~.interfaces.StepPass` of every layout without pipeline chunks.
+
+All but the last micro-batch run under the gradient sync's ``no_sync()``; the reduction
+of the step's loss totals starts just before the last backward, so it overlaps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.collectives import Communicator
+from .interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
+
+
+class WholeModelPass:
+    """Forward and backward of ``module`` per micro-batch; held-out totals are summed
+    over ``eval_comm`` (the dp group: its ranks evaluate different samples)."""
+
+    def __init__(self, module: nn.Module, grads: GradSync, eval_comm: Communicator,
+                 tracer: StepTracer | None = None) -> None:
+        self.module, self.grads, self.eval_comm = module, grads, eval_comm
+        self.tracer = tracer or NoTrace()
+
+    def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
+                         totals: torch.Tensor, loss_scale: float,
+                         autocast: Callable[[], AbstractContextManager[None]],
+                         measure: bool) -> tuple[Work | None, int | None]:
+        handle, peak = None, None
+        for i, load in enumerate(batches):
+            last = i == len(batches) - 1
+            batch = load()
+            meter = _SavedBytes(list(self.module.parameters())) if measure else None
+            with contextlib.nullcontext() if last else self.grads.no_sync():
+                with meter or contextlib.nullcontext():
+                    handle = self._one(batch, loss, totals, loss_scale, autocast, last)
+            if meter is not None:
+                peak, measure = meter.peak, False
+        if not batches:  # no samples: still join every collective
+            handle = self.grads.reduce_loss_totals(totals)
+        return handle, peak
+
+    def _one(self, batch: Any, loss: LossOf, totals: torch.Tensor, loss_scale: float,
+             autocast: Callable[[], AbstractContextManager[None]], last: bool
+             ) -> Work | None:
+        with self.tracer.span("forward"), autocast():
+            loss_sum, count = loss(batch.run(self.module), batch)
+        loss_sum = loss_sum.float()
+        totals[0] += loss_sum.detach().double()
+        totals[1] += count
+        # launched before the last backward, so it overlaps it
+        handle = self.grads.reduce_loss_totals(totals) if last else None
+        with self.tracer.span("backward"):
+            (loss_sum * loss_scale if loss_scale != 1.0 else loss_sum).backward()
+        return handle
+
+    def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:
+        loss_sum, count = loss(batch.run(self.module), batch)
+        return float(loss_sum), float(count)
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the activations autograd keeps for backward: distinct storages other
+    than the parameters' (or views of them), summed at the end of the forward."""
+
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self.parameters = parameters
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        # looked up now, not in advance: ZeRO-3 gathers parameters into new storage
+        if all(p.untyped_storage().data_ptr() != key for p in self.parameters):
+            if key not in self.live:
+                self.live[key] = t.untyped_storage().nbytes()
+                self.current += self.live[key]
+                self.peak = max(self.peak, self.current)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t

@@ -1,0 +1,245 @@
+"""A run put together, part by part, each built whole and then only used.
+
+:func:`assemble_run` is what :meth:`~disttrain.Trainer.fit` calls once the process group
+exists: the random streams, the hang watchdog, the data cursor, the composed model and
+its optimizer (filled from its weights' source), the run directory and reporting, the
+checkpoints (a resume), the step. Whatever needs closing is pushed on ``closing`` as
+soon as it exists, so an error at any point closes what was built.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..comm import CollectiveLedger, Communicator, control_beside
+from ..config import Config, RunPlan
+from ..data.samples import fetch_samples
+from ..errors import UserError
+from ..models import token_loss
+from ..monitor import MetricsWriter, ProgressBar
+from ..monitor.agreement import check_agreement
+from ..monitor.callbacks import Callback, Callbacks
+from ..monitor.callbacks import Trainer as CallbackSubject
+from ..monitor.loggers import open_loggers
+from ..monitor.metrics import truncate_metrics
+from ..monitor.peaks import resolve_peak
+from ..monitor.stats import StragglerDetector
+from ..monitor.telemetry import Telemetry
+from ..monitor.trace import Tracer
+from ..monitor.watchdog import HangWatchdog, default_store
+from ..names import METRICS_FILE, NONFINITE_STOP
+from ..parallel.compose import Groups, compose
+from ..parallel.interfaces import TensorSource
+from ..spec import ModelSpec
+from ..topology import Topology, build_topology
+from ..weights import on_meta, stream_seed
+from . import rundir
+from .batch import LossFn, split_batch, to_device
+from .cadence import CheckpointCadence
+from .checkpointing import RunCheckpoints, finished_run
+from .cursor import DataCursor
+from .flops import count_flops_per_term, shape_flops_per_token
+from .loading import StepLoader
+from .nonfinite import NonFinitePolicy
+from .outputs import RunDirectory
+from .precision import LossScaler
+from .preemption import SignalStop
+from .report import RunReporter
+from .run import CommTally, EvalData, Run, RunModel
+from .runtime import Runtime
+from .step import StepRunner
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInputs:
+    """What the user handed the Trainer, checked: the model, data, loss, config and the
+    plan validated from it, where the weights come from (None: the model's own)."""
+
+    model: nn.Module
+    dataset: Dataset
+    eval_dataset: Dataset | None
+    loss_fn: LossFn | None
+    collate_fn: Any
+    config: Config
+    plan: RunPlan
+    spec: ModelSpec
+    weights: TensorSource | None
+    flops_per_token: float | None
+    progress: bool
+    callbacks: list[Callback]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The process groups of a run: its topology, the world and one per mesh axis."""
+
+    topology: Topology
+    ledger: CollectiveLedger
+    groups: Groups
+
+    @property
+    def world(self) -> Communicator:
+        return self.groups.world
+
+
+def build_mesh(inputs: RunInputs, runtime: Runtime) -> Mesh:
+    topology = build_topology(inputs.plan.layout, runtime.device.type)
+    ledger = CollectiveLedger()
+    world = Communicator(None, ledger, "world")
+    return Mesh(topology, ledger, Groups(world=world, **{
+        axis: Communicator(topology.group(axis), ledger, axis) for axis in ("dp", "pp", "tp")}))
+
+
+def finished_summary(inputs: RunInputs, mesh: Mesh, run_dir: Path | None
+                     ) -> dict[str, Any] | None:
+    """When the run directory's run already reached ``train.steps``: rank 0 says so
+    and every rank returns its stored summary ({} if none), writing nothing; else
+    None. Damaged checkpoints are left for the resume to report."""
+    found = None
+    if mesh.world.rank == 0 and run_dir is not None:
+        try:
+            line = finished_run(run_dir, inputs.config.train.steps, warn=lambda _: None)
+        except UserError:
+            line = None
+        if line is not None:
+            print(f"disttrain: {line}", file=sys.stderr)
+            found = rundir.read_summary(run_dir)
+    return mesh.world.broadcast_object(found)
+
+
+def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: RunDirectory,
+                 subject: CallbackSubject, closing: ExitStack) -> Run:
+    """Every part of the run on this rank (see the module docstring)."""
+    config, plan, world = inputs.config, inputs.plan, mesh.world
+    # the random streams (dropout masks) from train.seed, the same on every rank of a
+    # tp group, whose replicated activations need the same masks (a resume then
+    # restores the checkpoint's streams)
+    torch.manual_seed(stream_seed(config.train.seed, mesh.topology.dp_rank,
+                                  mesh.topology.coordinate("pp")))
+    _start_watchdog(config, runtime, mesh, closing)
+    tracer = Tracer(config.monitor.trace, runtime.rank)
+    signals = SignalStop(control_beside(world))  # no GPU sync per step
+    loader = StepLoader(inputs.dataset, inputs.collate_fn, runtime.device,
+                        inputs.spec.call_kwargs, config.data.workers,
+                        in_worker=directory.forget_in_child)
+    closing.callback(loader.close)
+    cursor = DataCursor(len(inputs.dataset), config.train.seed, plan.batch,
+                        mesh.topology.dp_rank, config.parallel.balance == "dynamic", loader)
+    model, loss_fn = _build_model(inputs, runtime, mesh, cursor, tracer)
+    run_dir = directory.claim(world, config, plan, inputs.spec.config_json)
+    closing.callback(directory.release)
+    reporter = _build_reporter(inputs, runtime, world, run_dir, subject)
+    closing.callback(reporter.close)
+    checkpoints = RunCheckpoints(run_dir, config, plan, world, model.parallel.state,
+                                 model.optimizer,
+                                 model.parallel.local_boxes(model.optimizer))
+    start_step = _resume(checkpoints, cursor, model, reporter, run_dir, runtime)
+    train = config.train
+    stepper = StepRunner(
+        passes=model.parallel.passes, grads=model.parallel.grads, ledger=mesh.ledger,
+        optimizer=model.optimizer, loss_fn=loss_fn, load=loader.load,
+        grad_clip=train.grad_clip, device=runtime.device, tracer=tracer, rank=runtime.rank,
+        precision=train.precision, scaler=LossScaler(train.precision == "fp16"),
+        before_update=checkpoints.before_update, token_loss=model.parallel.token_loss)
+    sync = model.parallel.sync
+    return Run(
+        config=config, plan=plan, runtime=runtime, world=world, model=model, cursor=cursor,
+        stepper=stepper, reporter=reporter, checkpoints=checkpoints,
+        cadence=CheckpointCadence(checkpoints, signals, sync, tracer,
+                                  config.checkpoint.on_signal == "save", reporter.checkpoint,
+                                  reporter.say),
+        nonfinite=NonFinitePolicy(train.on_nonfinite == NONFINITE_STOP, sync.steps_apart,
+                                  world, reporter.say),
+        signals=signals, tracer=tracer,
+        evaluation=EvalData(dataset=inputs.eval_dataset, collate=inputs.collate_fn,
+                            call_kwargs=inputs.spec.call_kwargs),
+        run_dir=run_dir, start_step=start_step, tally=CommTally(mesh.ledger))
+
+
+def _start_watchdog(config: Config, runtime: Runtime, mesh: Mesh, closing: ExitStack
+                    ) -> None:
+    timeout, store = config.monitor.hang_timeout, default_store()
+    if timeout and store is not None and runtime.world_size > 1:
+        watchdog = HangWatchdog(mesh.ledger, store, runtime.rank, runtime.world_size,
+                                timeout).start()
+        closing.callback(watchdog.stop)
+
+
+def _build_model(inputs: RunInputs, runtime: Runtime, mesh: Mesh, cursor: DataCursor,
+                 tracer: Tracer) -> tuple[RunModel, LossFn | None]:
+    """The composition of every strategy over the model, its optimizer, and the loss a
+    step calls."""
+    model, config = inputs.model, inputs.config
+    parameters = sum(p.numel() for p in model.parameters())
+    check_agreement(mesh.world, config, model)  # before any sized collective
+    if not on_meta(model):  # else: only this rank's part gets storage, in compose
+        model.to(runtime.device)
+    flops = _flops_per_term(inputs, runtime, cursor)  # on the model as the user gave it
+    parallel = compose(model, inputs.spec, config, mesh.topology, mesh.groups,
+                       micro_batches=inputs.plan.batch.grad_accum,
+                       num_samples=len(inputs.dataset), tracer=tracer)
+    # a head sharded over the vocabulary: the causal-LM loss on the shards, any
+    # other loss on the gathered logits (never swapped for another loss)
+    loss_fn = parallel.loss_for(inputs.loss_fn, token_loss)
+    optimizer = parallel.build_optimizer(config, inputs.plan.lr)
+    if inputs.weights is not None:
+        parallel.fill(inputs.weights, optimizer)
+    return RunModel(parallel=parallel, optimizer=optimizer, parameters=parameters,
+                    flops_per_term=flops), loss_fn
+
+
+def _flops_per_term(inputs: RunInputs, runtime: Runtime, cursor: DataCursor) -> float:
+    """Training FLOPs per loss term: given, or from the spec, else counted on the
+    first micro-batch of the sample order, on a pass apart from training (see
+    :mod:`.flops`)."""
+    known = inputs.flops_per_token or inputs.spec.flops_per_token
+    if known:
+        return known
+    batch = inputs.collate_fn(fetch_samples(inputs.dataset, cursor.first_micro_batch()))
+    batch = split_batch(to_device(batch, runtime.device), inputs.spec.call_kwargs)
+    if on_meta(inputs.model):  # no values to run: from the shapes, where known
+        return shape_flops_per_token(inputs.model, batch)
+    return count_flops_per_term(inputs.model, batch, inputs.loss_fn,
+                                inputs.config.train.precision, runtime.device)
+
+
+def _build_reporter(inputs: RunInputs, runtime: Runtime, world: Communicator,
+                    run_dir: Path, subject: CallbackSubject) -> RunReporter:
+    config, main = inputs.config, runtime.is_main
+    mon = config.monitor
+    bar = ProgressBar(config.train.steps, enabled=main, show_bar=inputs.progress,
+                      every=config.train.log_every)
+    peak = resolve_peak(mon.peak_tflops, runtime.device, config.train.precision)
+    telemetry = Telemetry(
+        world, runtime.device,
+        MetricsWriter(run_dir / METRICS_FILE if main else None, bar.message),
+        StragglerDetector(mon.straggler_threshold, mon.straggler_window), peak, bar.message)
+    loggers = open_loggers(config, run_dir, bar.message) if main else []
+    callbacks = Callbacks(inputs.callbacks + loggers, main, bar.message, runtime.rank)
+    return RunReporter(subject, bar, telemetry, callbacks)
+
+
+def _resume(checkpoints: RunCheckpoints, cursor: DataCursor, model: RunModel,
+            reporter: RunReporter, run_dir: Path, runtime: Runtime) -> int:
+    """The step to start from: a checkpoint's (its sample position and weights
+    restored), else 0."""
+    resumed = checkpoints.resume(say=reporter.say)
+    if resumed is None:
+        return 0
+    start_step, cursor.position = resumed
+    model.parallel.sync.restart()  # e.g. DiLoCo's round starts from these weights
+    if runtime.is_main:  # records past the checkpoint are redone
+        try:
+            truncate_metrics(run_dir / METRICS_FILE, start_step)
+        except OSError as exc:
+            reporter.say(f"warning: could not drop the metrics records past "
+                         f"step {start_step}: {exc.strerror or exc}")
+    return start_step

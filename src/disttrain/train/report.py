@@ -1,0 +1,101 @@
+"""What a run tells its user: the progress line, metrics records, callbacks and loggers,
+the start-up banner and the closing summary line.
+
+:class:`RunReporter` holds the progress bar, the telemetry (metrics records gathered
+from every rank, stragglers) and the callbacks, and hands each callback the Trainer as
+its subject; the text of the banner and the summary is built by the functions below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..monitor import MetricsRecord, ProgressBar
+from ..monitor.callbacks import Callbacks
+from ..monitor.callbacks import Trainer as CallbackSubject
+from ..monitor.telemetry import Telemetry
+
+
+class RunReporter:
+    """The bar (rank 0's progress line), ``telemetry`` and ``callbacks``, called with
+    ``subject`` (the Trainer)."""
+
+    def __init__(self, subject: CallbackSubject, bar: ProgressBar, telemetry: Telemetry,
+                 callbacks: Callbacks) -> None:
+        self.subject, self.bar = subject, bar
+        self.telemetry, self.callbacks = telemetry, callbacks
+
+    def say(self, text: str) -> None:
+        self.bar.message(text)
+
+    def train_start(self) -> None:
+        self.callbacks.train_start(self.subject)
+
+    def evaluated(self, step: int, value: float | None) -> None:
+        self.callbacks.eval(self.subject, step, value)
+
+    def step_end(self, record: MetricsRecord) -> None:
+        self.callbacks.step_end(self.subject, record)
+
+    def checkpoint(self, step: int, path: Path) -> None:
+        self.callbacks.checkpoint(self.subject, step, path)
+
+    def log(self, record: MetricsRecord, flops_per_term: float | None
+            ) -> list[dict[str, Any]]:
+        """Gather ``record`` over the ranks (a collective), write it, and hand rank 0's
+        full record to the callbacks; returns every rank's figures."""
+        record, ranks = self.telemetry.log(record, flops_per_term)
+        self.callbacks.log(self.subject, record)
+        return ranks
+
+    def write(self, record: MetricsRecord) -> None:
+        """A record already gathered (a loop of its own): written and handed on."""
+        self.telemetry.writer.write(record)
+        self.callbacks.step_end(self.subject, record)
+        self.callbacks.log(self.subject, record)
+
+    def train_end(self, summary: dict[str, Any] | None) -> None:
+        """Once (later calls do nothing): the summary, or None when the run stopped
+        early."""
+        self.callbacks.train_end(self.subject, summary)
+
+    def close(self) -> None:
+        """The writers closed; callbacks told of an early end if not told of one."""
+        self.bar.close()
+        self.telemetry.close()
+        self.train_end(None)
+
+
+def banner_text(world_size: int, device: torch.device, backend: str, plan: Any,
+                parameters: int, run_dir: Path, layout_lines: str,
+                initial_eval: float | None) -> str:
+    """The start-up banner: the world, the batch triple, the model's size, where it
+    writes, who holds what (pp / tp), the first held-out loss."""
+    lay, b = plan.layout, plan.batch
+    text = (f"disttrain: {world_size} rank(s) on {device.type}/{backend}, dp={lay.dp}; "
+            f"global batch {b.global_batch} = {b.micro_batch} x {b.grad_accum} x "
+            f"{b.dp}; {parameters:,} parameters; run dir {run_dir}")
+    text += layout_lines
+    if initial_eval is not None:
+        text += f"\ninitial held-out loss {initial_eval:.4f}"
+    return text
+
+
+def device_name(device: torch.device) -> str:
+    """``cpu``, or the GPU's name as torch gives it (``NVIDIA H100 80GB HBM3``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def summary_text(s: dict[str, Any], unit: str) -> str:
+    """The closing line: the steps run, the time, the losses, the throughput."""
+    ev = ("" if s["final_eval_loss"] is None else
+          f"held-out loss {s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}; ")
+    ran = s["steps"] - s["start_step"]
+    which = (f"steps {s['start_step'] + 1}-{s['steps']} of {s['steps']}" if s["start_step"]
+             else f"{ran} steps")
+    return (f"done: {which} in {s['wall_time_s']:.1f}s on {s['world_size']} "
+            f"rank(s); train loss {s['final_train_loss']:.4f}; {ev}"
+            f"{s['tokens_per_s']:,.0f} {unit}/s; run dir {s['run_dir']}")

@@ -209,7 +209,7 @@ def _check_bounds(dotted: str, value: Any, f: Any) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(dotted, value, "must be a finite number",
                           f"set {dotted} to a finite value")
-    choices = meta.get("choices")
+    choices = None if meta.get("registered") else meta.get("choices")
     for one in value if isinstance(value, tuple) else (value,):
         if choices and one not in choices:
             raise ConfigError(dotted, one, "not a valid choice",

@@ -21,11 +21,13 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
        le: float | None = None, choices: tuple[str, ...] | None = None,
-       optional: bool = False, key: str | None = None) -> Any:
+       optional: bool = False, key: str | None = None, registered: bool = False) -> Any:
     """A dataclass field with its help text and the bounds the validator checks;
-    ``key`` is the config name when it differs from the attribute (``async``)."""
+    ``key`` is the config name when it differs from the attribute (``async``);
+    ``registered``: ``choices`` are the built-in ones, more can be registered
+    (:mod:`disttrain.parallel.registry` checks the name when the run is resolved)."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices,
-            "optional": optional, "key": key}
+            "optional": optional, "key": key, "registered": registered}
     return field(default=default, metadata=meta)
 
 
@@ -106,7 +108,8 @@ class TrainConfig:
                         "with a layer-wise trust ratio), lamb (AdamW with one) or "
                         "onebit_adam (AdamW, then a frozen variance and the momentum "
                         "averaged over dp in 1 bit per element after train.freeze_step)",
-                        choices=("adamw", "sgd", "lars", "lamb", "onebit_adam"))
+                        choices=("adamw", "sgd", "lars", "lamb", "onebit_adam"),
+                        registered=True)
     freeze_step: int = _f(0, "onebit_adam: dense AdamW steps before the variance is "
                           "frozen and the momentum compressed; 0 = 15% of train.steps",
                           ge=0)
@@ -146,7 +149,7 @@ class TrainConfig:
                    "all-reduce), local_sgd (average parameters every sync_every steps), "
                    "diloco (outer Nesterov step every sync_every steps), async (parameter "
                    "servers), fedavg (federated averaging over non-IID partitions)",
-                   choices=SYNC_MODES)
+                   choices=SYNC_MODES, registered=True)
     sync_every: int = _f(50, "local_sgd/diloco/fedavg: local steps per synchronisation "
                          "round (H)", ge=1)
     outer_lr: float = _f(0.7, "diloco: outer SGD learning rate", gt=0.0)

@@ -52,7 +52,8 @@ class Registry(Generic[E]):
         self._entries[entry.name] = entry
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """In the order registered (the built-ins first)."""
+        return list(self._entries)
 
     def get(self, name: str) -> E:
         if name not in self._entries:
@@ -87,7 +88,7 @@ def register_optimizer(kind: OptimizerKind) -> None:
 
 
 def strategy_names() -> list[str]:
-    return STRATEGIES.names()
+    return sorted(STRATEGIES.names())
 
 
 def get_strategy(config: Config) -> DataParallelStrategy:

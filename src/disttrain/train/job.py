@@ -68,12 +68,12 @@ def train_default(config: Config, run_dir: str | Path | None = None,
                       progress=progress, pretrained=config.model.pretrained or None)
     summary = trainer.fit()
     if job.eval_tokens_per_byte is not None:
-        _add_bits_per_byte(trainer, summary, job.eval_tokens_per_byte)
+        _add_bits_per_byte(trainer, summary, job.eval_tokens_per_byte, progress)
     return summary
 
 
 def _add_bits_per_byte(trainer: Trainer, summary: dict[str, Any],
-                       tokens_per_byte: float) -> None:
+                       tokens_per_byte: float, say: bool) -> None:
     """The held-out losses (nats per token) as bits per byte of text, which compare
     across tokenizers; added to the summary (and summary.json, on rank 0)."""
     added = {}
@@ -87,6 +87,6 @@ def _add_bits_per_byte(trainer: Trainer, summary: dict[str, Any],
     if trainer.is_main and trainer.run_dir is not None:
         rundir.write_summary(trainer.run_dir, summary)
         final = added.get("final_eval_bits_per_byte")
-        if final is not None and trainer.progress:
+        if final is not None and say:
             print(f"held-out loss {summary['final_eval_loss']:.4f} nats per token = "
                   f"{final:.4f} bits per byte", file=sys.stderr)

@@ -11,9 +11,10 @@ import pytest
 
 from disttrain.cli import main
 from disttrain.parallel.pipeline import build_schedule
-from disttrain.plan import (PRESETS, Layout, ModelShape, Options, estimate, in_flight,
+from disttrain.plan import (PRESETS, PlannedLayout, ModelShape, Options, estimate, in_flight,
                             layer_activation_bytes, parse_model, search)
-from disttrain.plan.estimate import model_state_bytes, rank_params
+from disttrain.plan.estimate import model_state_bytes
+from disttrain.plan.shape import rank_params
 from disttrain.plan.shape import gpt_shape
 from disttrain.config.schema import ModelConfig
 from disttrain.models import num_params
@@ -122,7 +123,7 @@ def test_megatron_1t_layout_is_predicted_near_its_published_throughput():
     # recomputation: 163 TFLOP/s per A100 (52% of peak). Not fitted to: the presets
     # come from datasheets, so this is a check, with the error it has today (+9%).
     shape, cluster = _one_trillion()
-    est = estimate(shape, cluster, Layout(tp=8, pp=64, dp=6, mbs=1, recompute="full"),
+    est = estimate(shape, cluster, PlannedLayout(tp=8, pp=64, dp=6, mbs=1, recompute="full"),
                    3072, Options(accounting="mixed"))
     assert est.tflops_per_gpu == pytest.approx(163, rel=0.2)
 
@@ -206,7 +207,7 @@ def test_transformers_configs_are_read(tmp_path):
 
 def test_framework_time_adds_on_a_cpu_and_hides_behind_a_gpus_kernels():
     shape = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
-    lay = Layout(dp=1, mbs=2)  # 4 micro-batches of 2
+    lay = PlannedLayout(dp=1, mbs=2)  # 4 micro-batches of 2
     base = replace(PRESETS["a100-80gb"], gpus_per_node=1, layer_overhead_s=0.0,
                    async_dispatch=False)
     plain = estimate(shape, base, lay, 8, Options(precision="fp32")).step_time_s
@@ -218,7 +219,7 @@ def test_framework_time_adds_on_a_cpu_and_hides_behind_a_gpus_kernels():
     # on a GPU the host runs ahead: a layer takes the longer of kernels and host time
     big = ModelShape(layers=4, hidden=4096, heads=32, seq=4096, vocab=32000)
     gpu = PRESETS["h100-80gb"]
-    lay8 = Layout(dp=8, mbs=1)
+    lay8 = PlannedLayout(dp=8, mbs=1)
     with_host = estimate(big, gpu, lay8, 8, Options()).step_time_s
     without = estimate(big, replace(gpu, layer_overhead_s=0.0), lay8, 8,
                        Options()).step_time_s

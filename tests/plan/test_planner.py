@@ -13,7 +13,7 @@ from disttrain.cli import main
 from disttrain.parallel.pipeline import build_schedule
 from disttrain.plan import (PRESETS, PlannedLayout, ModelShape, Options, estimate, in_flight,
                             layer_activation_bytes, parse_model, search)
-from disttrain.plan.estimate import model_state_bytes
+from disttrain.plan.memory import model_state_bytes
 from disttrain.plan.shape import rank_params
 from disttrain.plan.shape import gpt_shape
 from disttrain.config.schema import ModelConfig
@@ -25,10 +25,10 @@ def test_zero_paper_example_exactly():
     # mixed-precision Adam (K = 12): 120, 31.4, 16.6 and 1.9 GB per device
     want = {0: 120.0, 1: 31.40625, 2: 16.640625, 3: 1.875}
     for zero, gb in want.items():
-        got = sum(model_state_bytes(7.5e9, 64, zero, "mixed")) / 1e9
+        got = model_state_bytes(7.5e9, dp=64, zero=zero, master_copy=True).model_states / 1e9
         assert got == pytest.approx(gb, rel=1e-12)
     # disttrain's own accounting: fp32 parameters and gradients, 8 B of Adam state
-    assert sum(model_state_bytes(7.5e9, 64, 0, "disttrain")) == 16 * 7.5e9
+    assert model_state_bytes(7.5e9, dp=64, zero=0).model_states == 16 * 7.5e9
 
 
 # Korthikanti et al. 2022, Table 2: activation bytes per layer (16-bit activations,

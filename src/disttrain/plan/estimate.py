@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from .cluster import Cluster
 from .costs import ACT_BYTES
 from .layout import PlannedLayout
-from .memory import model_state_bytes as _state_bytes
+from .memory import model_state_bytes
 from .options import Options
 from .shape import ModelShape, rank_params
 from .steptime import StepTime, step_time
@@ -294,17 +294,6 @@ def _rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
     return tuple(sum(sizes[c::pp]) for c in range(pp))
 
 
-# model states on one rank ----------------------------------------------------------
-
-def model_state_bytes(params: float, dp: int, zero: int, accounting: str
-                      ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for ``params`` parameters under ZeRO ``zero``
-    over ``dp`` ranks (AdamW): :func:`~.memory.model_state_bytes`, whose
-    ``master_copy`` is the ``mixed`` accounting."""
-    est = _state_bytes(params, dp=dp, zero=zero, master_copy=accounting == "mixed")
-    return est.params, est.grads, est.optimizer
-
-
 def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_batch: int,
              options: Options = Options(), *, memory_only: bool = False,
              all_stages: bool = False, chunk_sizes: tuple[int, ...] | None = None
@@ -345,14 +334,15 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
     for stage in which:
         first, last = stage == 0, stage == lay.pp - 1
         params = rank_params(shape, lay.tp, counts[stage], first, last, lay.pp)
-        weights, grads, state = model_state_bytes(params, lay.dp, lay.zero, o.accounting)
+        states = model_state_bytes(params, dp=lay.dp, zero=lay.zero,
+                                   master_copy=o.master_copy)
         held = tuple((per_layer - cast) * sizes[c] + (embedding if c == 0 else 0)
                      + (head if c == n_chunks - 1 else 0)
                      for c in range(stage, n_chunks, lay.pp))
-        buckets = min(o.bucket_mb * 2**20, grads) * 2 if lay.dp > 1 else 0
+        buckets = min(o.bucket_mb * 2**20, states.grads) * 2 if lay.dp > 1 else 0
         gathered = 2 * layer_bytes if lay.zero >= 3 and lay.dp > 1 else 0
         stages[stage] = StageMemory(
-            params=weights, grads=grads, optimizer=state,
+            params=states.params, grads=states.grads, optimizer=states.optimizer,
             activations=(peak_held_bytes(lay.schedule, lay.pp, m, lay.v, stage, held)
                          + cast * counts[stage] + rebuilt + (head_once if last else 0)),
             rebuilt=rebuilt, communication=buckets + gathered,

@@ -30,3 +30,10 @@ class Options:
     @property
     def grad_bytes(self) -> int:
         return 2 if self.accounting == "mixed" else 4
+
+    @property
+    def master_copy(self) -> bool:
+        """Model states counted as the ZeRO paper's mixed precision: 16-bit parameters
+        and gradients, fp32 master weights with the optimizer state
+        (:func:`~.memory.model_state_bytes`)."""
+        return self.accounting == "mixed"

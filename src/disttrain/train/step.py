@@ -20,6 +20,7 @@ from torch import nn
 from ..comm import CollectiveLedger, Communicator
 from ..errors import nonfinite_part
 from ..faults import maybe_slow_down
+from ..monitor.saved_activations import SavedActivationMeter
 from ..monitor.stats import StepStats
 from ..monitor.trace import Tracer
 from ..parallel.interfaces import GradSync
@@ -142,7 +143,7 @@ class StepRunner:
     def _forward_backward(self, batch: Batch, totals: torch.Tensor, last: bool) -> Any:
         saved = None
         if self.activation_bytes is None:
-            saved = _SavedBytes(list(self.model.parameters()))
+            saved = SavedActivationMeter(self.model.parameters())
         with saved or contextlib.nullcontext():
             with self.tracer.span("forward"), autocast(self.precision, self.device):
                 loss_sum, count, samples = self.loss(batch.run(self.model),
@@ -156,29 +157,6 @@ class StepRunner:
             with self.tracer.span("backward"):
                 (loss_sum * self.scaler.scale if self.scaler.enabled else loss_sum).backward()
         if saved is not None:
-            self.activation_bytes = saved.peak
+            self.activation_bytes = saved.peak_bytes
         return handle
 
-
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the activations autograd keeps for backward: distinct storages other
-    than the parameters' (or views of them), summed at the end of the forward."""
-
-    def __init__(self, parameters: list[nn.Parameter]) -> None:
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        self.parameters = parameters
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        # looked up now, not in advance: ZeRO-3 gathers parameters into new storage
-        if all(p.untyped_storage().data_ptr() != key for p in self.parameters):
-            if key not in self.live:
-                self.live[key] = t.untyped_storage().nbytes()
-                self.current += self.live[key]
-                self.peak = max(self.peak, self.current)
-        return t
-
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        return t

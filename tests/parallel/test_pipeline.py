@@ -234,12 +234,12 @@ def test_chunks_compose_to_the_full_model_with_original_names():
 
 
 def test_activation_meter_counts_saved_tensors_until_backward():
-    from disttrain.parallel.pipeline import SavedActivationMeter
+    from disttrain.monitor.saved_activations import SavedActivationMeter
 
     layer = torch.nn.Linear(8, 8)
     meter = SavedActivationMeter(layer.parameters())
     x = torch.randn(4, 8, requires_grad=True)
-    with meter.counting():
+    with meter:
         y = torch.nn.functional.gelu(layer(x))  # saves x (linear) and layer(x) (gelu)
         z = torch.nn.functional.gelu(layer(x))  # x again: one storage, counted once
     assert meter.live_bytes == meter.peak_bytes == 3 * 4 * 8 * 4

@@ -6,8 +6,8 @@ one world size inside one spawned world (a new mesh per run): at 2 ranks dp, ZeR
 tp and 1F1B pp; at 4 ranks the same at 4 plus tp x pp, dp x tp and a few more that
 exercise other parts of the model (the interleaved and GPipe schedules, ZeRO-3 under a
 pipeline, sequence parallelism). For every rank the planner's prediction for its
-pipeline stage (``Options(precision="fp32", accounting="disttrain")``, a ``Layout``
-mirroring the run's) must match what the run's summary reports:
+pipeline stage (``Options(precision="fp32", accounting="disttrain")``, a
+``PlannedLayout`` mirroring the run's) must match what the run's summary reports:
 
 - model states (parameters + gradients + AdamW state) within 3%, the criterion. The
   count is exact for these layouts (a mismatch means a parameter placed where
@@ -36,7 +36,7 @@ from support import TINY_MODEL, SyntheticTokens
 from disttrain.cli import main
 from disttrain.config import load_config
 from disttrain.parallel.pipeline.schedules import FORWARD, build_schedule
-from disttrain.plan import PRESETS, Layout, Options, estimate, gpt_shape, in_flight
+from disttrain.plan import PRESETS, PlannedLayout, Options, estimate, gpt_shape, in_flight
 from disttrain.plan.estimate import peak_held_bytes
 from disttrain.testing import run_distributed
 
@@ -89,12 +89,13 @@ def runs(tmp_path_factory) -> Path:
     return root
 
 
-def _layout(parallel: dict, world: int) -> Layout:
+def _layout(parallel: dict, world: int) -> PlannedLayout:
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
     schedule = parallel.get("pp_schedule", "1f1b")
-    return Layout(tp=tp, pp=pp, dp=world // (tp * pp), mbs=2, zero=parallel.get("zero", 0),
-                  v=2 if schedule == "interleaved" else 1, gpipe=schedule == "gpipe",
-                  sp=parallel.get("sequence_parallel", False))
+    return PlannedLayout(tp=tp, pp=pp, dp=world // (tp * pp), mbs=2,
+                         zero=parallel.get("zero", 0),
+                         v=2 if schedule == "interleaved" else 1, gpipe=schedule == "gpipe",
+                         sp=parallel.get("sequence_parallel", False))
 
 
 def _summary(runs: Path, name: str) -> dict:

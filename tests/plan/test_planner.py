@@ -11,9 +11,10 @@ import pytest
 
 from disttrain.cli import main
 from disttrain.parallel.pipeline import build_schedule
-from disttrain.plan import (PRESETS, Layout, ModelShape, Options, estimate, in_flight,
+from disttrain.plan import (PRESETS, PlannedLayout, ModelShape, Options, estimate, in_flight,
                             layer_activation_bytes, parse_model, search)
-from disttrain.plan.estimate import model_state_bytes, rank_params
+from disttrain.plan.memory import model_state_bytes
+from disttrain.plan.shape import rank_params
 from disttrain.plan.shape import gpt_shape
 from disttrain.config.schema import ModelConfig
 from disttrain.models import num_params
@@ -24,10 +25,10 @@ def test_zero_paper_example_exactly():
     # mixed-precision Adam (K = 12): 120, 31.4, 16.6 and 1.9 GB per device
     want = {0: 120.0, 1: 31.40625, 2: 16.640625, 3: 1.875}
     for zero, gb in want.items():
-        got = sum(model_state_bytes(7.5e9, 64, zero, "mixed")) / 1e9
+        got = model_state_bytes(7.5e9, dp=64, zero=zero, master_copy=True).model_states / 1e9
         assert got == pytest.approx(gb, rel=1e-12)
     # disttrain's own accounting: fp32 parameters and gradients, 8 B of Adam state
-    assert sum(model_state_bytes(7.5e9, 64, 0, "disttrain")) == 16 * 7.5e9
+    assert model_state_bytes(7.5e9, dp=64, zero=0).model_states == 16 * 7.5e9
 
 
 # Korthikanti et al. 2022, Table 2: activation bytes per layer (16-bit activations,
@@ -122,7 +123,7 @@ def test_megatron_1t_layout_is_predicted_near_its_published_throughput():
     # recomputation: 163 TFLOP/s per A100 (52% of peak). Not fitted to: the presets
     # come from datasheets, so this is a check, with the error it has today (+9%).
     shape, cluster = _one_trillion()
-    est = estimate(shape, cluster, Layout(tp=8, pp=64, dp=6, mbs=1, recompute="full"),
+    est = estimate(shape, cluster, PlannedLayout(tp=8, pp=64, dp=6, mbs=1, recompute="full"),
                    3072, Options(accounting="mixed"))
     assert est.tflops_per_gpu == pytest.approx(163, rel=0.2)
 
@@ -206,7 +207,7 @@ def test_transformers_configs_are_read(tmp_path):
 
 def test_framework_time_adds_on_a_cpu_and_hides_behind_a_gpus_kernels():
     shape = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=100)
-    lay = Layout(dp=1, mbs=2)  # 4 micro-batches of 2
+    lay = PlannedLayout(dp=1, mbs=2)  # 4 micro-batches of 2
     base = replace(PRESETS["a100-80gb"], gpus_per_node=1, layer_overhead_s=0.0,
                    async_dispatch=False)
     plain = estimate(shape, base, lay, 8, Options(precision="fp32")).step_time_s
@@ -218,7 +219,7 @@ def test_framework_time_adds_on_a_cpu_and_hides_behind_a_gpus_kernels():
     # on a GPU the host runs ahead: a layer takes the longer of kernels and host time
     big = ModelShape(layers=4, hidden=4096, heads=32, seq=4096, vocab=32000)
     gpu = PRESETS["h100-80gb"]
-    lay8 = Layout(dp=8, mbs=1)
+    lay8 = PlannedLayout(dp=8, mbs=1)
     with_host = estimate(big, gpu, lay8, 8, Options()).step_time_s
     without = estimate(big, replace(gpu, layer_overhead_s=0.0), lay8, 8,
                        Options()).step_time_s

@@ -14,7 +14,8 @@ from disttrain.parallel.zero.flat import build_units
 from disttrain.plan import ModelShape, Options
 from disttrain.plan.cluster import PRESETS, Cluster
 from disttrain.plan.costs import collective_time, compute_share, ring_time, tier
-from disttrain.plan.estimate import Layout, estimate
+from disttrain.plan.estimate import estimate
+from disttrain.plan.layout import PlannedLayout
 from disttrain.plan.shape import gpt_shape, zero_flats
 
 CALL_S = 1e-3  # every measured collective call below costs this, whatever its size
@@ -56,8 +57,8 @@ def test_threads_beyond_the_cores_slow_every_rank():
     assert compute_share(replace(cpu, host_cores=0), 4) == 1.0  # a device of its own
     shape = gpt_shape(ModelConfig(n_layer=2, d_model=32, n_head=4, seq_len=16,
                                   vocab_size=64))
-    two = estimate(shape, replace(cpu, gpus_per_node=2), Layout(dp=2), 8).times["compute"]
-    four = estimate(shape, cpu, Layout(dp=4), 16).times["compute"]
+    two = estimate(shape, replace(cpu, gpus_per_node=2), PlannedLayout(dp=2), 8).times["compute"]
+    four = estimate(shape, cpu, PlannedLayout(dp=4), 16).times["compute"]
     assert four == pytest.approx(2 * two)  # the same work per rank, half a core each
 
 
@@ -67,7 +68,7 @@ def test_each_zero_stage_pays_for_the_collectives_it_issues(zero):
     reduce-scatters each flat buffer once (stage 1) or per micro-batch (2, 3), gathers
     each after the step (1, 2) or before every forward and backward (3)."""
     m, flats = 4, zero_flats(SHAPE.layers, True, True)
-    est = estimate(SHAPE, _latency_cluster(2), Layout(dp=2, zero=zero), 2 * m,
+    est = estimate(SHAPE, _latency_cluster(2), PlannedLayout(dp=2, zero=zero), 2 * m,
                    Options(log_every=1))
     calls = {0: 1, 1: 2 * flats, 2: (m + 1) * flats, 3: 3 * m * flats}[zero]
     assert est.times["dp_comm_exposed"] == pytest.approx(calls * CALL_S, rel=1e-3)

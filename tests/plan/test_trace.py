@@ -11,7 +11,7 @@ import pytest
 from disttrain.cli import main
 from disttrain.errors import UserError
 from disttrain.parallel.pipeline import analytic_bubble, build_schedule
-from disttrain.plan import Layout, Options, estimate, parse_cluster, parse_model
+from disttrain.plan import PlannedLayout, Options, estimate, parse_cluster, parse_model
 from disttrain.plan.command import parse_layout
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.trace import build_trace, traced_micro_batches, write_trace
@@ -23,7 +23,7 @@ NODE = "gpu=a100-80gb,gpus_per_node=8,nodes=1"
 def _synthetic(pp: int, v: int, m: int, f: float, b: float, *, message: float = 0.0,
                dp_exposed: float = 0.5, optimizer: float = 0.25) -> Estimate:
     """An estimate of ``m`` micro-batches (mbs 1, dp 1) whose chunks all cost f and b."""
-    return Estimate(layout=Layout(pp=pp, v=v), stages=[None] * pp, worst_stage=0,
+    return Estimate(layout=PlannedLayout(pp=pp, v=v), stages=[None] * pp, worst_stage=0,
                     step_time_s=1.0, chunk_forward_s=((f,) * v,) * pp,
                     chunk_backward_s=((b,) * v,) * pp, p2p_message_s=message,
                     times={"dp_comm_exposed": dp_exposed, "optimizer": optimizer})
@@ -149,7 +149,7 @@ def test_recorded_parts_rebuild_the_step_time(model, cluster_spec, batch, layout
 
 
 def test_memory_only_estimates_cannot_be_traced():
-    est = estimate(parse_model(SMALL), parse_cluster(NODE), Layout(pp=2, dp=4), 16,
+    est = estimate(parse_model(SMALL), parse_cluster(NODE), PlannedLayout(pp=2, dp=4), 16,
                    memory_only=True)
     with pytest.raises(ValueError, match="memory_only"):
         build_trace(est, 16)
@@ -175,7 +175,7 @@ def test_plan_writes_the_trace(tmp_path, capsys):
 @pytest.mark.parametrize("where", ["missing/step.json", "."])
 def test_an_unwritable_path_is_a_user_error(tmp_path, where):
     shape, cluster = parse_model(SMALL), parse_cluster(NODE)
-    est = estimate(shape, cluster, Layout(pp=2, dp=4), 16)
+    est = estimate(shape, cluster, PlannedLayout(pp=2, dp=4), 16)
     with pytest.raises(UserError, match="--trace .*cannot write") as err:
         write_trace(tmp_path / where, shape, cluster, est, 16, Options())
     assert "\n" not in str(err.value)

@@ -1,14 +1,14 @@
 """Data: corpus preparation into token shards, windows over them, the global sample order."""
 
 from disttrain.data.corpus import (
-    PreparedCorpus,
     corpus_files,
     corpus_from_config,
-    default_cache_dir,
     prepare_corpus,
     stdlib_source_dir,
 )
 from disttrain.data.dataset import TokenWindowDataset, collate_token_batch
+from disttrain.data.files import default_cache_dir
+from disttrain.data.prepared import PreparedCorpus
 from disttrain.data.samples import BatchFetchDataset, fetch_samples, tensor_rows
 from disttrain.data.sampler import GlobalOrderSampler, eval_indices
 

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 from disttrain.config.schema import DataConfig, ModelConfig
-from disttrain.data.corpus import TOKEN_RANGE, PreparedCorpus, stdlib_source_dir
+from disttrain.data.corpus import stdlib_source_dir
 from disttrain.data.dataset import tokens_per_shard
+from disttrain.data.prepared import TOKEN_RANGE, PreparedCorpus
 from disttrain.errors import ConfigError, DataError
 
 

@@ -22,7 +22,6 @@ the others wait for the lock and then just read ``meta.json``.
 from __future__ import annotations
 
 import fcntl
-import fnmatch
 import hashlib
 import json
 import os
@@ -36,6 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from disttrain.config.schema import DataConfig
+from disttrain.data.files import default_cache_dir, in_val, matching_files
+from disttrain.data.prepared import TOKEN_RANGE, PreparedCorpus
+from disttrain.data.pretokenized import tokens_corpus
 from disttrain.data.tokenize import BYTES, Encoder, build_encoder, tokenizer_key
 from disttrain.errors import DataError
 from disttrain.fsutil import fsync_dir, write_durably
@@ -43,34 +45,9 @@ from disttrain.fsutil import fsync_dir, write_durably
 FORMAT_VERSION = 2  # 2: meta.json records the tokenizer and the text bytes
 SHARD_TOKENS = 8 * 1024 * 1024
 STDLIB_PATTERN = "**/*.py"
-SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TEXT_PROBE_BYTES = 8192
 DOC_SEPARATOR = 0  # the byte tokenizer's (tokenize.Encoder.separator)
-TOKEN_RANGE = 256  # byte tokens take ids 0..255: a model needs at least this vocabulary
 META_NAME = "meta.json"
-
-
-@dataclass(frozen=True)
-class PreparedCorpus:
-    """A prepared corpus: token shard files split into train / val (``uint16`` byte
-    tokens for text; a pre-tokenized corpus's own dtype), and the vocabulary a model
-    needs to embed every token id."""
-
-    directory: Path
-    train_shards: list[Path]
-    val_shards: list[Path]
-    train_tokens: int
-    val_tokens: int
-    num_files: int
-    token_dtype: str = "uint16"
-    vocab_needed: int = TOKEN_RANGE
-    val_bytes: int | None = None  # text bytes behind the val tokens (None: not text)
-
-    @property
-    def val_tokens_per_byte(self) -> float | None:
-        """Held-out tokens per byte of text (separators included): converts a loss per
-        token into bits per byte, which compares runs with different tokenizers."""
-        return self.val_tokens / self.val_bytes if self.val_bytes else None
 
 
 @dataclass(frozen=True)
@@ -90,19 +67,13 @@ def stdlib_source_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def default_cache_dir() -> Path:
-    """``$DISTTRAIN_CACHE`` if set, else ``~/.cache/disttrain``."""
-    env = os.environ.get("DISTTRAIN_CACHE", "")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "disttrain"
-
-
 def corpus_files(root: Path, pattern: str) -> list[Path]:
     """Text files under ``root`` matching the glob ``pattern``, sorted by relative path.
 
     Skips directories, anything under ``site-packages`` / ``dist-packages`` /
     ``__pycache__``, empty files and files with a NUL byte in their first 8 KiB.
     """
-    return [path for _, path in _matching_files(Path(root), pattern) if _is_text(path)]
+    return [path for _, path in matching_files(Path(root), pattern) if _is_text(path)]
 
 
 def prepare_corpus(root: Path | None, pattern: str, cache_dir: Path, val_fraction: float,
@@ -133,8 +104,6 @@ def corpus_from_config(data: DataConfig) -> PreparedCorpus:
     """``prepare_corpus`` for a ``[data]`` config section (empty strings = the defaults),
     or the pre-tokenized shards of ``data.format = "tokens"``."""
     if data.format == "tokens":
-        from disttrain.data.pretokenized import tokens_corpus
-
         return tokens_corpus(data)
     root = Path(data.path).expanduser() if data.path else None
     cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
@@ -154,31 +123,6 @@ def _source(root: Path | None, pattern: str) -> tuple[Path, str]:
     return root.resolve(), pattern
 
 
-def _matching_files(root: Path, pattern: str) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every regular file matching ``pattern``, sorted."""
-    pat = tuple(p for p in pattern.split("/") if p not in ("", "."))
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-        rel_dir = Path(dirpath).relative_to(root).parts
-        for name in filenames:
-            if _glob_match(rel_dir + (name,), pat):
-                path = Path(dirpath, name)
-                if path.is_file():
-                    found.append(("/".join(rel_dir + (name,)), path))
-    return sorted(found)
-
-
-def _glob_match(parts: tuple[str, ...], pat: tuple[str, ...]) -> bool:
-    """``pathlib`` glob semantics: ``**`` spans zero or more directories."""
-    if not pat:
-        return not parts
-    if pat[0] == "**":
-        return any(_glob_match(parts[i:], pat[1:]) for i in range(len(parts) + 1))
-    return (bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0])
-            and _glob_match(parts[1:], pat[1:]))
-
-
 def _is_text(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -191,7 +135,7 @@ def _is_text(path: Path) -> bool:
 def _stat_entries(root: Path, pattern: str) -> list[tuple[str, int, int]]:
     """(relative path, size, mtime_ns) of the candidate files: the cache key's input."""
     entries = []
-    for rel, path in _matching_files(root, pattern):
+    for rel, path in matching_files(root, pattern):
         st = path.stat()
         entries.append((rel, st.st_size, st.st_mtime_ns))
     if not entries:
@@ -216,10 +160,6 @@ def _cache_key(root: Path, pattern: str, val_fraction: float, shard_tokens: int,
 
 # ---- split -----------------------------------------------------------------------------
 
-def _in_val(rel: str, val_fraction: float) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) / 2**32 < val_fraction
-
-
 def _split(root: Path, files: list[Path], val_fraction: float) -> tuple[list[_Doc], list[_Doc]]:
     """(train, val) documents, both non-empty.
 
@@ -228,7 +168,7 @@ def _split(root: Path, files: list[Path], val_fraction: float) -> tuple[list[_Do
     """
     if len(files) == 1:
         return _split_one_file(files[0], val_fraction)
-    val = [f for f in files if _in_val(f.relative_to(root).as_posix(), val_fraction)]
+    val = [f for f in files if in_val(f.relative_to(root).as_posix(), val_fraction)]
     if not val:
         val = [files[-1]]
     if len(val) == len(files):

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from disttrain.config.schema import DataConfig
-from disttrain.data.corpus import PreparedCorpus, _in_val, _matching_files, default_cache_dir
 from disttrain.data.dataset import open_shard, tokens_per_shard
+from disttrain.data.files import default_cache_dir, in_val, matching_files
+from disttrain.data.prepared import PreparedCorpus
 from disttrain.errors import DataError
 
 SUFFIXES = (".bin", ".npy")
@@ -45,7 +46,7 @@ def tokens_corpus(data: DataConfig) -> PreparedCorpus:
         raise DataError(f"data.path={str(root)!r}: no such directory (point it at a "
                         "directory of token shards)")
     root = root.resolve()
-    found = [(rel, path) for rel, path in _matching_files(root, data.pattern)
+    found = [(rel, path) for rel, path in matching_files(root, data.pattern)
              if path.suffix in SUFFIXES]
     if not found:
         raise DataError(f"data.path={str(root)!r} data.pattern={data.pattern!r}: no token "
@@ -92,7 +93,7 @@ def _split(root: Path, found: list[tuple[str, Path]],
     if len(found) < 2:
         raise DataError(f"data.path={str(root)!r}: one shard and none named val*: name the "
                         "held-out shard val.bin (or val*.npy), or give several shards")
-    val = [p for rel, p in found if _in_val(rel, val_fraction)] or [found[-1][1]]
+    val = [p for rel, p in found if in_val(rel, val_fraction)] or [found[-1][1]]
     if len(val) == len(found):
         val = val[1:]
     return [p for _, p in found if p not in set(val)], val

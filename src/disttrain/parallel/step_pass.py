@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..comm.collectives import Communicator
+from ..monitor.saved_activations import SavedActivationMeter
 from .interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
 
 
@@ -36,12 +37,12 @@ class WholeModelPass:
         for i, load in enumerate(batches):
             last = i == len(batches) - 1
             batch = load()
-            meter = _SavedBytes(list(self.module.parameters())) if measure else None
+            meter = SavedActivationMeter(self.module.parameters()) if measure else None
             with contextlib.nullcontext() if last else self.grads.no_sync():
                 with meter or contextlib.nullcontext():
                     handle = self._one(batch, loss, totals, loss_scale, autocast, last)
             if meter is not None:
-                peak, measure = meter.peak, False
+                peak, measure = meter.peak_bytes, False
         if not batches:  # no samples: still join every collective
             handle = self.grads.reduce_loss_totals(totals)
         return handle, peak
@@ -63,27 +64,3 @@ class WholeModelPass:
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:
         loss_sum, count = loss(batch.run(self.module), batch)
         return float(loss_sum), float(count)
-
-
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the activations autograd keeps for backward: distinct storages other
-    than the parameters' (or views of them), summed at the end of the forward."""
-
-    def __init__(self, parameters: list[nn.Parameter]) -> None:
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        self.parameters = parameters
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        # looked up now, not in advance: ZeRO-3 gathers parameters into new storage
-        if all(p.untyped_storage().data_ptr() != key for p in self.parameters):
-            if key not in self.live:
-                self.live[key] = t.untyped_storage().nbytes()
-                self.current += self.live[key]
-                self.peak = max(self.peak, self.current)
-        return t
-
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        return t

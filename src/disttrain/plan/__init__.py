@@ -10,13 +10,14 @@ allocates model memory (``plan calibrate`` aside, which measures the machine).
 """
 
 from .cluster import PRESETS, Cluster, parse_cluster
-from .estimate import (Estimate, Layout, Options, estimate, in_flight,
-                       layer_activation_bytes)
+from .estimate import Estimate, estimate, in_flight, layer_activation_bytes
+from .layout import PlannedLayout
 from .memory import MemoryEstimate, estimate_gpt, gpt_activation_bytes, model_state_bytes
+from .options import Options
 from .search import SearchResult, layout_problem, search
 from .shape import ModelShape, gpt_shape, hf_shape, parse_model
 
-__all__ = ["PRESETS", "Cluster", "Estimate", "Layout", "MemoryEstimate", "ModelShape",
-           "Options", "SearchResult", "estimate", "estimate_gpt", "gpt_activation_bytes",
+__all__ = ["PRESETS", "Cluster", "Estimate", "MemoryEstimate", "ModelShape", "Options",
+           "PlannedLayout", "SearchResult", "estimate", "estimate_gpt", "gpt_activation_bytes",
            "gpt_shape", "hf_shape", "in_flight", "layer_activation_bytes",
            "layout_problem", "model_state_bytes", "parse_cluster", "parse_model", "search"]

@@ -12,7 +12,9 @@ from typing import Any
 
 from ..errors import UserError
 from .cluster import Cluster, parse_cluster
-from .estimate import ACCOUNTING, RECOMPUTE, Estimate, Layout, Options, estimate
+from .estimate import Estimate, estimate
+from .layout import RECOMPUTE, PlannedLayout
+from .options import ACCOUNTING, Options
 from .search import SearchResult, layout_problem, search
 from .shape import ModelShape, parse_model
 
@@ -88,7 +90,7 @@ def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
                      help="fewer and smaller measurements (rougher figures)")
 
 
-def parse_layout(text: str, n_devices: int) -> Layout:
+def parse_layout(text: str, n_devices: int) -> PlannedLayout:
     values: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
@@ -115,7 +117,7 @@ def parse_layout(text: str, n_devices: int) -> Layout:
             raise UserError(f"--layout tp x pp = {tp * pp} does not divide the cluster's "
                             f"{n_devices} devices")
         values["dp"] = n_devices // (tp * pp)
-    return Layout(**values)
+    return PlannedLayout(**values)
 
 
 def _shape(ns: argparse.Namespace) -> ModelShape:

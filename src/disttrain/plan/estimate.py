@@ -1,11 +1,4 @@
-"""One layout's predicted memory and step time.
-
-A layout is (tp, pp, dp, v, mbs, zero, recompute, sp): tensor, pipeline and data
-parallel degrees (ranks ordered pp, dp, tp, outermost first, as disttrain's mesh), v
-model chunks per pipeline rank (v > 1: the interleaved schedule, else 1F1B, or GPipe
-with ``gpipe``), the micro-batch size, the ZeRO stage over dp, activation recomputation
-(none, selective: attention's scores only, full: everything but each layer's input) and
-sequence parallelism.
+"""One layout's predicted memory and step time (the layout: :class:`~.layout.PlannedLayout`).
 
 **Memory, per pipeline stage** (the largest is the layout's):
 
@@ -39,69 +32,16 @@ from dataclasses import dataclass, field
 
 from .cluster import Cluster
 from .costs import ACT_BYTES
-from .memory import model_state_bytes as _state_bytes
+from .layout import PlannedLayout
+from .memory import model_state_bytes
+from .options import Options
 from .shape import ModelShape, rank_params
-from .steptime import fill_step_time
+from .steptime import StepTime, step_time
 
 _GIB = 2**30
-RECOMPUTE = ("none", "selective", "full")
-ACCOUNTING = ("disttrain", "mixed")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    v: int = 1
-    mbs: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    sp: bool = False
-    gpipe: bool = False  # v = 1 only: every forward before any backward
-
-    @property
-    def ranks(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def schedule(self) -> str:
-        if self.v > 1:
-            return "interleaved"
-        return "gpipe" if self.gpipe else "1f1b"
-
-    def micro_batches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.mbs)
-
-    def label(self) -> str:
-        return (f"tp={self.tp},pp={self.pp},dp={self.dp},v={self.v},mbs={self.mbs},"
-                f"zero={self.zero},recompute={self.recompute},sp={int(self.sp)}"
-                + (",gpipe=1" if self.gpipe else ""))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Options:
-    """``accounting``: ``disttrain`` (fp32 parameters, gradients and optimizer state,
-    autocast: norm inputs stay fp32 and the cast weights are kept for backward) or
-    ``mixed`` (the ZeRO paper's 2 + 2 + 12 bytes, every activation in 16 bits);
-    ``grad_bytes``: bytes per gradient element on the wire (and per parameter in
-    ZeRO's gathers)."""
-
-    precision: str = "bf16"
-    accounting: str = "disttrain"
-    bucket_mb: float = 25.0
-    log_every: int = 10  # steps between logged records (telemetry is gathered on those)
-
-    @property
-    def act_bytes(self) -> int:
-        return ACT_BYTES[self.precision]
-
-    @property
-    def grad_bytes(self) -> int:
-        return 2 if self.accounting == "mixed" else 4
-
-
-@dataclass
 class StageMemory:
     """Bytes on one tp rank of a pipeline stage. ``rebuilt``: the part of
     ``activations`` that exists only during a backward (the layer a full recomputation
@@ -128,9 +68,13 @@ class StageMemory:
                 ("params", "grads", "optimizer", "activations", "communication", "other")}
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Estimate:
-    layout: Layout
+    """A layout's predicted memory and, unless only memory was estimated (then the
+    time fields keep their defaults), its step time: :class:`~.steptime.StepTime`'s
+    fields, and the FLOPs and tokens of a step."""
+
+    layout: PlannedLayout
     stages: list[StageMemory | None]  # None: a stage not estimated (all_stages off)
     worst_stage: int
     step_time_s: float = 0.0
@@ -141,10 +85,7 @@ class Estimate:
     n_devices: int = 1
     peak_flops: float = 1.0
     fits: bool = True
-    # What a step is made of, for a trace (empty with memory_only): one micro-batch
-    # on pp rank r's j-th chunk (global chunk j * pp + r), compute and its tp
-    # communication; the backward includes recomputation. p2p: one activation or
-    # gradient message between neighbouring stages.
+    # What a step is made of, for a trace (empty with memory_only): StepTime's
     chunk_forward_s: tuple[tuple[float, ...], ...] = ()
     chunk_backward_s: tuple[tuple[float, ...], ...] = ()
     p2p_message_s: float = 0.0
@@ -353,18 +294,7 @@ def _rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
     return tuple(sum(sizes[c::pp]) for c in range(pp))
 
 
-# model states on one rank ----------------------------------------------------------
-
-def model_state_bytes(params: float, dp: int, zero: int, accounting: str
-                      ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for ``params`` parameters under ZeRO ``zero``
-    over ``dp`` ranks (AdamW): :func:`~.memory.model_state_bytes`, whose
-    ``master_copy`` is the ``mixed`` accounting."""
-    est = _state_bytes(params, dp=dp, zero=zero, master_copy=accounting == "mixed")
-    return est.params, est.grads, est.optimizer
-
-
-def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
+def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_batch: int,
              options: Options = Options(), *, memory_only: bool = False,
              all_stages: bool = False, chunk_sizes: tuple[int, ...] | None = None
              ) -> Estimate:
@@ -404,32 +334,36 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     for stage in which:
         first, last = stage == 0, stage == lay.pp - 1
         params = rank_params(shape, lay.tp, counts[stage], first, last, lay.pp)
-        weights, grads, state = model_state_bytes(params, lay.dp, lay.zero, o.accounting)
-        mem = StageMemory(params=weights, grads=grads, optimizer=state)
+        states = model_state_bytes(params, dp=lay.dp, zero=lay.zero,
+                                   master_copy=o.master_copy)
         held = tuple((per_layer - cast) * sizes[c] + (embedding if c == 0 else 0)
                      + (head if c == n_chunks - 1 else 0)
                      for c in range(stage, n_chunks, lay.pp))
-        mem.activations = (peak_held_bytes(lay.schedule, lay.pp, m, lay.v, stage, held)
-                           + cast * counts[stage] + rebuilt + (head_once if last else 0))
-        mem.rebuilt = rebuilt
-        buckets = min(o.bucket_mb * 2**20, grads) * 2 if lay.dp > 1 else 0
+        buckets = min(o.bucket_mb * 2**20, states.grads) * 2 if lay.dp > 1 else 0
         gathered = 2 * layer_bytes if lay.zero >= 3 and lay.dp > 1 else 0
-        mem.communication = buckets + gathered
-        mem.other = cluster.reserved_gib * _GIB
-        stages[stage] = mem
+        stages[stage] = StageMemory(
+            params=states.params, grads=states.grads, optimizer=states.optimizer,
+            activations=(peak_held_bytes(lay.schedule, lay.pp, m, lay.v, stage, held)
+                         + cast * counts[stage] + rebuilt + (head_once if last else 0)),
+            rebuilt=rebuilt, communication=buckets + gathered,
+            other=cluster.reserved_gib * _GIB)
     worst = max(stages, key=lambda st: stages[st].total)
-    est = Estimate(layout=lay, stages=[stages.get(st)
-                                       for st in range(lay.pp)],
-                   worst_stage=worst, n_devices=lay.ranks,
-                   peak_flops=cluster.peak_flops(o.precision))
-    est.fits = stages[worst].total <= cluster.memory_gib * _GIB
-    if not memory_only:
-        fill_step_time(est, shape, cluster, o, global_batch, sizes, counts)
-        _count_flops(est, shape, global_batch)
-    return est
+    time = StepTime() if memory_only else step_time(lay, shape, cluster, o, global_batch,
+                                                    sizes, counts)
+    tokens, model_flops, hardware_flops = ((0, 0.0, 0.0) if memory_only
+                                           else _flops(shape, lay, global_batch))
+    return Estimate(layout=lay, stages=[stages.get(st) for st in range(lay.pp)],
+                    worst_stage=worst, n_devices=lay.ranks,
+                    peak_flops=cluster.peak_flops(o.precision),
+                    fits=stages[worst].total <= cluster.memory_gib * _GIB,
+                    step_time_s=time.step_time_s, times=time.times,
+                    chunk_forward_s=time.chunk_forward_s,
+                    chunk_backward_s=time.chunk_backward_s,
+                    p2p_message_s=time.p2p_message_s, tokens=tokens,
+                    model_flops=model_flops, hardware_flops=hardware_flops)
 
 
-def _end_activations(shape: ModelShape, lay: Layout, o: Options
+def _end_activations(shape: ModelShape, lay: PlannedLayout, o: Options
                      ) -> tuple[float, float, float]:
     """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
     the head's and the loss's (last chunk); and what the last stage keeps once per
@@ -444,7 +378,7 @@ def _end_activations(shape: ModelShape, lay: Layout, o: Options
     return embedding, head, 0.0
 
 
-def _disttrain_ends(shape: ModelShape, lay: Layout, a: int, embedding: float
+def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: float
                     ) -> tuple[float, float, float]:
     """:func:`_end_activations` of disttrain's own embedding, head and loss: beyond
     the token ids, the position ids [s] (a learned table) and the
@@ -460,11 +394,11 @@ def _disttrain_ends(shape: ModelShape, lay: Layout, a: int, embedding: float
     return embedding, head, a * shape.vocab * h / tp if a < 4 else 0.0
 
 
-def _count_flops(est: Estimate, shape: ModelShape, global_batch: int) -> None:
+def _flops(shape: ModelShape, lay: PlannedLayout, global_batch: int
+           ) -> tuple[int, float, float]:
     """A step's tokens, model FLOPs, and the FLOPs executed (recomputation included)."""
-    est.tokens = global_batch * shape.seq
-    est.model_flops = shape.model_flops_per_token() * est.tokens
+    tokens = global_batch * shape.seq
+    model_flops = shape.model_flops_per_token() * tokens
     rebuilt = {"none": 0, "selective": shape.layer_attention_flops(),
                "full": shape.layer_matmul_flops() + shape.layer_attention_flops()}
-    est.hardware_flops = (est.model_flops
-                          + shape.layers * rebuilt[est.layout.recompute] * est.tokens)
+    return tokens, model_flops, model_flops + shape.layers * rebuilt[lay.recompute] * tokens

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cluster import Cluster
 from .costs import matmul_time
-from .estimate import Options
+from .options import Options
 
 _GOLDEN = (math.sqrt(5) - 1) / 2
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError
 from .cluster import Cluster
-from .estimate import RECOMPUTE, Estimate, Layout, Options, estimate
+from .estimate import Estimate, estimate
+from .layout import RECOMPUTE, PlannedLayout
+from .options import Options
 from .shape import ModelShape
 
 _GIB = 2**30
@@ -36,7 +38,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problem(shape: ModelShape, cluster: Cluster, lay: Layout,
+def layout_problem(shape: ModelShape, cluster: Cluster, lay: PlannedLayout,
                    global_batch: int) -> str | None:
     """The first of disttrain's rules ``lay`` breaks for this model, cluster and
     batch (a short reason, used to count rejections), or None."""
@@ -92,8 +94,8 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
                     vs, mbs_options, range(4), recompute, (False, True)):
                 if sp and tp == 1:
                     continue
-                yield Layout(tp=tp, pp=pp, dp=dp, v=v, mbs=mbs, zero=zero,
-                             recompute=rc, sp=sp)
+                yield PlannedLayout(tp=tp, pp=pp, dp=dp, v=v, mbs=mbs, zero=zero,
+                                    recompute=rc, sp=sp)
 
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,

@@ -23,24 +23,37 @@ parameter tensor).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from .cluster import Cluster
 from .costs import (collective_time, compute_share, head_kernel_time, layer_kernels,
                     node_ranks, overlaps_compute, with_host)
+from .layout import PlannedLayout
+from .options import Options
 from .shape import ModelShape, rank_params, rank_tensors, zero_flats
-
-if TYPE_CHECKING:
-    from .estimate import Estimate, Layout, Options
 
 _CONTROL_BYTES = 16  # a few counters: the size of disttrain's per-step small collectives
 
 
-def fill_step_time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Options,
-                   global_batch: int, sizes: tuple[int, ...], counts: list[int]) -> None:
-    """Fill ``est``'s step time, its parts and per-chunk costs; ``sizes``: layers of
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """One step's predicted seconds and its parts (``times``: compute, recompute,
+    tp_comm, pp_bubble, pp_p2p, dp_comm_exposed, step_sync, optimizer), and what a
+    trace replays: one micro-batch on pp rank r's j-th chunk (global chunk j * pp + r),
+    compute and its tp communication, the backward including recomputation; p2p: one
+    activation or gradient message between neighbouring stages."""
+
+    step_time_s: float = 0.0
+    times: dict[str, float] = field(default_factory=dict)
+    chunk_forward_s: tuple[tuple[float, ...], ...] = ()
+    chunk_backward_s: tuple[tuple[float, ...], ...] = ()
+    p2p_message_s: float = 0.0
+
+
+def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Options,
+              global_batch: int, sizes: tuple[int, ...], counts: list[int]) -> StepTime:
+    """The step time of ``lay``, its parts and per-chunk costs; ``sizes``: layers of
     each global chunk; ``counts``: layers on each pp rank."""
-    lay = est.layout
     busy = node_ranks(cluster, lay.ranks)
     share = compute_share(cluster, busy)
     m = lay.micro_batches(global_batch)
@@ -58,16 +71,16 @@ def fill_step_time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Option
     ends_fwd = (one + end / 3, 2 * small + end / 3)  # (first chunk, last chunk)
     ends_bwd = (end * 2 / 3, one + end * 2 / 3)
     head = share * head_kernel_time(shape, cluster, lay.mbs, o.precision, lay.tp)
-    est.chunk_forward_s, est.chunk_backward_s = chunk_times(
+    chunk_forward_s, chunk_backward_s = chunk_times(
         lay, sizes, layer_fwd + 2 * one, layer_bwd + recompute + tp_layer - 2 * one, head,
         ends_fwd, ends_bwd)
     compute_rank = [layers * (layer_fwd + layer_bwd + recompute)
                     + (head if st == lay.pp - 1 else 0.0)
                     + (end if st in (0, lay.pp - 1) else 0.0) * (1 + (lay.pp == 1))
                     for st, layers in enumerate(counts)]
-    per_rank = [sum(f) + sum(b) for f, b in zip(est.chunk_forward_s, est.chunk_backward_s)]
-    est.p2p_message_s = p2p_message_time(cluster, lay, act / (lay.tp if lay.sp else 1))
-    p2p = 2 * lay.v * est.p2p_message_s
+    per_rank = [sum(f) + sum(b) for f, b in zip(chunk_forward_s, chunk_backward_s)]
+    p2p_message_s = p2p_message_time(cluster, lay, act / (lay.tp if lay.sp else 1))
+    p2p = 2 * lay.v * p2p_message_s
     slowest = max(per_rank) + p2p
     pipeline = m * slowest + (lay.pp - 1) * (sum(per_rank) / lay.pp + p2p) / lay.v
     bubble = pipeline - m * slowest
@@ -77,17 +90,19 @@ def fill_step_time(est: Estimate, shape: ModelShape, cluster: Cluster, o: Option
                              max(compute_rank))
     sync = _step_sync(shape, cluster, o, lay, busy)
     optimizer = share * _optimizer_time(shape, cluster, lay, params, counts)
-    est.step_time_s = pipeline + dp_exposed + sync + optimizer
     compute_only = m * max(compute_rank)
     recomputed = m * recompute * max(counts)
-    est.times = {"compute": compute_only - recomputed, "recompute": recomputed,
-                 "tp_comm": m * (slowest - p2p) - compute_only if lay.tp > 1 else 0.0,
-                 "pp_bubble": bubble, "pp_p2p": m * p2p, "dp_comm_exposed": dp_exposed,
-                 "step_sync": sync, "optimizer": optimizer}
+    times = {"compute": compute_only - recomputed, "recompute": recomputed,
+             "tp_comm": m * (slowest - p2p) - compute_only if lay.tp > 1 else 0.0,
+             "pp_bubble": bubble, "pp_p2p": m * p2p, "dp_comm_exposed": dp_exposed,
+             "step_sync": sync, "optimizer": optimizer}
+    return StepTime(step_time_s=pipeline + dp_exposed + sync + optimizer, times=times,
+                    chunk_forward_s=chunk_forward_s, chunk_backward_s=chunk_backward_s,
+                    p2p_message_s=p2p_message_s)
 
 
-def chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd: float,
-                head: float, ends_fwd: tuple[float, float] = (0.0, 0.0),
+def chunk_times(lay: PlannedLayout, sizes: tuple[int, ...], layer_fwd: float,
+                layer_bwd: float, head: float, ends_fwd: tuple[float, float] = (0.0, 0.0),
                 ends_bwd: tuple[float, float] = (0.0, 0.0)
                 ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
     """(forward, backward) seconds of one micro-batch on each pp rank's chunks, local
@@ -108,7 +123,7 @@ def chunk_times(lay: Layout, sizes: tuple[int, ...], layer_fwd: float, layer_bwd
                                                              ends_bwd)
 
 
-def p2p_message_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
+def p2p_message_time(cluster: Cluster, lay: PlannedLayout, nbytes: float) -> float:
     """One message of ``nbytes`` (an activation or its gradient) to the neighbouring
     stage; 0 without pp."""
     if lay.pp == 1:
@@ -123,8 +138,8 @@ def p2p_message_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
     return nbytes / (gbps * 1e9) + latency
 
 
-def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout, m: int,
-                busy: int, params: float, counts: list[int], compute: float) -> float:
+def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
+                m: int, busy: int, params: float, counts: list[int], compute: float) -> float:
     """The data-parallel communication of one step that the backward does not hide;
     ``compute``: the slowest pp rank's compute per micro-batch."""
     if lay.dp == 1:
@@ -158,7 +173,7 @@ def _hidden_behind(total: float, window: float, calls: int) -> float:
     return max(total - window, total / calls)
 
 
-def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout,
+def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
                busy: int) -> float:
     """The small collectives of every step over the world (loss and token counts, the
     stop flag, telemetry on logged steps, the norm of sharded gradients) and the tied
@@ -173,7 +188,7 @@ def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: Layout,
     return sync
 
 
-def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: Layout, params: float,
+def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: PlannedLayout, params: float,
                     counts: list[int]) -> float:
     """The optimizer step on one rank's shard: AdamW reads and writes 28 bytes per
     parameter, a few kernels, and framework time per parameter tensor."""

@@ -23,7 +23,8 @@ from ..errors import UserError
 from ..parallel.pipeline.schedules import FORWARD, Schedule, build_schedule
 from ..parallel.pipeline.simulate import TimedAction, simulate
 from .cluster import Cluster
-from .estimate import Estimate, Options
+from .estimate import Estimate
+from .options import Options
 from .shape import ModelShape
 
 MAX_TRACED_ACTIONS = 2**14  # forwards and backwards over all pp ranks

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, load_config
-from ..config.layout import Layout as MeshLayout
-from ..config.layout import resolve_layout
+from ..config.layout import Layout, resolve_layout
 from ..config.schema import ModelConfig
 from ..config.validate import data_parallel_degree, resolve_batch
 from ..errors import UserError
@@ -35,7 +34,9 @@ from ..monitor.record import (ACTIVATIONS, DEVICE_NAME, MEMORY_BYTES, MEMORY_BYT
 from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, SCHEDULE_GPIPE,
                      SUMMARY_FILE, SYNC_EVERY_STEP)
 from .cluster import PRESETS, Cluster, parse_cluster, preset_for_device
-from .estimate import Estimate, Layout, Options, estimate
+from .estimate import Estimate, estimate
+from .layout import PlannedLayout
+from .options import Options
 from .shape import ModelShape, gpt_shape, hf_shape
 
 _RECOMPUTE = ("none", "full")  # the activation_checkpointing modes the planner models
@@ -134,7 +135,7 @@ def _named_shape(model: ModelConfig) -> ModelShape:
                       qkv_bias=False, norm="rmsnorm", tied=False)
 
 
-def run_layout(run: RunRecord) -> tuple[MeshLayout, Layout, int]:
+def run_layout(run: RunRecord) -> tuple[Layout, PlannedLayout, int]:
     """(the run's mesh, the planner's layout of it, the global batch)."""
     cfg, world = run.config, run.world_size
     if cfg.train.sync != SYNC_EVERY_STEP:
@@ -149,15 +150,15 @@ def run_layout(run: RunRecord) -> tuple[MeshLayout, Layout, int]:
     p = cfg.parallel
     mesh = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world)
     batch = resolve_batch(cfg.train, cfg.explicit, data_parallel_degree(cfg, mesh))
-    lay = Layout(tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
-                 v=virtual_stages(p) if mesh.pp > 1 else 1, mbs=batch.micro_batch,
-                 zero=mesh.zero, recompute=cfg.train.activation_checkpointing,
-                 sp=p.sequence_parallel and mesh.tp > 1,
-                 gpipe=mesh.pp > 1 and p.pp_schedule == SCHEDULE_GPIPE)
+    lay = PlannedLayout(tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
+                        v=virtual_stages(p) if mesh.pp > 1 else 1, mbs=batch.micro_batch,
+                        zero=mesh.zero, recompute=cfg.train.activation_checkpointing,
+                        sp=p.sequence_parallel and mesh.tp > 1,
+                        gpipe=mesh.pp > 1 and p.pp_schedule == SCHEDULE_GPIPE)
     return mesh, lay, batch.global_batch
 
 
-def run_chunks(config: Config, lay: Layout) -> tuple[int, ...] | None:
+def run_chunks(config: Config, lay: PlannedLayout) -> tuple[int, ...] | None:
     """Layers in each pipeline chunk as the run cut them (``parallel.pp_split``, or
     balanced by the model's costs); None without a pipeline, or for a transformers
     model when transformers cannot build it here."""
@@ -213,7 +214,7 @@ def _rank_memory(run: RunRecord, notes: list[str]) -> list[dict[str, Any]]:
     return per_rank
 
 
-def compare(run: RunRecord, mesh: MeshLayout, est: Estimate, global_batch: int,
+def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
             cluster: Cluster, notes: list[str]) -> dict[str, Any]:
     """The JSON object of the comparison (see the module docstring)."""
     ranks = []

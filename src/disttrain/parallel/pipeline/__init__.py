@@ -12,7 +12,6 @@
 planning); ``chunk_param_names`` maps a chunk's parameter names to the full model's.
 """
 
-from .memory import SavedActivationMeter
 from .p2p import Message, check_nccl_order, check_posts, message_groups
 from .runner import ActionTiming, PipelineStepResult, run_pipeline
 from .schedules import (BACKWARD, FORWARD, SCHEDULES, Action, Schedule, analytic_bubble,
@@ -23,7 +22,7 @@ from .stages import (PipelineChunk, StageCosts, StagePlan, balanced_cuts, build_
                      sync_tied_grads)
 
 __all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionTiming", "PipelineChunk",
-           "PipelineStepResult", "SavedActivationMeter", "Schedule", "ScheduleDeadlock",
+           "PipelineStepResult", "Schedule", "ScheduleDeadlock",
            "StageCosts", "StagePlan", "analytic_bubble", "balanced_cuts", "build_chunks",
            "build_schedule", "bubble_fractions", "check_schedule", "chunk_param_names",
            "check_nccl_order", "check_posts", "exchange_tied_grads", "Message",

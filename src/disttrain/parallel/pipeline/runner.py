@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...comm.collectives import Communicator, TrackedWork
-from .memory import SavedActivationMeter
+from ...monitor.saved_activations import SavedActivationMeter
 from .p2p import check_nccl_order, message_groups, source
 from .schedules import FORWARD, Action, Schedule
 from .stages import PipelineChunk
@@ -180,7 +180,7 @@ class _Runner:
     def _forward(self, action: Action, x: torch.Tensor | None) -> None:
         chunk, key = self.chunks[action.chunk], (action.chunk, action.micro)
         self.inputs[key] = x
-        with self.meter.counting():
+        with self.meter:
             y = chunk(x, self.micro_batches[action.micro][0])
             if chunk.is_last:
                 loss, count = self.loss_fn(y, self.micro_batches[action.micro][1])

@@ -1,9 +1,11 @@
-"""Counting the activation bytes a stage holds for backward.
+"""Counting the activation bytes a forward keeps for backward.
 
-:class:`SavedActivationMeter` installs ``torch.autograd.graph.saved_tensors_hooks``
-around a forward: every tensor autograd saves for backward is counted once per
-storage (several saves of one storage count once), parameters excluded, until the
-graph that saved it is freed by backward. ``peak_bytes`` is the most held at once.
+:class:`SavedActivationMeter` is a ``torch.autograd.graph.saved_tensors_hooks``: inside
+``with meter:`` every tensor autograd saves for backward is counted once per storage
+(several saves of one storage count once), parameters excluded, until the graph that
+saved it is freed by backward. ``peak_bytes`` is the most held at once. One meter may
+be entered many times (a pipeline's micro-batches): what each entry saved stays
+counted until its backward.
 
 A parameter is recognised by its storage or, since ZeRO-3 gathers parameters into
 storage allocated after the meter was made, as a ``Parameter`` or a view of one.
@@ -11,8 +13,7 @@ storage allocated after the meter was made, as a ``Parameter`` or a view of one.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ class _Saved:
         self.meter._release(self.key)
 
 
-class SavedActivationMeter:
+class SavedActivationMeter(torch.autograd.graph.saved_tensors_hooks):
     """Live and peak bytes of tensors saved for backward (parameters excluded)."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
@@ -38,11 +39,7 @@ class SavedActivationMeter:
         self._live: dict[int, list[int]] = {}  # storage ptr -> [saves, bytes]
         self.live_bytes = 0
         self.peak_bytes = 0
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         storage = tensor.untyped_storage()

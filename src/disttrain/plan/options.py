@@ -1,0 +1,39 @@
+"""What an estimate assumes beyond the model, the cluster and the layout: the
+precision, how model states are counted, the gradient buckets, the logging period."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import ACT_BYTES
+
+ACCOUNTING = ("disttrain", "mixed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """``accounting``: ``disttrain`` (fp32 parameters, gradients and optimizer state,
+    autocast: norm inputs stay fp32 and the cast weights are kept for backward) or
+    ``mixed`` (the ZeRO paper's 2 + 2 + 12 bytes, every activation in 16 bits);
+    ``grad_bytes``: bytes per gradient element on the wire (and per parameter in
+    ZeRO's gathers)."""
+
+    precision: str = "bf16"
+    accounting: str = "disttrain"
+    bucket_mb: float = 25.0
+    log_every: int = 10  # steps between logged records (telemetry is gathered on those)
+
+    @property
+    def act_bytes(self) -> int:
+        return ACT_BYTES[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        return 2 if self.accounting == "mixed" else 4
+
+    @property
+    def master_copy(self) -> bool:
+        """Model states counted as the ZeRO paper's mixed precision: 16-bit parameters
+        and gradients, fp32 master weights with the optimizer state
+        (:func:`~.memory.model_state_bytes`)."""
+        return self.accounting == "mixed"

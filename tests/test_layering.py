@@ -38,9 +38,7 @@ FORBIDDEN: frozenset[Edge] = frozenset({
 # Cycles between files that exist today and are another change's to remove (train/ is
 # being rewritten). Empty this set as they go: a stale entry fails
 # test_known_file_cycles_still_exist.
-KNOWN_FILE_CYCLES: frozenset[frozenset[str]] = frozenset({
-    frozenset({"disttrain.train.loops", "disttrain.train.trainer"}),
-})
+KNOWN_FILE_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 # train/ drives every data-parallel strategy through parallel/'s protocols and never
 # names one: it imports no strategy package and no strategy-choice constant, and spells
@@ -285,7 +283,6 @@ def test_known_file_cycles_still_exist(file_graph: dict[Edge, list[int]]) -> Non
     assert not stale, f"remove {stale} from KNOWN_FILE_CYCLES: those cycles are gone"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 30: train/ being rewritten")
 def test_train_spells_no_data_parallel_strategy() -> None:
     found = strategy_spellings(SRC)
     assert not found, "train/ names data-parallel strategies:\n" + "\n".join(found)

@@ -31,6 +31,10 @@ class Layout:
     def shape(self) -> tuple[int, int, int]:
         return (self.pp, self.dp, self.tp)
 
+    def as_dict(self) -> dict[str, int]:
+        """As checkpoints and summaries record it."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "zero": self.zero}
+
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pp, dp, tp) coordinates of global ``rank``: the mesh of :meth:`shape`
         numbers ranks row-major, tp innermost."""

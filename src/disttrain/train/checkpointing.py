@@ -219,7 +219,7 @@ class RunCheckpoints:
     def _meta(self, step: int, position: int) -> dict[str, Any]:
         lay = self.plan.layout
         return {"step": step, "position": position, "world_size": self.world.size,
-                "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero},
+                "layout": lay.as_dict(),
                 "global_batch": self.plan.batch.global_batch,
                 "seed": self.config.train.seed, "optimizer": self.config.train.optimizer,
                 "config": self.config.to_dict(), "saved_at": time.time()}

@@ -43,7 +43,7 @@ def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
     summary = {
         "steps": steps, "start_step": run.start_step,
         "world_size": run.runtime.world_size,
-        "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero},
+        "layout": lay.as_dict(),
         "global_batch": run.plan.batch.global_batch,
         "final_train_loss": result.final_loss,
         "initial_eval_loss": result.initial_eval, "final_eval_loss": result.final_eval,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrain.cli import _launch_options, build_parser
-from disttrain.launch import torchrun_args
+from disttrain.launch.agent import torchrun_args
 
 
 def _rdzv_id(*argv: str) -> str:

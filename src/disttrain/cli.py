@@ -33,13 +33,13 @@ from .commands.env import add_env_parser, run_env
 from .config.describe import config_keys_help
 from .errors import EXIT_USAGE, Interrupted, TrainingStopped, UserError
 from .monitor.report import add_report_parser, run_report
-from .plan.command import add_plan_parser, run_plan
-from .slurm import add_slurm_parser, run_slurm
+from .plan.choose import add_plan_parser, run_plan
+from .launch.slurm import add_slurm_parser, run_slurm
 from .names import METRICS_FILE, SUMMARY_FILE
 
 if TYPE_CHECKING:
     from .config.schema import Config
-    from .launch import LaunchOptions
+    from .launch.agent import LaunchOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _launch_options(ns: argparse.Namespace, job: str) -> LaunchOptions:
     """Launch options; ``job`` (the run directory, or the script and its arguments)
     names the default rendezvous id."""
-    from .launch import LaunchOptions, default_rdzv_id
+    from .launch.agent import LaunchOptions, default_rdzv_id
 
     return LaunchOptions(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                          rdzv_endpoint=ns.rdzv_endpoint,
@@ -145,14 +145,14 @@ def _launch_options(ns: argparse.Namespace, job: str) -> LaunchOptions:
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from .capacity import check_batch_fits, check_model_fits
-    from .validation import resolve
+    from .plan.capacity import check_batch_fits, check_model_fits
+    from .run_checks import resolve
     from .config.load import load_run_config
-    from .launch import inside_worker, launch
+    from .launch.agent import inside_worker, launch
 
     config = load_run_config(ns.config, ns.overrides, ns.run_dir)
     if ns.nnodes == "1" and not ns.rdzv_endpoint:  # not one elastic agent per node
-        from .slurm import adopt_slurm_env
+        from .launch.slurm import adopt_slurm_env
 
         adopt_slurm_env()  # a task srun started as one rank: a worker, no launcher
     elif "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -259,7 +259,7 @@ def _export(ns: argparse.Namespace) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from .launch import launch
+    from .launch.agent import launch
 
     if not Path(ns.script).is_file():
         raise UserError(f"script {ns.script!r} does not exist (give the path of a Python "

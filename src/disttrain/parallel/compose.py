@@ -34,7 +34,7 @@ from ..comm.collectives import Communicator
 from ..config.schema import Config
 from ..names import OPTIMIZER_ONEBIT_ADAM
 from ..spec import ModelSpec, block_list
-from ..topology import Topology
+from .topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel

@@ -59,8 +59,8 @@ from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, NONFINITE_STO
                      TRACE_FILE, trace_rank_file)
 from ..parallel.balance import BatchSplitter, micro_batch_sizes
 from ..parallel.compose import PARAMETER_SERVER, PIPELINE, PLAIN, Groups, compose
-from ..topology import Topology, build_topology
-from ..validation import resolve
+from ..parallel.topology import Topology, build_topology
+from ..run_checks import resolve
 from . import rundir
 from .checkpointing import RunCheckpoints, finished_run
 from .final_weights import write_final_weights

@@ -136,7 +136,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
         return run_calibrate(ns)
     if ns.validate:
-        from .validate import run_validate
+        from .accuracy import run_validate
 
         return run_validate(ns)
     shape, cluster = _shape(ns), parse_cluster(ns.cluster or DEFAULT_CLUSTER)

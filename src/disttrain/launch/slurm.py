@@ -25,7 +25,7 @@ import re
 import shlex
 from collections.abc import Mapping, MutableMapping
 
-from .errors import UserError
+from ..errors import UserError
 
 PORT_BASE, PORT_SPAN = 15000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN
 _SPECIAL_STEPS = 0xFFFFFFF0  # batch, extern and interactive steps have ids above this

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from disttrain.cli import _launch_options, build_parser
+from disttrain.cli import build_parser
+from disttrain.commands.launch_flags import launch_options as _launch_options
 from disttrain.launch.agent import torchrun_args
 
 

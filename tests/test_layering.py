@@ -3,7 +3,7 @@
 Nothing is imported or executed: every ``import`` / ``from ... import`` statement in every
 module (inside functions and ``TYPE_CHECKING`` blocks too, since they still bind the
 packages together) becomes an edge between top-level nodes: a subpackage (``comm``,
-``parallel``, ...) or a single top-level module (``errors``, ``topology``, ...).
+``parallel``, ...) or a single top-level module (``errors``, ``names``, ...).
 """
 
 from __future__ import annotations

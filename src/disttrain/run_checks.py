@@ -13,7 +13,7 @@ from __future__ import annotations
 from .config.layout import resolve_layout
 from .config.schema import Config
 from .config.consistency import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
-                              scaled_lr)
+                                 scaled_lr)
 from .models.gpt import gpt_spec
 from .models.hf import hf_config_spec, is_hf
 from .spec import ModelSpec

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import Dataset
 
 from disttrain.plan import ModelShape, Options, parse_cluster, search
-from disttrain.plan.validate import validate_run
+from disttrain.plan.accuracy import validate_run
 from disttrain.testing import run_distributed
 
 MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32}

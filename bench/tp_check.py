@@ -28,7 +28,7 @@ from disttrain.config.schema import ModelConfig, ParallelConfig
 from disttrain.models import GPT, gpt_spec
 from disttrain.parallel.hybrid import apply_model_parallel, check_identical_grads
 from disttrain.testing import run_distributed
-from disttrain.topology import build_topology
+from disttrain.parallel.topology import build_topology
 
 
 def _body(args: argparse.Namespace) -> dict:

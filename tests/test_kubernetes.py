@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import disttrain.launch
+import disttrain.launch.agent
 from disttrain.cli import main
 
 MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "kubernetes" / "pytorchjob.yaml"
@@ -51,14 +51,14 @@ def test_the_manifest_renders_to_the_jobs_layout(monkeypatch, tmp_path):
 
     # the rendered command, run by disttrain: this pod is its node's agent, not a worker
     calls = []
-    monkeypatch.setattr(disttrain.launch, "launch", lambda opts, target: calls.append(
+    monkeypatch.setattr(disttrain.launch.agent, "launch", lambda opts, target: calls.append(
         (opts, target)) or 0)
     for key, value in OPERATOR_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path / "cache"))
     run_dir = tmp_path / "runs"
     args = [a if a != "/shared/runs/disttrain-gpt" else str(run_dir) for a in argv[2:]]
-    import disttrain.capacity as capacity  # 8 local ranks on this small host
+    import disttrain.plan.capacity as capacity  # 8 local ranks on this small host
     monkeypatch.setattr(capacity, "host_available_bytes", lambda: 8 * 64 * 2**30)
     assert main(["train", *args]) == 0
     (opts, target), = calls

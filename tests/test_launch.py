@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from disttrain.cli import _launch_options, build_parser
-from disttrain.launch import torchrun_args
+from disttrain.cli import build_parser
+from disttrain.commands.launch_flags import launch_options as _launch_options
+from disttrain.launch.agent import torchrun_args
 
 
 def _rdzv_id(*argv: str) -> str:

@@ -3,7 +3,7 @@
 Nothing is imported or executed: every ``import`` / ``from ... import`` statement in every
 module (inside functions and ``TYPE_CHECKING`` blocks too, since they still bind the
 modules together) becomes an edge between top-level nodes: a subpackage (``comm``,
-``parallel``, ...) or a single top-level module (``errors``, ``topology``, ...); and,
+``parallel``, ...) or a single top-level module (``errors``, ``names``, ...); and,
 at the file level, between the modules themselves (a package's ``__init__`` is a module
 named after the package). Last, what ``train/`` may not spell: the data-parallel
 strategies it drives through the protocols of ``parallel/``.

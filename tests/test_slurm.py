@@ -15,7 +15,7 @@ import pytest
 
 from disttrain.cli import main
 from disttrain.errors import UserError
-from disttrain.slurm import adopt_slurm_env, first_host, sbatch_script, slurm_rank_env
+from disttrain.launch.slurm import adopt_slurm_env, first_host, sbatch_script, slurm_rank_env
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 

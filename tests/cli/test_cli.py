@@ -135,7 +135,7 @@ def test_without_transformers_the_setting_names_the_extra(monkeypatch):
     import importlib.util
 
     from disttrain.errors import ConfigError
-    from disttrain.validation import resolve
+    from disttrain.run_checks import resolve
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -6,7 +6,7 @@ import pytest
 
 from disttrain.cli import main
 from disttrain.config import load_config
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 
 
 @pytest.fixture

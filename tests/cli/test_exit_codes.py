@@ -71,7 +71,7 @@ def test_launcher_returns_the_workers_own_stop_code(monkeypatch, codes, expected
     from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError,
                                                                    ProcessFailure)
 
-    from disttrain.launch import LaunchOptions, launch
+    from disttrain.launch.agent import LaunchOptions, launch
 
     def fail(_args):
         raise ChildFailedError("w", {r: ProcessFailure(r, 1, c, "") for r, c in

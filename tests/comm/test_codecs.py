@@ -16,7 +16,7 @@ from disttrain.comm.codecs import (CastCodec, OneBitCodec, PowerSGDCodec, QSGDCo
                                    RandomKCodec, TopKCodec, build_codec, pack_signs,
                                    unpack_signs)
 from disttrain.config import load_config
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 from disttrain.config.schema import CommConfig
 from disttrain.errors import ConfigError
 from disttrain.testing import run_distributed

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import disttrain.capacity as capacity
-import disttrain.launch
-from disttrain.capacity import RankMemory, check_batch_fits, check_model_fits, rank_memory
+import disttrain.plan.capacity as capacity
+import disttrain.launch.agent
+from disttrain.plan.capacity import RankMemory, check_batch_fits, check_model_fits, rank_memory
 from disttrain.cli import main
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, DataError
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 
 GIB = 2**30
 SEQ = 16
@@ -29,7 +29,7 @@ def no_launch(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(disttrain.launch, "launch",
+    monkeypatch.setattr(disttrain.launch.agent, "launch",
                         lambda *a, **k: pytest.fail(f"launcher reached with {a}"))
 
 
@@ -96,7 +96,7 @@ def test_data_shorter_than_one_sample_is_refused_naming_the_directory(no_launch,
 
 def test_data_of_exactly_one_sample_per_split_is_accepted(no_launch, monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(disttrain.launch, "launch", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(disttrain.launch.agent, "launch", lambda *a: calls.append(a) or 0)
     exact = text_dir(tmp_path, "exact", (SEQ, SEQ))  # + separator: SEQ + 1 tokens each
     assert main(["train", "--set", f"data.path={exact}", "--set", f"model.seq_len={SEQ}",
                  "--set", "model.n_layer=1", "--set", "model.d_model=32"]) == 0
@@ -124,7 +124,7 @@ def stdlib_cache(tmp_path_factory):
 def test_the_default_job_is_not_refused(nproc, no_launch, monkeypatch, stdlib_cache):
     monkeypatch.setenv("DISTTRAIN_CACHE", str(stdlib_cache))
     calls = []
-    monkeypatch.setattr(disttrain.launch, "launch", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(disttrain.launch.agent, "launch", lambda *a: calls.append(a) or 0)
     assert main(["train", "--nproc", nproc]) == 0
     assert len(calls) == 1 and calls[0][0].nproc == int(nproc)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain.config import load_config
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 from disttrain.config.dump import config_to_toml
 from disttrain.errors import ConfigError, InputErrors, UserError
 

@@ -80,14 +80,14 @@ def test_a_tokenizer_json_from_disk_with_its_end_of_text(tmp_path):
     ("bpe:12", "from 260"), ("bpe:lots", "is not bpe:N"),
     ("/no/such/tokenizer.json", "neither bytes, bpe:N nor a file")])
 def test_bad_tokenizer_values_are_refused_before_launch(value, message):
-    from disttrain.config.validate import check_sections
+    from disttrain.config.consistency import check_sections
 
     with pytest.raises(ConfigError, match=message):
         check_sections(load_config(overrides=[f"data.tokenizer={value}"]))
 
 
 def test_a_tokenizer_with_pre_tokenized_shards_is_refused():
-    from disttrain.config.validate import check_sections
+    from disttrain.config.consistency import check_sections
 
     with pytest.raises(ConfigError, match="data.format=tokens reads ids"):
         check_sections(load_config(overrides=["data.format=tokens",

@@ -36,7 +36,7 @@ from disttrain.data import GlobalOrderSampler, collate_token_batch
 from disttrain.models import GPT, token_loss
 from disttrain.testing import run_distributed
 from disttrain.train.optim import build_optimizer, lr_at, set_lr
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 
 ON_CPU = os.environ.get("DISTTRAIN_GPU_SET_ON_CPU") == "1"
 BACKEND = "gloo" if ON_CPU else "nccl"

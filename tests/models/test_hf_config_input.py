@@ -55,7 +55,7 @@ def test_a_bad_hf_config_is_refused_before_launch(name, tmp_path, capsys):
 def test_a_decoder_bert_and_a_sound_llama_are_accepted(tmp_path):
     from disttrain.config import load_config
     from disttrain.models.hf import read_hf_config
-    from disttrain.validation import resolve
+    from disttrain.run_checks import resolve
 
     for name, values in (("llama", LLAMA), ("bert", {**BERT, "is_decoder": True})):
         path = tmp_path / f"{name}.json"

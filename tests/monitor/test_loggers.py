@@ -13,7 +13,7 @@ from support import SyntheticTokens, tiny_config
 
 import disttrain
 from disttrain.config import load_config
-from disttrain.config.validate import check_sections
+from disttrain.config.consistency import check_sections
 from disttrain.errors import ConfigError
 from disttrain.monitor import MetricsRecord
 from disttrain.monitor.loggers import EXPERIMENT, CSVLogger

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.errors import UserError
+from disttrain.commands import report as report_command
 from disttrain.monitor import report
 from disttrain.monitor.report import cards, plots
 
@@ -244,9 +245,9 @@ def test_out_dir_and_the_cli_entry_point(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = write_run(tmp_path / "run")
     parser = argparse.ArgumentParser(prog="disttrain")
-    report.add_report_parser(parser.add_subparsers(dest="command"))
+    report_command.add_report_parser(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(["report", str(run), "--out", str(tmp_path / "out")])
-    assert report.run_report(ns) == 0
+    assert report_command.run_report(ns) == 0
     printed = Path(capsys.readouterr().out.strip())
     assert printed == tmp_path / "out" / "report.html" and printed.is_file()
     assert not (run / "report").exists()

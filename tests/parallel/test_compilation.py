@@ -19,7 +19,7 @@ from disttrain.parallel.activation import apply_activation_checkpointing, canoni
 from disttrain.parallel.compilation import CompiledBlock, compile_blocks
 from disttrain.spec import generic_spec
 from disttrain.testing import run_distributed
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 
 # layouts of a world of 2: the two (dp=2 plain and ZeRO-1), plus ZeRO-3 with
 # activation checkpointing (gathers and frees in hooks around each compiled block) and

@@ -38,7 +38,7 @@ from disttrain.parallel.replicated import ReplicatedState
 from disttrain.plan.memory import model_state_bytes
 from disttrain.testing import run_distributed
 from disttrain.train.optim import lr_at
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 
 STEPS, FREEZE = 8, 3
 # Gradients reach the parameters through different summation orders (one process

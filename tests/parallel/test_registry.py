@@ -178,7 +178,7 @@ class _OneRank:
 
 def test_an_unknown_strategy_is_refused_before_launch():
     from disttrain.errors import ConfigError
-    from disttrain.validation import resolve
+    from disttrain.run_checks import resolve
 
     with pytest.raises(ConfigError) as info:
         resolve(tiny_config(strategy="nope"), 2)

@@ -135,7 +135,7 @@ def test_an_optimizer_with_its_gradient_side_trains_and_resumes(tmp_path):
 
 def test_unknown_sync_mode_and_optimizer_are_refused_naming_the_registry():
     from disttrain.errors import ConfigError
-    from disttrain.validation import resolve
+    from disttrain.run_checks import resolve
 
     for key, value, how in (("sync", "gossip", "register_sync_mode"),
                             ("optimizer", "adafactor", "register_optimizer")):

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from disttrain import Trainer
 from disttrain.comm import CollectiveLedger, Communicator
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 from disttrain.data import collate_token_batch
 from disttrain.errors import ConfigError
 from disttrain.faults import SLOW_ENV

@@ -160,7 +160,7 @@ def test_one_layout_explained_and_emitted_as_a_runnable_config(capsys, tmp_path)
                          str(out_toml))
     assert code == 0 and "best: tp=2,pp=2,dp=2" in out and "bottleneck" in out
     from disttrain.config import load_config
-    from disttrain.validation import resolve
+    from disttrain.run_checks import resolve
     config = load_config(out_toml)
     assert (config.parallel.tp, config.parallel.pp, config.train.micro_batch) == (2, 2, 2)
     resolve(config, 8)

@@ -12,7 +12,7 @@ from disttrain.cli import main
 from disttrain.errors import UserError
 from disttrain.parallel.pipeline import analytic_bubble, build_schedule
 from disttrain.plan import PlannedLayout, Options, estimate, parse_cluster, parse_model
-from disttrain.plan.command import parse_layout
+from disttrain.plan.choose import parse_layout
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.trace import build_trace, traced_micro_batches, write_trace
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import disttrain.launch
+import disttrain.launch.agent
 from disttrain.checkpoint.stream import write_streamed
 from disttrain.cli import main
 from disttrain.names import CONFIG_FILE, SUMMARY_FILE, WEIGHTS_FILE
@@ -56,7 +56,7 @@ def finished(tmp_path_factory) -> Path:
 def test_the_launcher_leaves_a_finished_run_untouched(finished, monkeypatch, capsys):
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(disttrain.launch, "launch",
+    monkeypatch.setattr(disttrain.launch.agent, "launch",
                         lambda *a, **k: pytest.fail("a finished run was launched"))
     before = snapshot(finished)
     # the config comes from the run directory's snapshot: train.steps = 4

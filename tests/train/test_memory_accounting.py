@@ -7,7 +7,7 @@ import json
 from support import SyntheticTokens
 
 from disttrain import Trainer
-from disttrain.validation import resolve
+from disttrain.run_checks import resolve
 from disttrain.data import collate_token_batch
 from disttrain.models import GPT, token_loss
 from disttrain.plan import estimate_gpt

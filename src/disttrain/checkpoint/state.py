@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..naming import canonical_name
+from ..param_names import canonical_name
 from .format import ShardReader
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"

@@ -38,7 +38,7 @@ from ..faults import maybe_fail
 from ..fsutil import fsync_dir
 from ..names import CHECKPOINT_INDEX_FILE, CHECKPOINT_LATEST_FILE
 from .format import SAFETENSORS_DTYPES, CheckpointIndex, TensorEntry, shard_file_name
-from .validate import check_files, read_index
+from .integrity import check_files, read_index
 
 _CHUNK = 64 * 2**20
 # in the order safetensors.torch.save lays tensors out (by dtype, then by name): every

@@ -34,7 +34,7 @@ def add_config_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run_config(ns: argparse.Namespace) -> int:
     from ..config.dump import config_to_toml
     from ..config.load import load_config
-    from ..validation import resolve
+    from ..run_checks import resolve
 
     if ns.nproc < 1:
         raise UserError(f"--nproc {ns.nproc}: must be at least 1")

@@ -4,7 +4,7 @@ from .load import load_config
 from .schema import (SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig,
                      TrainConfig)
 from .layout import Layout, resolve_layout
-from .validate import BatchPlan, RunPlan, resolve_batch
+from .consistency import BatchPlan, RunPlan, resolve_batch
 
 __all__ = ["SECTIONS", "BatchPlan", "Config", "DataConfig", "ModelConfig", "ParallelConfig",
            "Layout", "RunPlan", "TrainConfig", "load_config", "resolve_batch",

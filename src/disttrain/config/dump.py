@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from .schema import Config
-from .validate import RunPlan
+from .consistency import RunPlan
 
 
 def toml_value(value: Any) -> str:

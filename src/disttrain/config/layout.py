@@ -1,7 +1,7 @@
 """The layout of ranks as pure data: a validated (dp, pp, tp, zero).
 
 Checked against a world size before any process group exists;
-:mod:`disttrain.topology` makes it live as a DeviceMesh.
+:mod:`disttrain.parallel.topology` makes it live as a DeviceMesh.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Values are type-checked against the dataclass annotations as they are read; every
 problem raises :class:`~disttrain.errors.ConfigError` naming the field, the value and
-the fix. Cross-field checks live in ``validate.py``.
+the fix. Cross-field checks live in ``consistency.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Typed configuration: one keyword-only dataclass per component.
 
 Each component receives only its own section. Field metadata carries the range checks
-and the help text shown by ``disttrain train --help``; ``validate.py`` applies the
+and the help text shown by ``disttrain train --help``; ``consistency.py`` applies the
 checks that span several fields (the batch triple, the layout).
 """
 

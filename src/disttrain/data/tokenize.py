@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from disttrain.config.validate import BPE_PATTERN as _BPE
-from disttrain.config.validate import TOKENIZER_BYTES as BYTES
+from disttrain.config.consistency import BPE_PATTERN as _BPE
+from disttrain.config.consistency import TOKENIZER_BYTES as BYTES
 from disttrain.errors import ConfigError
 
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 # the rule lives below checkpoint/, which needs it too; re-exported for this module's users
-from ..naming import WRAPPED
-from ..naming import canonical_name as canonical_name
+from ..param_names import WRAPPED
+from ..param_names import canonical_name as canonical_name
 from .wrappers import hide_segment
 
 

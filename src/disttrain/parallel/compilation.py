@@ -13,7 +13,7 @@ eager itself, so everything registered on the block list's element (ZeRO-3's hoo
 checkpointing wrapper) runs outside the compiled region: dynamo never traces a
 collective. ``torch.compile(model)`` would trace them all, and its ``OptimizedModule``
 would rename every parameter ``_orig_mod.*``; here the wrapper's segment is dropped from
-parameter names (:func:`~disttrain.naming.canonical_name`) and state-dict keys, so
+parameter names (:func:`~disttrain.param_names.canonical_name`) and state-dict keys, so
 checkpoints carry the model's own names.
 
 :func:`check_compile` refuses, before launch, what cannot work: tensor parallelism (its
@@ -31,9 +31,9 @@ from torch import nn
 
 from ..config.layout import Layout
 from ..config.schema import Config
-from ..config.validate import on_gpu
+from ..config.consistency import on_gpu
 from ..errors import ConfigError
-from ..naming import COMPILED
+from ..param_names import COMPILED
 from ..spec import ModelSpec
 from .wrappers import hide_segment
 

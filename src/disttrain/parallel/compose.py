@@ -36,7 +36,7 @@ from ..checkpoint.state import MODEL
 from ..comm.collectives import Communicator
 from ..config.schema import Config
 from ..spec import ModelSpec, block_list
-from ..topology import Topology
+from .topology import Topology
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel

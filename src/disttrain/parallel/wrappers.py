@@ -2,7 +2,7 @@
 
 A wrapper that parallel/ puts around a block (activation checkpointing, torch.compile
 per block) holds it under one attribute, so every name inside gains that segment
-(:mod:`disttrain.naming`). :func:`hide_segment` registers the state-dict hooks that drop
+(:mod:`disttrain.param_names`). :func:`hide_segment` registers the state-dict hooks that drop
 it from ``state_dict()`` and add it back in ``load_state_dict()``: checkpoints move
 freely between runs with and without the wrapper.
 """

@@ -47,7 +47,7 @@ import torch
 
 from ..errors import UserError
 from ..monitor.peaks import matmul_precision
-from ..launch import worker_threads
+from ..launch.agent import worker_threads
 from ..testing import run_distributed
 from .cluster import GROUP_LINK_OPS, Cluster, group_link_key
 from .costs import (attention_time, head_kernel_time, kernel_time_of_layer,

@@ -68,7 +68,7 @@ def write_config(path: Path, shape: ModelShape, ns: argparse.Namespace,
                  best: Estimate) -> Path:
     """Write ``best`` as TOML at ``path`` after validating it for its world size."""
     from ..config import load_config
-    from ..validation import resolve
+    from ..run_checks import resolve
 
     values = config_values(shape, ns, best)
     config = load_config(values=values)

@@ -39,7 +39,7 @@ from ..names import METRICS_FILE, NONFINITE_STOP
 from ..parallel.compose import Groups, compose
 from ..parallel.interfaces import TensorSource
 from ..spec import ModelSpec
-from ..topology import Topology, build_topology
+from ..parallel.topology import Topology, build_topology
 from ..weights import on_meta, stream_seed
 from . import rundir
 from .batch import LossFn, split_batch, to_device

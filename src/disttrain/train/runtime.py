@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..slurm import adopt_slurm_env
+from ..launch.slurm import adopt_slurm_env
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from ..monitor.callbacks import Callback
 from ..parallel.compose import Parallelized
 from ..parallel.interfaces import TensorSource
 from ..spec import ModelSpec, spec_for
-from ..validation import resolve
+from ..run_checks import resolve
 from ..weights import InitFn, initial_weights, on_meta, open_pretrained
 from .assemble import RunInputs, assemble_run, build_mesh, finished_summary
 from .batch import LossFn, collate_samples

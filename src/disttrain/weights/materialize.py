@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.state import MODEL
-from ..naming import canonical_name
+from ..param_names import canonical_name
 
 
 

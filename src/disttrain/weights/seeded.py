@@ -28,7 +28,7 @@ from torch import nn
 
 from ..checkpoint.state import MODEL
 from ..errors import UserError
-from ..naming import canonical_name
+from ..param_names import canonical_name
 
 InitFn = Callable[[nn.Module], None]
 

@@ -20,7 +20,6 @@ assembles the page.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import time
@@ -31,8 +30,7 @@ from .cards import ranks_table, summary_rows
 from .data import RunData, load_run
 from .plots import PLOTS, Plot, require_matplotlib
 
-__all__ = ["RunData", "add_report_parser", "build_report", "load_run", "render_html",
-           "run_report"]
+__all__ = ["RunData", "build_report", "load_run", "render_html"]
 
 
 def _plot_card(plot: Plot) -> str:
@@ -125,7 +123,7 @@ window.addEventListener("load", function () {{
 """
 
 
-# --------------------------------------------------------------------------- entry points
+# --------------------------------------------------------------------------- entry point
 def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the PNGs and ``report.html`` for ``run_dir`` into ``out_dir`` (default
     ``run_dir/report``); return the HTML file's path."""
@@ -143,22 +141,3 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     page = out / REPORT_FILE
     page.write_text(render_html(run, plots), encoding="utf-8")
     return page
-
-
-def add_report_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``disttrain report RUN_DIR [--out DIR]`` on the CLI's subparsers."""
-    report = sub.add_parser(
-        "report", help="PNG plots and a self-contained HTML page of a run",
-        description="Plot a run's loss, throughput, MFU, time per step and memory as PNGs "
-        "and write report.html, one self-contained page (plots embedded) with the run's "
-        "summary and config. Needs matplotlib: pip install 'disttrain[report]'.")
-    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
-    report.add_argument("--out", default=None, metavar="DIR",
-                        help="where the PNGs and report.html go (default RUN_DIR/report)")
-
-
-def run_report(ns: argparse.Namespace) -> int:
-    """The ``report`` subcommand: build the report, print the HTML file's path."""
-    page = build_report(Path(ns.run_dir), Path(ns.out) if ns.out else None)
-    print(page)
-    return 0

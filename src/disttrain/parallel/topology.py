@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config.layout import Layout
-from .errors import ConfigError
+from ..config.layout import Layout
+from ..errors import ConfigError
 
 MESH_AXES = ("pp", "dp", "tp")
 

@@ -1,6 +1,6 @@
 """Checks within the config's own sections, and the batch triple.
 
-The whole-config validation that also asks each strategy (:func:`disttrain.validation.resolve`)
+The whole-config validation that also asks each strategy (:func:`disttrain.run_checks.resolve`)
 builds on these: :func:`check_sections` (model shape, data path, device, monitor, wire
 format) and :func:`resolve_batch` (the batch triple with its third member derived).
 """

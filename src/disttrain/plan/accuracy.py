@@ -27,7 +27,7 @@ from typing import Any
 from ..config import Config, load_config
 from ..config.layout import Layout, resolve_layout
 from ..config.schema import ModelConfig
-from ..config.validate import data_parallel_degree, resolve_batch
+from ..config.consistency import data_parallel_degree, resolve_batch
 from ..errors import UserError
 from ..monitor.record import (ACTIVATIONS, DEVICE_NAME, MEMORY_BYTES, MEMORY_BYTES_PER_RANK,
                               MODEL_STATE_PARTS, STEP_TIME_S)

@@ -15,8 +15,8 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from .errors import STOP_CODES, UserError
-from .monitor.watchdog import HANG_EXIT_CODE
+from ..errors import STOP_CODES, UserError
+from ..monitor.watchdog import HANG_EXIT_CODE
 
 
 @dataclass(frozen=True, kw_only=True)

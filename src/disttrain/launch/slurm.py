@@ -19,13 +19,12 @@ workers torchrun starts.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
 from collections.abc import Mapping, MutableMapping
 
-from .errors import UserError
+from ..errors import UserError
 
 PORT_BASE, PORT_SPAN = 15000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN
 _SPECIAL_STEPS = 0xFFFFFFF0  # batch, extern and interactive steps have ids above this
@@ -133,30 +132,3 @@ def sbatch_script(*, nodes: int, gpus_per_node: int, train_args: list[str],
         "# time limit's warning): requeue, and the job resumes where it stopped.",
         'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"', ""])
-
-
-def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "slurm", help="write a SLURM batch script that runs disttrain train",
-        description="Print an sbatch script: one task per GPU (srun starts every rank), "
-        "with the one-task-per-node elastic agent as a commented alternative. Options "
-        "after the script's own are passed to disttrain train, e.g. "
-        "disttrain slurm --nodes 2 --gpus-per-node 8 -- --set train.steps=1000 "
-        "> job.sbatch")
-    p.add_argument("--nodes", type=int, required=True, metavar="N")
-    p.add_argument("--gpus-per-node", type=int, required=True, metavar="G")
-    p.add_argument("--partition", default="", metavar="NAME")
-    p.add_argument("--time", default="", metavar="D-HH:MM:SS", help="time limit")
-    p.add_argument("--job-name", default="disttrain", metavar="NAME")
-    p.add_argument("--run-dir", default="", metavar="DIR",
-                   help="on a shared filesystem (default runs/slurm-$SLURM_JOB_ID)")
-    p.add_argument("train_args", nargs=argparse.REMAINDER,
-                   help="disttrain train options (after --)")
-
-
-def run_slurm(ns: argparse.Namespace) -> int:
-    args = ns.train_args[1:] if ns.train_args[:1] == ["--"] else list(ns.train_args)
-    print(sbatch_script(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, train_args=args,
-                        partition=ns.partition, time=ns.time, job_name=ns.job_name,
-                        run_dir=ns.run_dir), end="")
-    return 0

@@ -1,7 +1,7 @@
 """The whole-config validation, before any process group exists.
 
 :func:`resolve` turns a :class:`~disttrain.config.Config`, the world size and the
-model's spec into a :class:`~disttrain.config.validate.RunPlan` (the layout, the batch
+model's spec into a :class:`~disttrain.config.consistency.RunPlan` (the layout, the batch
 triple with its third member derived, the learning rate), asking each part that has
 constraints: the config's own sections, then every strategy the config selects, each
 through the check that lives beside it (the registered ones: :mod:`.parallel.registry`). It sits above both ``config`` and ``parallel``
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from .config.layout import resolve_layout
 from .config.schema import Config
-from .config.validate import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
-                              scaled_lr)
+from .config.consistency import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
+                                 scaled_lr)
 from .models.gpt import gpt_spec
 from .models.hf import hf_config_spec, is_hf
 from .spec import ModelSpec

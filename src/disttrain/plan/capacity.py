@@ -19,13 +19,13 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config.layout import Layout, resolve_layout
-from .config.schema import Config, ModelConfig
-from .config.validate import RunPlan, on_gpu
-from .errors import ConfigError, UserError
-from .models import num_params
-from .plan.memory import gpt_activation_bytes, model_state_bytes
-from .plan.shape import ModelShape, hf_shape
+from ..config.layout import Layout, resolve_layout
+from ..config.schema import Config, ModelConfig
+from ..config.consistency import RunPlan, on_gpu
+from ..errors import ConfigError, UserError
+from ..models import num_params
+from .memory import gpt_activation_bytes, model_state_bytes
+from .shape import ModelShape, hf_shape
 
 _GIB = 2**30
 _MEMINFO = Path("/proc/meminfo")
@@ -48,7 +48,7 @@ def check_model_fits(config: Config, world_size: int, local_ranks: int,
     """Refuse a model whose parameters, gradients and optimizer state alone exceed
     ``memory`` per rank (default: :func:`rank_memory` of this host), naming the model
     size furthest above its default. Needs only the layout, so it runs before
-    :func:`disttrain.validation.resolve` (whose model spec grows with n_layer)."""
+    :func:`disttrain.run_checks.resolve` (whose model spec grows with n_layer)."""
     memory = memory or rank_memory(config, local_ranks)
     p = config.parallel
     layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)

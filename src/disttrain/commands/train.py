@@ -1,0 +1,156 @@
+"""``disttrain train``: validate the whole configuration, check that the job fits this
+host, prepare the data and start the workers; in a worker, train."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import textwrap
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..config.describe import config_keys_help
+from ..errors import EXIT_USAGE, TrainingStopped, UserError
+from ..names import METRICS_FILE, SUMMARY_FILE
+from .launch_flags import add_launch_options, launch_options
+
+if TYPE_CHECKING:
+    from ..config.schema import Config
+    from ..launch.agent import LaunchOptions
+
+
+def _help_width() -> int:
+    """Columns for help text: the terminal's (as argparse does), 100 when not a terminal."""
+    return max(shutil.get_terminal_size((100, 24)).columns - 2, 60)
+
+
+def _raw_epilog_formatter(prog: str) -> argparse.HelpFormatter:
+    """Options wrapped by argparse to the same width as the pre-wrapped epilog."""
+    return argparse.RawDescriptionHelpFormatter(prog, width=_help_width())
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    train = sub.add_parser(
+        "train", help="train the default model (or the configured one)",
+        description=textwrap.fill(
+            "Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
+            "validating the whole configuration first. With no arguments: the byte-level "
+            "GPT on the Python standard library's source, 2 workers. Show the resolved "
+            "configuration without training: disttrain config show.", _help_width()),
+        epilog=config_keys_help(_help_width()), formatter_class=_raw_epilog_formatter)
+    train.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                       help="TOML file with [model] [data] [train] [parallel] sections")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       dest="overrides", help="override one config value (repeatable)")
+    train.add_argument("--run-dir", default=None, metavar="DIR",
+                       help=f"where the config snapshot, {METRICS_FILE}, {SUMMARY_FILE} and "
+                       "weights go (default runs/<time>)")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_launch_options(train)
+    return train
+
+
+def run_train(ns: argparse.Namespace) -> int:
+    from ..plan.capacity import check_batch_fits, check_model_fits
+    from ..run_checks import resolve
+    from ..config.load import load_run_config
+    from ..launch.agent import inside_worker, launch
+
+    config = load_run_config(ns.config, ns.overrides, ns.run_dir)
+    if ns.nnodes == "1" and not ns.rdzv_endpoint:  # not one elastic agent per node
+        from ..launch.slurm import adopt_slurm_env
+
+        adopt_slurm_env()  # a task srun started as one rank: a worker, no launcher
+    elif "TORCHELASTIC_RUN_ID" not in os.environ:
+        # this node's agent: a scheduler's RANK / WORLD_SIZE (a PyTorchJob pod's) count
+        # nodes, not workers; torchrun sets each worker's own
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(var, None)
+    if inside_worker():
+        return _train_worker(config, ns)
+    from ..train.rundir import new_run_dir_name
+
+    run_dir = ns.run_dir or str(new_run_dir_name())
+    opts = launch_options(ns, os.path.abspath(run_dir))
+    for world_size in opts.world_sizes():
+        check_model_fits(config, world_size, opts.nproc)  # first: resolve's spec is O(n_layer)
+        check_batch_fits(config, resolve(config, world_size), opts.nproc)
+    if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
+        raise UserError("a multi-node job needs --run-dir, the same path on every node "
+                        "(it also names the job's rendezvous), or --rdzv-id")
+    if ns.run_dir:  # before anything is written: a finished run stays as it is, and a
+        # run directory whose checkpoints are all damaged is refused up front
+        from ..train.checkpointing import finished_run
+
+        finished = finished_run(Path(ns.run_dir), config.train.steps, warn=lambda _: None)
+        if finished is not None:
+            print(f"disttrain: {finished}", file=sys.stderr)
+            return 0
+    from ..data import corpus_from_config
+    from ..data.check import check_corpus_vocab, check_samples, check_vocab
+    from ..monitor.progress import status
+
+    if config.model.pretrained:  # its files, before any worker or run directory
+        from ..weights import check_pretrained
+
+        check_pretrained(config.model.pretrained, config.model.seq_len)
+    if config.data.format == "text":  # before preparing: refused without the work
+        check_vocab(config.model)
+    status(f"preparing the data in {config.data.path or 'the standard library sources'} "
+           "(tokenized once, then cached)...")
+    corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
+    check_corpus_vocab(config.model, corpus, config.explicit)
+    check_samples(corpus, config.data, config.model.seq_len)
+    with _own_run_dir(Path(run_dir), opts):
+        target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
+                  *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
+                  *(["--quiet"] if ns.quiet else [])]
+        status(f"starting {opts.nproc} worker(s)...")
+        return launch(opts, target)
+
+
+def _train_worker(config: Config, ns: argparse.Namespace) -> int:
+    """One worker of ``disttrain train``. Under ``--max-restarts``, an attempt after one
+    that stopped on purpose (a divergence, a failed save, refused input: the same would
+    happen again) stops at once with its exit code."""
+    from ..train import train_default
+    from ..train.rundir import earlier_stop, forget_stop, record_stop
+
+    run_dir = Path(ns.run_dir) if ns.run_dir else None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > attempt
+    main = os.environ.get("RANK", "0") == "0"
+    if run_dir is not None and attempt > 0:
+        code = earlier_stop(run_dir)
+        if code is not None:
+            stop = TrainingStopped(f"not restarting (restart {attempt}): an earlier "
+                                   f"attempt stopped on purpose (exit {code}, said above) "
+                                   "and would again")
+            stop.exit_code = code
+            if not main:  # rank 0 says it: leaving first could get it stopped unheard;
+                time.sleep(60.0)  # the agent stops this worker as soon as rank 0 exits
+            raise stop
+    elif run_dir is not None and main:
+        forget_stop(run_dir)
+    try:
+        train_default(config, run_dir=ns.run_dir, progress=not ns.quiet)
+    except (TrainingStopped, UserError) as exc:
+        code = exc.exit_code if isinstance(exc, TrainingStopped) else EXIT_USAGE
+        if run_dir is not None and main and restartable and run_dir.is_dir():
+            record_stop(run_dir, code, str(exc))
+        raise
+    return 0
+
+
+def _own_run_dir(run_dir: Path, opts: LaunchOptions) -> AbstractContextManager:
+    """A single-node launcher owns the run directory for its workers; in a multi-node
+    job (one launcher per host) rank 0 of the job takes it."""
+    from ..train.ownership import owned_for_workers
+
+    if opts.node_counts() != range(1, 2):
+        return nullcontext()
+    return owned_for_workers(run_dir)

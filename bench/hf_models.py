@@ -24,9 +24,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
 from dp_vs_ddp import WARMUP_STEPS, _time_steps  # the same timing as the GPT bench
+from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.parallel.ddp import apply_data_parallel

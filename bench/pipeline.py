@@ -30,9 +30,16 @@ from torch import nn
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, gpt_spec, token_loss
-from disttrain.parallel.pipeline import (analytic_bubble, bubble_fractions, build_chunks,
-                                         build_schedule, plan_stages, run_pipeline,
-                                         simulate, sync_tied_grads)
+from disttrain.parallel.pipeline import (
+    analytic_bubble,
+    bubble_fractions,
+    build_chunks,
+    build_schedule,
+    plan_stages,
+    run_pipeline,
+    simulate,
+    sync_tied_grads,
+)
 from disttrain.testing import run_distributed
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")

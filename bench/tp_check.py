@@ -27,8 +27,8 @@ from disttrain.config.layout import Layout
 from disttrain.config.schema import ModelConfig, ParallelConfig
 from disttrain.models import GPT, gpt_spec
 from disttrain.parallel.hybrid import apply_model_parallel, check_identical_grads
-from disttrain.testing import run_distributed
 from disttrain.parallel.topology import build_topology
+from disttrain.testing import run_distributed
 
 
 def _body(args: argparse.Namespace) -> dict:

@@ -10,18 +10,23 @@ through the check that lives beside it (the registered ones: :mod:`.parallel.reg
 
 from __future__ import annotations
 
+from .config.consistency import (
+    RunPlan,
+    check_sections,
+    data_parallel_degree,
+    resolve_batch,
+    scaled_lr,
+)
 from .config.layout import resolve_layout
 from .config.schema import Config
-from .config.consistency import (RunPlan, check_sections, data_parallel_degree, resolve_batch,
-                                 scaled_lr)
 from .models.gpt import gpt_spec
 from .models.hf import hf_config_spec, is_hf
-from .spec import ModelSpec
 from .parallel.balance import check_balance
 from .parallel.compilation import check_compile
 from .parallel.pipeline.check import check_pipeline
 from .parallel.registry import check_selected
 from .parallel.tensor.check import check_tensor
+from .spec import ModelSpec
 
 
 def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> RunPlan:

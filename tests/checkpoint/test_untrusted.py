@@ -26,8 +26,12 @@ from safetensors.torch import save as safetensors_bytes
 from support import fit_tiny
 
 import disttrain.checkpoint.format as ckpt_format
-from disttrain.checkpoint import (CheckpointManager, CheckpointRejected, find_checkpoint,
-                                  open_checkpoint)
+from disttrain.checkpoint import (
+    CheckpointManager,
+    CheckpointRejected,
+    find_checkpoint,
+    open_checkpoint,
+)
 from disttrain.checkpoint.export import export_weights
 from disttrain.cli import main as cli_main
 from disttrain.errors import UserError

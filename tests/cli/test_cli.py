@@ -8,7 +8,6 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
-
 from unittest import mock
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 from safetensors.torch import load_file, load_model
 
 from disttrain.config import load_config
+from disttrain.config.schema import SECTIONS, config_key
 from disttrain.data import collate_token_batch
 from disttrain.models import GPT, token_loss
 from disttrain.train import build_default_job
-from disttrain.config.schema import SECTIONS, config_key
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",

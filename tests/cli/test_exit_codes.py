@@ -9,13 +9,11 @@ import re
 
 import pytest
 import torch
+from test_cli import TINY, run_cli
 
 from disttrain.checkpoint import find_checkpoint, open_checkpoint
 from disttrain.cli import main
-from disttrain.errors import (EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE,
-                             CheckpointSaveError)
-
-from test_cli import TINY, run_cli
+from disttrain.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE, CheckpointSaveError
 
 
 @pytest.fixture
@@ -68,8 +66,7 @@ def test_a_diverging_run_exits_diverged_and_keeps_its_last_finite_checkpoint(cac
 ])
 def test_launcher_returns_the_workers_own_stop_code(monkeypatch, codes, expected):
     import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError,
-                                                                   ProcessFailure)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from disttrain.launch.agent import LaunchOptions, launch
 

@@ -12,13 +12,21 @@ from torch.utils.data import Dataset
 
 from disttrain.cli import main
 from disttrain.comm import CollectiveLedger, Communicator
-from disttrain.comm.codecs import (CastCodec, OneBitCodec, PowerSGDCodec, QSGDCodec,
-                                   RandomKCodec, TopKCodec, build_codec, pack_signs,
-                                   unpack_signs)
+from disttrain.comm.codecs import (
+    CastCodec,
+    OneBitCodec,
+    PowerSGDCodec,
+    QSGDCodec,
+    RandomKCodec,
+    TopKCodec,
+    build_codec,
+    pack_signs,
+    unpack_signs,
+)
 from disttrain.config import load_config
-from disttrain.run_checks import resolve
 from disttrain.config.schema import CommConfig
 from disttrain.errors import ConfigError
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 
 SEGMENTS = [(16, 8), (8,), (4, 4)]  # a matrix, a bias, a matrix too small to factorise

@@ -13,8 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disttrain.comm.collectives import (CollectiveLedger, Communicator, MessageOrderError,
-                                        nccl_rules_default)
+from disttrain.comm.collectives import (
+    CollectiveLedger,
+    Communicator,
+    MessageOrderError,
+    nccl_rules_default,
+)
 from disttrain.monitor.watchdog import default_store
 from disttrain.testing import run_distributed
 

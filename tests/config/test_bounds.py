@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import disttrain.plan.capacity as capacity
 import disttrain.launch.agent
-from disttrain.plan.capacity import RankMemory, check_batch_fits, check_model_fits, rank_memory
+import disttrain.plan.capacity as capacity
 from disttrain.cli import main
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, DataError
+from disttrain.plan.capacity import RankMemory, check_batch_fits, check_model_fits, rank_memory
 from disttrain.run_checks import resolve
 
 GIB = 2**30

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from disttrain.config import load_config
-from disttrain.run_checks import resolve
 from disttrain.config.dump import config_to_toml
 from disttrain.errors import ConfigError, InputErrors, UserError
+from disttrain.run_checks import resolve
 
 
 def test_defaults_resolve_for_two_ranks():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 import disttrain.config.load as load
 

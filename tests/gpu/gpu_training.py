@@ -34,9 +34,9 @@ from support import SyntheticTokens
 from disttrain.config import load_config
 from disttrain.data import GlobalOrderSampler, collate_token_batch
 from disttrain.models import GPT, token_loss
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 from disttrain.train.optim import build_optimizer, lr_at, set_lr
-from disttrain.run_checks import resolve
 
 ON_CPU = os.environ.get("DISTTRAIN_GPU_SET_ON_CPU") == "1"
 BACKEND = "gloo" if ON_CPU else "nccl"

@@ -14,8 +14,15 @@ need two ranks: test_gpu_multi.py.
 from __future__ import annotations
 
 import pytest
-from gpu_training import (GPU_SET, ON_CPU, Case, assert_follows_plain_loop, assert_ran_on_the_device,
-                          assert_weights_close, train_case)
+from gpu_training import (
+    GPU_SET,
+    ON_CPU,
+    Case,
+    assert_follows_plain_loop,
+    assert_ran_on_the_device,
+    assert_weights_close,
+    train_case,
+)
 
 pytestmark = GPU_SET
 
@@ -65,8 +72,7 @@ def test_async_checkpoint_snapshots_gpu_tensors_before_the_update(tmp_path):
     (the training stream waits for the copy's event, the CPU does not)."""
     import torch
 
-    from disttrain.checkpoint.manager import (CheckpointManager, find_checkpoint,
-                                              open_checkpoint)
+    from disttrain.checkpoint.manager import CheckpointManager, find_checkpoint, open_checkpoint
 
     weight = torch.randn(2048, 2048, device="cuda")
     moment = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)

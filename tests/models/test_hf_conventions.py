@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_support import padded_rows, plain_loop
 
 from disttrain.testing import run_distributed
-from hf_support import padded_rows, plain_loop
 from disttrain.train.batch import causal_lm_loss, collate_samples
 
 transformers = pytest.importorskip("transformers")

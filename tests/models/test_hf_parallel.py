@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_support import padded_rows, plain_loop
 
 from disttrain.testing import run_distributed
-from hf_support import padded_rows, plain_loop
 
 transformers = pytest.importorskip("transformers")
 

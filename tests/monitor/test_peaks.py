@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from disttrain.monitor import peaks
-from disttrain.monitor.peaks import (CONFIGURED, MEASURED_CPU, gpu_peak, matmul_precision,
-                                     model_flops_utilisation, published_peak, resolve_peak)
+from disttrain.monitor.peaks import (
+    CONFIGURED,
+    MEASURED_CPU,
+    gpu_peak,
+    matmul_precision,
+    model_flops_utilisation,
+    published_peak,
+    resolve_peak,
+)
 
 # names as torch.cuda.get_device_name() gives them -> the table entry they must find
 KNOWN = {

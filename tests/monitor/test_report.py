@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.errors import UserError
 from disttrain.commands import report as report_command
+from disttrain.errors import UserError
 from disttrain.monitor import report
 from disttrain.monitor.report import cards, plots
 

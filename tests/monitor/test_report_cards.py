@@ -6,10 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_report import write_run
 
 from disttrain.monitor.report import cards, formats, load_run
-
-from test_report import write_run
 
 # A figure a reader cannot use: a run of five or more digits with no thousands separator
 # (3363856.0), or a fraction with more than four decimals (0.7647714986).

@@ -17,9 +17,9 @@ from disttrain.models import GPT
 from disttrain.names import WEIGHTS_FILE
 from disttrain.parallel.activation import apply_activation_checkpointing, canonical_name
 from disttrain.parallel.compilation import CompiledBlock, compile_blocks
+from disttrain.run_checks import resolve
 from disttrain.spec import generic_spec
 from disttrain.testing import run_distributed
-from disttrain.run_checks import resolve
 
 # layouts of a world of 2: the two (dp=2 plain and ZeRO-1), plus ZeRO-3 with
 # activation checkpointing (gathers and frees in hooks around each compiled block) and

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from support import SyntheticTokens, fit_tiny, state_of, tiny_config
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.run_checks import resolve
 from disttrain.data import GlobalOrderSampler, collate_token_batch
 from disttrain.models import GPT, token_loss
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 from disttrain.train.optim import build_optimizer, lr_at, set_lr
 

@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 from support import TINY_MODEL, SyntheticTokens, _tiny_train
 
 from disttrain.config import load_config
-from disttrain.run_checks import resolve
 from disttrain.errors import ConfigError
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 
 STEPS = 10

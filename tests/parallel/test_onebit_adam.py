@@ -36,9 +36,9 @@ from disttrain.parallel.onebit import OnebitAdam
 from disttrain.parallel.placement import whole_model_placement
 from disttrain.parallel.replicated import ReplicatedState
 from disttrain.plan.memory import model_state_bytes
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 from disttrain.train.optim import lr_at
-from disttrain.run_checks import resolve
 
 STEPS, FREEZE = 8, 3
 # Gradients reach the parameters through different summation orders (one process

@@ -11,12 +11,25 @@ from support import TINY_MODEL, SyntheticTokens
 
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, gpt_spec, token_loss
-from disttrain.parallel.pipeline import (Action, Schedule, ScheduleDeadlock, StageCosts,
-                                         analytic_bubble, balanced_cuts, build_chunks,
-                                         build_schedule, bubble_fractions, check_schedule,
-                                         check_nccl_order, check_posts,
-                                         chunk_param_names, message_groups, plan_stages,
-                                         simulate, validate_schedule)
+from disttrain.parallel.pipeline import (
+    Action,
+    Schedule,
+    ScheduleDeadlock,
+    StageCosts,
+    analytic_bubble,
+    balanced_cuts,
+    bubble_fractions,
+    build_chunks,
+    build_schedule,
+    check_nccl_order,
+    check_posts,
+    check_schedule,
+    chunk_param_names,
+    message_groups,
+    plan_stages,
+    simulate,
+    validate_schedule,
+)
 from disttrain.parallel.pipeline.p2p import Message, destination, source
 from disttrain.testing import run_distributed
 

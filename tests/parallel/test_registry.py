@@ -13,8 +13,14 @@ from support import SyntheticTokens, state_of, tiny_config
 from test_data_parallel import assert_states_close, reference_train
 from torch import nn
 
-from disttrain.parallel import (GradSync, ShardedState, StatePiece, StrategyContext,
-                                register_strategy, strategy_names)
+from disttrain.parallel import (
+    GradSync,
+    ShardedState,
+    StatePiece,
+    StrategyContext,
+    register_strategy,
+    strategy_names,
+)
 from disttrain.testing import run_distributed
 
 

@@ -13,8 +13,15 @@ from support import SyntheticTokens, state_of, tiny_config
 from test_data_parallel import assert_states_close, reference_train
 
 from disttrain.comm import Communicator
-from disttrain.parallel import (GradSync, OptimizerContext, OptimizerKind, SyncContext,
-                                SyncMode, register_optimizer, register_sync_mode)
+from disttrain.parallel import (
+    GradSync,
+    OptimizerContext,
+    OptimizerKind,
+    SyncContext,
+    SyncMode,
+    register_optimizer,
+    register_sync_mode,
+)
 from disttrain.testing import run_distributed
 
 

@@ -16,14 +16,22 @@ from torch.utils.data import Dataset
 
 from disttrain import Trainer
 from disttrain.comm import CollectiveLedger, Communicator
-from disttrain.run_checks import resolve
 from disttrain.data import collate_token_batch
 from disttrain.errors import ConfigError
 from disttrain.faults import SLOW_ENV
 from disttrain.models import GPT, token_loss
-from disttrain.parallel.sync import (DiLoCo, FedAvg, LocalSGD, OuterNesterov, assign_shards,
-                                     choose_clients, client_partition, outer_round,
-                                     weighted_average)
+from disttrain.parallel.sync import (
+    DiLoCo,
+    FedAvg,
+    LocalSGD,
+    OuterNesterov,
+    assign_shards,
+    choose_clients,
+    client_partition,
+    outer_round,
+    weighted_average,
+)
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 
 VOCAB, SEQ = 64, 16

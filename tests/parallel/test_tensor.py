@@ -303,7 +303,7 @@ def _run_checks() -> dict[str, str | None]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results() -> list | Exception:
     try:
         return run_distributed(_run_checks, 4, timeout=150)

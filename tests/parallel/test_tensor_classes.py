@@ -20,16 +20,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_support import padded_rows
 from torch import nn
 
 from disttrain.config.schema import ModelConfig
 from disttrain.errors import ConfigError, TensorParallelGradientError
 from disttrain.models import GPT, GPT_TP_PLAN
 from disttrain.parallel.tensor import apply_tensor_parallel
-from disttrain.spec import (IDENTICAL, PARTIAL, SHARDED, UnclassifiedParameter,
-                            classify_tp_params, spec_for)
+from disttrain.spec import (
+    IDENTICAL,
+    PARTIAL,
+    SHARDED,
+    UnclassifiedParameter,
+    classify_tp_params,
+    spec_for,
+)
 from disttrain.testing import run_distributed
-from hf_support import padded_rows
 
 transformers = pytest.importorskip("transformers")
 

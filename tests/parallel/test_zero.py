@@ -44,14 +44,12 @@ def _measure(stage: int) -> dict:
     """Model-state bytes on this rank after two ZeRO steps on a bigger tiny GPT."""
     import torch
     import torch.distributed as dist
-    from support import SyntheticTokens
+    from support import SyntheticTokens, tiny_config
 
     from disttrain.comm import CollectiveLedger, Communicator
     from disttrain.data import collate_token_batch
     from disttrain.models import GPT, num_params, token_loss
     from disttrain.parallel.zero import apply_zero
-
-    from support import tiny_config
     cfg = tiny_config()
     model_cfg = cfg.model.__class__(**{**cfg.model.__dict__, "d_model": 64, "n_layer": 4})
     torch.manual_seed(0)

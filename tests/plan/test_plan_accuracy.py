@@ -36,7 +36,7 @@ from support import TINY_MODEL, SyntheticTokens
 from disttrain.cli import main
 from disttrain.config import load_config
 from disttrain.parallel.pipeline.schedules import FORWARD, build_schedule
-from disttrain.plan import PRESETS, PlannedLayout, Options, estimate, gpt_shape, in_flight
+from disttrain.plan import PRESETS, Options, PlannedLayout, estimate, gpt_shape, in_flight
 from disttrain.plan.estimate import peak_held_bytes
 from disttrain.testing import run_distributed
 

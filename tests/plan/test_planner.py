@@ -10,14 +10,22 @@ from dataclasses import replace
 import pytest
 
 from disttrain.cli import main
-from disttrain.parallel.pipeline import build_schedule
-from disttrain.plan import (PRESETS, PlannedLayout, ModelShape, Options, estimate, in_flight,
-                            layer_activation_bytes, parse_model, search)
-from disttrain.plan.memory import model_state_bytes
-from disttrain.plan.shape import rank_params
-from disttrain.plan.shape import gpt_shape
 from disttrain.config.schema import ModelConfig
 from disttrain.models import num_params
+from disttrain.parallel.pipeline import build_schedule
+from disttrain.plan import (
+    PRESETS,
+    ModelShape,
+    Options,
+    PlannedLayout,
+    estimate,
+    in_flight,
+    layer_activation_bytes,
+    parse_model,
+    search,
+)
+from disttrain.plan.memory import model_state_bytes
+from disttrain.plan.shape import gpt_shape, rank_params
 
 
 def test_zero_paper_example_exactly():

@@ -11,7 +11,7 @@ import pytest
 from disttrain.cli import main
 from disttrain.errors import UserError
 from disttrain.parallel.pipeline import analytic_bubble, build_schedule
-from disttrain.plan import PlannedLayout, Options, estimate, parse_cluster, parse_model
+from disttrain.plan import Options, PlannedLayout, estimate, parse_cluster, parse_model
 from disttrain.plan.choose import parse_layout
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.trace import build_trace, traced_micro_batches, write_trace

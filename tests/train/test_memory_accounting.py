@@ -7,10 +7,10 @@ import json
 from support import SyntheticTokens
 
 from disttrain import Trainer
-from disttrain.run_checks import resolve
 from disttrain.data import collate_token_batch
 from disttrain.models import GPT, token_loss
 from disttrain.plan import estimate_gpt
+from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 
 

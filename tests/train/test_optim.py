@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from disttrain.config import load_config
-from disttrain.run_checks import resolve
 from disttrain.models import GPT
 from disttrain.optim import LAMB, LARS, trust_ratio
+from disttrain.run_checks import resolve
 from disttrain.train.optim import build_optimizer, lr_at
 
 

@@ -32,7 +32,6 @@ from safetensors import safe_open
 from ..errors import CheckpointRejected
 from ..names import CHECKPOINT_INDEX_FILE
 
-
 FORMAT = "disttrain-checkpoint"
 VERSION = 1
 

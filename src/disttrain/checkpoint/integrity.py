@@ -22,9 +22,16 @@ from typing import Any
 
 from ..errors import CheckpointRejected
 from ..names import CHECKPOINT_INDEX_FILE
-from .format import (DTYPES, FORMAT, SAFETENSORS_DTYPES, VERSION, CheckpointIndex,
-                     dtype_name,
-                     ShardRef, TensorEntry)
+from .format import (
+    DTYPES,
+    FORMAT,
+    SAFETENSORS_DTYPES,
+    VERSION,
+    CheckpointIndex,
+    ShardRef,
+    TensorEntry,
+    dtype_name,
+)
 
 _MAX_INDEX_BYTES = 256 * 2**20
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit

@@ -28,8 +28,15 @@ import torch
 from ..errors import UserError
 from ..names import CHECKPOINT_DIR
 from . import storage
-from .format import (CheckpointIndex, ShardReader, ShardRef, TensorEntry, dtype_name,
-                     shard_file_name, whole_tensor_entry)
+from .format import (
+    CheckpointIndex,
+    ShardReader,
+    ShardRef,
+    TensorEntry,
+    dtype_name,
+    shard_file_name,
+    whole_tensor_entry,
+)
 from .integrity import check_files, read_index
 
 # global name, global shape, and where the piece lies: a flat range (start, stop) of the

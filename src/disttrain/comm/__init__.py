@@ -1,7 +1,6 @@
 """Communication: every collective disttrain issues goes through a Communicator."""
 
-from .collectives import (CollectiveLedger, CollectiveRecord, Communicator, ReduceOp,
-                          control_beside)
+from .collectives import CollectiveLedger, CollectiveRecord, Communicator, ReduceOp, control_beside
 
 __all__ = ["CollectiveLedger", "CollectiveRecord", "Communicator", "ReduceOp",
            "control_beside"]

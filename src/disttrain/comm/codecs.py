@@ -43,8 +43,18 @@ import torch
 import torch.nn.functional as F
 
 from ..config.schema import CommConfig
-from ..names import (BIASED_CODECS, CODEC_BF16, CODEC_FP16, CODEC_NONE, CODEC_ONEBIT,
-                     CODEC_POWERSGD, CODEC_QSGD, CODEC_RANDOMK, CODEC_TOPK, CODECS)
+from ..names import (
+    BIASED_CODECS,
+    CODEC_BF16,
+    CODEC_FP16,
+    CODEC_NONE,
+    CODEC_ONEBIT,
+    CODEC_POWERSGD,
+    CODEC_QSGD,
+    CODEC_RANDOMK,
+    CODEC_TOPK,
+    CODECS,
+)
 from .collectives import Communicator, TrackedWork
 
 # the wire dtype of each cast codec (ZeRO's reduce-scatter takes it too)

@@ -55,10 +55,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def run_train(ns: argparse.Namespace) -> int:
-    from ..plan.capacity import check_batch_fits, check_model_fits
-    from ..run_checks import resolve
     from ..config.load import load_run_config
     from ..launch.agent import inside_worker, launch
+    from ..plan.capacity import check_batch_fits, check_model_fits
+    from ..run_checks import resolve
 
     config = load_run_config(ns.config, ns.overrides, ns.run_dir)
     if ns.nnodes == "1" and not ns.rdzv_endpoint:  # not one elastic agent per node

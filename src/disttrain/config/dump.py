@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .schema import Config
 from .consistency import RunPlan
+from .schema import Config
 
 
 def toml_value(value: Any) -> str:

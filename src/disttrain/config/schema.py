@@ -10,8 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..names import (CODEC_NONE, CODECS, NONFINITE_SKIP, NONFINITE_STOP, SCHEDULE_1F1B,
-                     SCHEDULES, LOGGERS, SYNC_EVERY_STEP, SYNC_MODES, TRACE_FILE)
+from ..names import (
+    CODEC_NONE,
+    CODECS,
+    LOGGERS,
+    NONFINITE_SKIP,
+    NONFINITE_STOP,
+    SCHEDULE_1F1B,
+    SCHEDULES,
+    SYNC_EVERY_STEP,
+    SYNC_MODES,
+    TRACE_FILE,
+)
 
 # Upper bounds that keep a value finite and usable: a bucket beyond any device's memory
 # buys nothing; a collective that waits a week is hung.

@@ -9,8 +9,8 @@ from disttrain.data.corpus import (
 from disttrain.data.dataset import TokenWindowDataset, collate_token_batch
 from disttrain.data.files import default_cache_dir
 from disttrain.data.prepared import PreparedCorpus
-from disttrain.data.samples import BatchFetchDataset, fetch_samples, tensor_rows
 from disttrain.data.sampler import GlobalOrderSampler, eval_indices
+from disttrain.data.samples import BatchFetchDataset, fetch_samples, tensor_rows
 
 __all__ = [
     "BatchFetchDataset",

@@ -15,7 +15,6 @@ from torch.utils.data import Dataset
 from disttrain.errors import DataError
 
 
-
 def open_shard(path: Path, dtype: str = "uint16") -> np.ndarray:
     """A shard's tokens, memory-mapped (never read whole): a ``.npy`` file as its own
     1-D array, any other file as flat ``dtype`` values."""

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.schema import ModelConfig
-from ..targets import IGNORE_INDEX
 from ..spec import Divisor, ModelSpec, register_spec
+from ..targets import IGNORE_INDEX
 
 
 class CausalSelfAttention(nn.Module):

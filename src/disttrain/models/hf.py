@@ -36,8 +36,14 @@ from torch import nn
 
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
-from ..spec import (Divisor, ModelSpec, UnclassifiedParameter, classify_tp_params,
-                    generic_spec, register_spec)
+from ..spec import (
+    Divisor,
+    ModelSpec,
+    UnclassifiedParameter,
+    classify_tp_params,
+    generic_spec,
+    register_spec,
+)
 
 # dimension -> the [model] key that sets it, for messages (model.name = gpt2 | llama)
 _MODEL_FIELDS = {"heads": "model.n_head", "kv_heads": "model.n_kv_head",
@@ -61,8 +67,10 @@ def read_hf_config(path: str) -> Any:
     :class:`~disttrain.errors.ConfigError` naming ``model.hf_config``."""
     import transformers as tf
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     def refuse(problem: str, fix: str = "point it at the config.json of a transformers "
                "causal language model") -> NoReturn:

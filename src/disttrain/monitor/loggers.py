@@ -30,8 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..names import (CSV_FILE, LOGGER_CSV, LOGGER_MLFLOW, LOGGER_TENSORBOARD,
-                     LOGGER_WANDB, MLFLOW_DIR, TENSORBOARD_DIR)
+from ..names import (
+    CSV_FILE,
+    LOGGER_CSV,
+    LOGGER_MLFLOW,
+    LOGGER_TENSORBOARD,
+    LOGGER_WANDB,
+    MLFLOW_DIR,
+    TENSORBOARD_DIR,
+)
 from .callbacks import Callback, Trainer
 from .record import STEP, MetricsRecord
 

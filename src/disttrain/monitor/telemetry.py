@@ -17,9 +17,18 @@ import torch
 from ..comm import Communicator
 from .metrics import MetricsWriter
 from .peaks import Peak, model_flops_utilisation
-from .record import (MEM_PEAK_MB, RANK, RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S,
-                     RANK_FIELDS, RANK_OPTIM_S, RANK_SAMPLES,
-                     MetricsRecord, as_record)
+from .record import (
+    MEM_PEAK_MB,
+    RANK,
+    RANK_COMM_S,
+    RANK_COMPUTE_S,
+    RANK_DATA_S,
+    RANK_FIELDS,
+    RANK_OPTIM_S,
+    RANK_SAMPLES,
+    MetricsRecord,
+    as_record,
+)
 from .stats import STAT_FIELDS, StatsWindow, StragglerDetector, lower_median, memory_mb
 
 _GATHERED = (*STAT_FIELDS, RANK_SAMPLES, "mem_mb", MEM_PEAK_MB)

@@ -8,10 +8,10 @@ the update: gradients are weighted by the tokens each rank processed.
 
 from __future__ import annotations
 
+from ..config.layout import Layout
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
-from ..config.layout import Layout
 
 
 def check_balance(config: Config, layout: Layout) -> None:

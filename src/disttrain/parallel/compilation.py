@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
+from ..config.consistency import on_gpu
 from ..config.layout import Layout
 from ..config.schema import Config
-from ..config.consistency import on_gpu
 from ..errors import ConfigError
 from ..param_names import COMPILED
 from ..spec import ModelSpec

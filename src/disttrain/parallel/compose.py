@@ -36,20 +36,30 @@ from ..checkpoint.state import MODEL
 from ..comm.collectives import Communicator
 from ..config.schema import Config
 from ..spec import ModelSpec, block_list
-from .topology import Topology
+from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
-from .interfaces import (GradSync, PartialSource, RunsOwnLoop, ShardedState, StatePiece,
-                         StepPass, StepTracer, SyncStrategy, TensorSource)
+from .interfaces import (
+    GradSync,
+    PartialSource,
+    RunsOwnLoop,
+    ShardedState,
+    StatePiece,
+    StepPass,
+    StepTracer,
+    SyncStrategy,
+    TensorSource,
+)
 from .pipeline.check import pipeline_cuts
 from .pipeline_pass import PipelinePass
 from .placement import Placement, tensor_pieces, whole_model_placement
 from .registry import OPTIMIZERS, SYNC_MODES, get_strategy
 from .step_pass import WholeModelPass
 from .strategy import OptimizerContext, StrategyContext, SyncContext
+from .topology import Topology
 from .zero import Unit, build_units
-from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
+
 
 @dataclass(frozen=True)
 class Groups:

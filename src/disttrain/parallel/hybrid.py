@@ -33,8 +33,15 @@ from ..spec import IDENTICAL, ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
 from .clipping import clip_to_global_norm
 from .interfaces import GradSync, Work
-from .pipeline import (PipelineChunk, Schedule, build_chunks, build_schedule,
-                       chunk_param_names, exchange_tied_grads, plan_stages)
+from .pipeline import (
+    PipelineChunk,
+    Schedule,
+    build_chunks,
+    build_schedule,
+    chunk_param_names,
+    exchange_tied_grads,
+    plan_stages,
+)
 from .pipeline.check import virtual_stages
 from .pipeline.stages import StagePlan
 from .placement import Placement

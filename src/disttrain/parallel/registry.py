@@ -21,10 +21,17 @@ from ..config.layout import Layout
 from ..config.schema import Config
 from ..errors import ConfigError
 from .ddp import DDP
-from .optimizers import BUILTIN_OPTIMIZERS
 from .onebit import ONEBIT_ADAM
-from .strategy import (Check, DataParallelStrategy, OptimizerKind, StrategyContext,
-                       SyncMode, no_check, selected_strategy)
+from .optimizers import BUILTIN_OPTIMIZERS
+from .strategy import (
+    Check,
+    DataParallelStrategy,
+    OptimizerKind,
+    StrategyContext,
+    SyncMode,
+    no_check,
+    selected_strategy,
+)
 from .sync import LOCAL, SYNC_MODES_BUILTIN
 from .zero import ZERO
 

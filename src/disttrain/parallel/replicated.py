@@ -13,16 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.state import (MODEL, OPTIM, assign_owners, restore_named,
-                                restore_optimizer)
-from .activation import canonical_name
+from ..checkpoint.state import MODEL, OPTIM, assign_owners, restore_named, restore_optimizer
 from ..config.layout import Layout
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
+from .activation import canonical_name
 from .interfaces import StatePiece, TensorSource, rank_local_state
-from .strategy import Check
 from .placement import Placement, range_pieces, tensor_pieces
+from .strategy import Check
 
 
 class ReplicatedState:

@@ -28,8 +28,7 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..config.layout import Layout
 from ..config.schema import CommConfig, Config, ParallelConfig, TrainConfig
-from ..names import (STRATEGY_AUTO, STRATEGY_DDP, STRATEGY_LOCAL, STRATEGY_ZERO,
-                     SYNC_EVERY_STEP)
+from ..names import STRATEGY_AUTO, STRATEGY_DDP, STRATEGY_LOCAL, STRATEGY_ZERO, SYNC_EVERY_STEP
 from .interfaces import GradSync, ShardedState, SyncStrategy
 from .placement import Placement
 

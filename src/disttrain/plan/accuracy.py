@@ -25,14 +25,26 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, load_config
+from ..config.consistency import data_parallel_degree, resolve_batch
 from ..config.layout import Layout, resolve_layout
 from ..config.schema import ModelConfig
-from ..config.consistency import data_parallel_degree, resolve_batch
 from ..errors import UserError
-from ..monitor.record import (ACTIVATIONS, DEVICE_NAME, MEMORY_BYTES, MEMORY_BYTES_PER_RANK,
-                              MODEL_STATE_PARTS, STEP_TIME_S)
-from ..names import (CONFIG_FILE, METRICS_FILE, MODEL_CONFIG_FILE, SCHEDULE_GPIPE,
-                     SUMMARY_FILE, SYNC_EVERY_STEP)
+from ..monitor.record import (
+    ACTIVATIONS,
+    DEVICE_NAME,
+    MEMORY_BYTES,
+    MEMORY_BYTES_PER_RANK,
+    MODEL_STATE_PARTS,
+    STEP_TIME_S,
+)
+from ..names import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    MODEL_CONFIG_FILE,
+    SCHEDULE_GPIPE,
+    SUMMARY_FILE,
+    SYNC_EVERY_STEP,
+)
 from .cluster import PRESETS, Cluster, parse_cluster, preset_for_device
 from .estimate import Estimate, estimate
 from .layout import PlannedLayout

@@ -46,17 +46,34 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from ..monitor.peaks import matmul_precision
 from ..launch.agent import worker_threads
+from ..monitor.peaks import matmul_precision
 from ..testing import run_distributed
 from .cluster import GROUP_LINK_OPS, Cluster, group_link_key
-from .costs import (attention_time, head_kernel_time, kernel_time_of_layer,
-                    ring_bytes_factor, ring_latency_steps)
+from .costs import (
+    attention_time,
+    head_kernel_time,
+    kernel_time_of_layer,
+    ring_bytes_factor,
+    ring_latency_steps,
+)
 from .fit import MatmulFit, MatmulPoint, fit_line, fit_matmul
-from .measure import (COLLECTIVES, CPU_PROBE, Effort, collective_sizes, device_memory_gib,
-                      group_sizes, link_times, matmul_shapes, time_attention, time_copy,
-                      time_matmul, time_optimizer_tensors, time_tiny_layer,
-                      time_tiny_model)
+from .measure import (
+    COLLECTIVES,
+    CPU_PROBE,
+    Effort,
+    collective_sizes,
+    device_memory_gib,
+    group_sizes,
+    link_times,
+    matmul_shapes,
+    time_attention,
+    time_copy,
+    time_matmul,
+    time_optimizer_tensors,
+    time_tiny_layer,
+    time_tiny_model,
+)
 from .shape import ModelShape
 
 # one call after one warm-up: a 16-bit probe on a CPU may be emulated, and slow

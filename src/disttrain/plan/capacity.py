@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..config.consistency import RunPlan, on_gpu
 from ..config.layout import Layout, resolve_layout
 from ..config.schema import Config, ModelConfig
-from ..config.consistency import RunPlan, on_gpu
 from ..errors import ConfigError, UserError
 from ..models import num_params
 from .memory import gpt_activation_bytes, model_state_bytes

@@ -26,8 +26,15 @@ import math
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .costs import (collective_time, compute_share, head_kernel_time, layer_kernels,
-                    node_ranks, overlaps_compute, with_host)
+from .costs import (
+    collective_time,
+    compute_share,
+    head_kernel_time,
+    layer_kernels,
+    node_ranks,
+    overlaps_compute,
+    with_host,
+)
 from .layout import PlannedLayout
 from .options import Options
 from .shape import ModelShape, rank_params, rank_tensors, zero_flats

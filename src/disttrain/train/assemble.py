@@ -38,8 +38,8 @@ from ..monitor.watchdog import HangWatchdog, default_store
 from ..names import METRICS_FILE, NONFINITE_STOP
 from ..parallel.compose import Groups, compose
 from ..parallel.interfaces import TensorSource
-from ..spec import ModelSpec
 from ..parallel.topology import Topology, build_topology
+from ..spec import ModelSpec
 from ..weights import on_meta, stream_seed
 from . import rundir
 from .batch import LossFn, split_batch, to_device

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.manager import (CheckpointManager, SaveFailed, find_checkpoint,
-                                  open_checkpoint)
+from ..checkpoint.manager import CheckpointManager, SaveFailed, find_checkpoint, open_checkpoint
 from ..checkpoint.state import restore_rng, rng_tensors
 from ..checkpoint.storage import step_name
 from ..comm import Communicator, ReduceOp

@@ -7,8 +7,14 @@ from typing import Any
 
 from ..errors import CheckpointSaveError
 from ..monitor.peaks import model_flops_utilisation
-from ..monitor.record import (DEVICE_NAME, MEMORY_BYTES, MEMORY_BYTES_PER_RANK, MFU,
-                              PEAK_SOURCE, PEAK_TFLOPS)
+from ..monitor.record import (
+    DEVICE_NAME,
+    MEMORY_BYTES,
+    MEMORY_BYTES_PER_RANK,
+    MFU,
+    PEAK_SOURCE,
+    PEAK_TFLOPS,
+)
 from ..monitor.trace import merge_traces
 from ..names import TRACE_FILE, trace_rank_file
 from . import rundir

@@ -17,8 +17,8 @@ from ..data import TokenWindowDataset, collate_token_batch, corpus_from_config
 from ..data.check import check_corpus_vocab, check_samples, check_vocab
 from ..models import GPT, flops_per_token, token_loss
 from ..models.hf import build_hf_model, hf_dimensions, is_hf, matmul_flops_per_token
-from .batch import LossFn
 from . import rundir
+from .batch import LossFn
 from .trainer import Trainer
 
 

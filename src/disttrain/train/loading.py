@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from ..data.loader import FuturePlan, PrefetchingLoader
-from ..data.samples import fetch_samples
 from ..data.sampler import GlobalOrderSampler
+from ..data.samples import fetch_samples
 from .batch import Batch, split_batch, to_device
 
 

@@ -17,14 +17,14 @@ import torch
 
 from ..comm import CollectiveLedger, Communicator
 from ..config import Config, RunPlan, TrainConfig
-from ..data.samples import fetch_samples
 from ..data.sampler import eval_indices
+from ..data.samples import fetch_samples
 from ..faults import maybe_fail
 from ..monitor import MetricsRecord
 from ..monitor.record import ACTIVATIONS, RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES
 from ..monitor.stats import StepStats
-from ..parallel.compose import Parallelized
 from ..monitor.trace import Tracer
+from ..parallel.compose import Parallelized
 from ..parallel.interfaces import OwnLoopInputs
 from .batch import split_batch, to_device
 from .cadence import CheckpointCadence

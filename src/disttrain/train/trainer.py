@@ -37,8 +37,8 @@ from ..errors import DivergenceError
 from ..monitor.callbacks import Callback
 from ..parallel.compose import Parallelized
 from ..parallel.interfaces import TensorSource
-from ..spec import ModelSpec, spec_for
 from ..run_checks import resolve
+from ..spec import ModelSpec, spec_for
 from ..weights import InitFn, initial_weights, on_meta, open_pretrained
 from .assemble import RunInputs, assemble_run, build_mesh, finished_summary
 from .batch import LossFn, collate_samples

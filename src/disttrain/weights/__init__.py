@@ -46,9 +46,9 @@ def pretrained_model(directory: str) -> nn.Module:
     """The transformers causal LM of a model directory's ``config.json``, built on the
     meta device (no memory): pass it with ``pretrained=directory`` to the Trainer."""
     import torch
+    import transformers as tf
 
     from ..models.hf import read_hf_config
-    import transformers as tf
 
     config = read_hf_config(str(Path(directory).expanduser() / "config.json"))
     with torch.device("meta"):

@@ -17,7 +17,6 @@ from ..checkpoint.state import MODEL
 from ..param_names import canonical_name
 
 
-
 def on_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` has no storage (meta device)."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -11,14 +11,41 @@ from collections.abc import Callable
 from typing import Any
 
 from ..peaks import CONFIGURED, MEASURED_CPU
-from ..record import (ACTIVATIONS, DEVICE_NAME, MEM_PEAK_MB, MEMORY_BYTES,
-                      MEMORY_BYTES_PER_RANK, MFU, PEAK_SOURCE, PEAK_TFLOPS, RANK,
-                      RANK_COMM_S, RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES, RANK_TOTAL_S,
-                      RANKS, STEP, STEP_TIME_S, STRAGGLERS, TOKENS_PER_S)
+from ..record import (
+    ACTIVATIONS,
+    DEVICE_NAME,
+    MEM_PEAK_MB,
+    MEMORY_BYTES,
+    MEMORY_BYTES_PER_RANK,
+    MFU,
+    PEAK_SOURCE,
+    PEAK_TFLOPS,
+    RANK,
+    RANK_COMM_S,
+    RANK_COMPUTE_S,
+    RANK_DATA_S,
+    RANK_SAMPLES,
+    RANK_TOTAL_S,
+    RANKS,
+    STEP,
+    STEP_TIME_S,
+    STRAGGLERS,
+    TOKENS_PER_S,
+)
 from .data import Record, RunData, number, series
-from .formats import (format_bytes, format_count, format_loss, format_mib, format_number,
-                      format_percent, format_rate, format_seconds, format_si, format_value,
-                      humanise)
+from .formats import (
+    format_bytes,
+    format_count,
+    format_loss,
+    format_mib,
+    format_number,
+    format_percent,
+    format_rate,
+    format_seconds,
+    format_si,
+    format_value,
+    humanise,
+)
 
 
 # --------------------------------------------------------------------------- MFU

@@ -16,9 +16,25 @@ from typing import Any
 from ...errors import UserError
 from ...names import METRICS_FILE
 from ..peaks import MEASURED_CPU
-from ..record import (ACTIVATIONS, DEVICE_NAME, EVAL_LOSS, LOSS, MEM_PEAK_MB, MEMORY_MB, MFU,
-                      MODEL_STATE_PARTS, RANK, RANKS, STEP, STEP_TIME_S, TIME_COMM_S,
-                      TIME_COMPUTE_S, TIME_DATA_S, TIME_OPTIM_S, TOKENS_PER_S)
+from ..record import (
+    ACTIVATIONS,
+    DEVICE_NAME,
+    EVAL_LOSS,
+    LOSS,
+    MEM_PEAK_MB,
+    MEMORY_MB,
+    MFU,
+    MODEL_STATE_PARTS,
+    RANK,
+    RANKS,
+    STEP,
+    STEP_TIME_S,
+    TIME_COMM_S,
+    TIME_COMPUTE_S,
+    TIME_DATA_S,
+    TIME_OPTIM_S,
+    TOKENS_PER_S,
+)
 from .cards import PART_NAMES, peak_kind, record_peak_sources, straggler_counts
 from .data import Record, RunData, number, series
 from .formats import format_percent, format_rate

@@ -17,6 +17,7 @@ from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from ..sync.base import LocalGradients
 from .data_parallel import DataParallel, apply_data_parallel
 
+
 def build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
     reduce_dtype = WIRE_DTYPES[ctx.parallel.grad_reduce_dtype]
     codec = build_codec(ctx.comm, ctx.seed)

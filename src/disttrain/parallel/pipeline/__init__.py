@@ -14,12 +14,29 @@ planning); ``chunk_param_names`` maps a chunk's parameter names to the full mode
 
 from .p2p import Message, check_nccl_order, check_posts, message_groups
 from .runner import ActionTiming, PipelineStepResult, run_pipeline
-from .schedules import (BACKWARD, FORWARD, SCHEDULES, Action, Schedule, analytic_bubble,
-                        build_schedule, validate_schedule)
+from .schedules import (
+                        BACKWARD,
+                        FORWARD,
+                        SCHEDULES,
+                        Action,
+                        Schedule,
+                        analytic_bubble,
+                        build_schedule,
+                        validate_schedule,
+)
 from .simulate import ScheduleDeadlock, bubble_fractions, check_schedule, simulate
-from .stages import (PipelineChunk, StageCosts, StagePlan, balanced_cuts, build_chunks,
-                     chunk_param_names, exchange_tied_grads, plan_stages, spec_costs,
-                     sync_tied_grads)
+from .stages import (
+                        PipelineChunk,
+                        StageCosts,
+                        StagePlan,
+                        balanced_cuts,
+                        build_chunks,
+                        chunk_param_names,
+                        exchange_tied_grads,
+                        plan_stages,
+                        spec_costs,
+                        sync_tied_grads,
+)
 
 __all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionTiming", "PipelineChunk",
            "PipelineStepResult", "Schedule", "ScheduleDeadlock",

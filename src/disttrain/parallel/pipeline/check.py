@@ -3,11 +3,11 @@ and ``parallel.pp_split`` read as cut points."""
 
 from __future__ import annotations
 
+from ...config.layout import Layout
 from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
 from ...names import SCHEDULE_INTERLEAVED
 from ...spec import ModelSpec
-from ...config.layout import Layout
 from .schedules import validate_schedule
 
 

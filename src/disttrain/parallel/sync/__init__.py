@@ -15,8 +15,14 @@ data-parallel strategy (:class:`LocalGradients`: no communication inside a step)
 from __future__ import annotations
 
 from ...comm.codecs import build_codec
-from ...names import (STRATEGY_LOCAL, SYNC_ASYNC, SYNC_DILOCO, SYNC_EVERY_STEP, SYNC_FEDAVG,
-                      SYNC_LOCAL_SGD)
+from ...names import (
+    STRATEGY_LOCAL,
+    SYNC_ASYNC,
+    SYNC_DILOCO,
+    SYNC_EVERY_STEP,
+    SYNC_FEDAVG,
+    SYNC_LOCAL_SGD,
+)
 from ..interfaces import GradSync, ShardedState
 from ..replicated import ReplicatedState, check_replica
 from ..strategy import DataParallelStrategy, StrategyContext, SyncContext, SyncMode

@@ -47,16 +47,26 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...errors import ConfigError
-from ...spec import (IDENTICAL, PARTIAL, SHARDED, TP_STYLES, TP_SWAPPED, ModelSpec,
-                     UnclassifiedParameter, classify_tp_params, match_plan, output_logits,
-                     spec_for, with_logits)
-from .functions import (gather_from_tp_region, scatter_to_sequence_region,
-                        vocab_parallel_token_loss)
+from ...spec import (
+    IDENTICAL,
+    PARTIAL,
+    SHARDED,
+    TP_STYLES,
+    TP_SWAPPED,
+    ModelSpec,
+    UnclassifiedParameter,
+    classify_tp_params,
+    match_plan,
+    output_logits,
+    spec_for,
+    with_logits,
+)
+from .functions import gather_from_tp_region, scatter_to_sequence_region, vocab_parallel_token_loss
 from .layers import (
     Box,
-    ShardedModule,
     ColumnParallelLinear,
     RowParallelLinear,
+    ShardedModule,
     VocabParallelEmbedding,
     VocabParallelHead,
     cut,

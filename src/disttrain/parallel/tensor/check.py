@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ...config.layout import Layout
 from ...config.schema import Config
 from ...errors import ConfigError
 from ...spec import ModelSpec
-from ...config.layout import Layout
 from .apply import check_divisible
 
 

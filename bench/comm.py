@@ -174,10 +174,10 @@ def main() -> None:
         "payload_bytes_per_step": {k: v["bytes"] for k, v in results.items()},
         "step_time_s": {k: v["step_s"] for k, v in results.items()},
         "eval_loss": {k: v["loss"] for k, v in results.items()},
-        "targets": {k: {"min_bytes_reduction": b, "max_loss_ratio": l,
+        "targets": {k: {"min_bytes_reduction": b, "max_loss_ratio": ratio,
                         **({"min_after_warmup_bytes_reduction": AFTER_WARMUP_TARGETS[k]}
                            if k in AFTER_WARMUP_TARGETS else {})}
-                    for k, (b, l) in TARGETS.items() if k in results},
+                    for k, (b, ratio) in TARGETS.items() if k in results},
         "machine": f"{os.cpu_count()} cpu cores",
     }
     print(json.dumps(out))

@@ -145,7 +145,7 @@ def _time_steps(step: Step, batches: list, n: int,
                                + [parts.get(p, 0.0) for p in PHASES])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed[0]))
-        for p, v in zip(PHASES, elapsed[1:].tolist()):
+        for p, v in zip(PHASES, elapsed[1:].tolist(), strict=False):
             if phases is not None:
                 phases.setdefault(p, []).append(v)
     return times

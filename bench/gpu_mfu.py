@@ -30,8 +30,8 @@ same for both (content does not change the work). Both sides run bf16 autocast, 
 MFU = tokens/s x the model's training FLOPs per token (6 x the matmul parameters, the
 head included, plus the attention scores and weighted sums, as
 ``disttrain.models.gpt.flops_per_token``) / the peak. Targets (issue 29): disttrain's
-MFU >= 0.45 on an H100 and its tokens/s >= 0.95 of the plain loop's. Prints one JSON line; with no CUDA device it prints one line on
-stderr and exits 2.
+MFU >= 0.45 on an H100 and its tokens/s >= 0.95 of the plain loop's. Prints one JSON line;
+with no CUDA device it prints one line on stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class WindowClock(Callback):
 
     def rates(self, tokens_per_step: int) -> list[float]:
         return [(s1 - s0) * tokens_per_step / (t1 - t0)
-                for (s0, t0), (s1, t1) in zip(self.edges, self.edges[1:])]
+                for (s0, t0), (s1, t1) in zip(self.edges, self.edges[1:], strict=False)]
 
 
 def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace

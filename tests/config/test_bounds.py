@@ -196,5 +196,5 @@ def test_a_transformers_model_is_estimated_from_its_own_config(no_launch, capsys
 def test_two_bad_values_in_one_command_are_both_reported(no_launch, capsys):
     assert main(["train", "--set", "train.steps=0", "--set", "comm.codec=zip"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all(l.startswith("disttrain: error: ") for l in lines), lines
+    assert len(lines) == 2 and all(line.startswith("disttrain: error: ") for line in lines), lines
     assert "train.steps=0" in lines[0] and "comm.codec='zip'" in lines[1]

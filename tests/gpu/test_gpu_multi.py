@@ -4,7 +4,8 @@ Each case trains through the Trainer and must end on the weights of the single-p
 plain loop on GPU 0 (see gpu_training.py): dp = 2 (fp32 with accumulation, bf16, fp16
 with loss scaling), ZeRO-3 at dp = 2, tensor parallelism at tp = 2 (also with sequence
 parallelism), pipelines at pp = 2 under every schedule, train.compile under ZeRO-1 and
-in a pipeline, and with four GPUs the hybrid (2, 2, 1) and (2, 1, 2) layouts. Skipped unless the machine has enough GPUs.
+in a pipeline, and with four GPUs the hybrid (2, 2, 1) and (2, 1, 2) layouts. Skipped unless
+the machine has enough GPUs.
 """
 
 from __future__ import annotations

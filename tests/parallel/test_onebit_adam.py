@@ -377,7 +377,8 @@ def test_residuals_reshard_to_another_dp_size():
         chunk = 8 * math.ceil(n / 16)
         start, stop, data = opt.range_state(p)["server_error"]
         assert (start, stop) == (min(n, chunk), min(n, 2 * chunk))
-        torch.testing.assert_close(data, saved[f"optim/{name}/server_error"].reshape(-1)[start:stop])
+        server = saved[f"optim/{name}/server_error"]
+        torch.testing.assert_close(data, server.reshape(-1)[start:stop])
         assert "worker_error" not in opt.state[p]  # kept outside optimizer.state
     assert opt.steps_taken == 3 and opt.compressing
 

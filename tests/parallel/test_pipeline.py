@@ -195,14 +195,14 @@ def _brute_force_max_cost(costs: StageCosts, n: int) -> float:
         bounds = [0, *cuts, layers]
         worst = max(sum(costs.blocks[a:b]) + (costs.embedding if k == 0 else 0)
                     + (costs.head if k == n - 1 else 0)
-                    for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+                    for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)))
         best = min(best, worst)
     return best
 
 
 def test_balanced_cuts_minimise_the_largest_chunk():
     g = torch.Generator().manual_seed(0)
-    for trial in range(30):
+    for _trial in range(30):
         layers = int(torch.randint(2, 9, (1,), generator=g))
         n = int(torch.randint(1, layers + 1, (1,), generator=g))
         costs = StageCosts(embedding=float(torch.rand(1, generator=g)) * 3,
@@ -212,7 +212,7 @@ def test_balanced_cuts_minimise_the_largest_chunk():
         bounds = [0, *cuts, layers]
         got = max(sum(costs.blocks[a:b]) + (costs.embedding if k == 0 else 0)
                   + (costs.head if k == n - 1 else 0)
-                  for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+                  for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)))
         assert got == pytest.approx(_brute_force_max_cost(costs, n)), (costs, n, cuts)
     # a heavy head pushes blocks towards the first stage
     heavy = StageCosts(embedding=0.0, blocks=(1.0,) * 8, head=4.0)
@@ -314,7 +314,7 @@ class _PlainAdamW:
     def step(self) -> None:
         self.t += 1
         (b1, b2), lr = self.betas, self.lr
-        for p, (m, v) in zip(self.params, self.state):
+        for p, (m, v) in zip(self.params, self.state, strict=False):
             p.mul_(1 - lr * self.wd)
             m.lerp_(p.grad, 1 - b1)
             v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
@@ -348,7 +348,7 @@ def _check_case(comm, name: str, v: int, n_layer: int, m: int, cuts) -> int:
         opt.zero_grad()
         calls = []
 
-        def grad_sync(chunk: int, last: bool):
+        def grad_sync(chunk: int, last: bool, calls: list = calls):
             calls.append((chunk, last))
             return torch.enable_grad()
         result = run_pipeline(chunks, batches, token_loss, comm, schedule,

@@ -26,13 +26,13 @@ def _zero_runs(run_dir: str) -> list[dict]:
 def test_zero_follows_single_process(world_size, tmp_path):
     results = run_distributed(_zero_runs, world_size, args=(str(tmp_path),), timeout=360)
     references = [reference_train(20, mask=True, **v) for v in VARIANTS]
-    for (stage, variant), state in zip(CASES, results[0]):
+    for (stage, variant), state in zip(CASES, results[0], strict=False):
         try:
             assert_states_close(state, references[variant])
         except AssertionError as e:
             raise AssertionError(f"ZeRO-{stage} {VARIANTS[variant]}: {e}") from None
     for other in results[1:]:  # every rank ends with the same full parameters
-        for mine, theirs in zip(results[0], other):
+        for mine, theirs in zip(results[0], other, strict=False):
             assert_states_close(theirs, mine, atol=0)
 
 
@@ -73,7 +73,8 @@ def _measure(stage: int) -> dict:
 def test_model_state_bytes_follow_the_zero_formulas():
     from disttrain.plan import model_state_bytes
 
-    for stage, measured in zip(STAGES, run_distributed(_measure_stages, 4, timeout=180)[1]):
+    measures = run_distributed(_measure_stages, 4, timeout=180)[1]
+    for stage, measured in zip(STAGES, measures, strict=True):
         expected = model_state_bytes(measured["psi"], dp=4, zero=stage)
         for part in ("params", "grads", "optimizer"):
             want = getattr(expected, part)
@@ -123,7 +124,7 @@ def test_bf16_wire_halves_the_reduce_scatter_bytes(tmp_path):
     got = run_distributed(_bf16_wire, 2, args=(str(tmp_path),), timeout=120)[0]
     fp32, bf16 = got["None"], got["torch.bfloat16"]
     assert bf16["bytes"] * 2 == fp32["bytes"] > 0
-    for a, b in zip(bf16["grads"], fp32["grads"]):
+    for a, b in zip(bf16["grads"], fp32["grads"], strict=False):
         assert a.dtype == torch.float32  # summed into fp32 shards
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
     none, half = got["summaries"]["none"], got["summaries"]["bf16"]

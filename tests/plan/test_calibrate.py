@@ -80,7 +80,7 @@ def test_link_fields_reproduce_the_measured_collectives(ranks):
                 for r in range(ranks)]
     fields, notes = link_fields(SIZES, per_rank)
     cluster = replace(PRESETS["h100"], gpus_per_node=ranks, **fields)
-    for size, measured in zip(SIZES, ops["all_reduce"]):
+    for size, measured in zip(SIZES, ops["all_reduce"], strict=False):
         assert ring_time(size, ranks, cluster.intra_gbps, cluster.intra_latency_s) == \
             pytest.approx(measured, rel=REL)
     assert cluster.p2p_intra_gbps == pytest.approx(8.0, rel=REL)

@@ -139,7 +139,7 @@ def test_recorded_parts_rebuild_the_step_time(model, cluster_spec, batch, layout
     est = estimate(parse_model(model), cluster, lay, batch, Options())
     # per micro-batch, a stage runs its chunks and sends 2 messages per chunk
     stage = [sum(f) + sum(b) + 2 * lay.v * est.p2p_message_s
-             for f, b in zip(est.chunk_forward_s, est.chunk_backward_s)]
+             for f, b in zip(est.chunk_forward_s, est.chunk_backward_s, strict=False)]
     assert [len(f) for f in est.chunk_forward_s] == [lay.v] * lay.pp
     m = lay.micro_batches(batch)
     pipeline = m * max(stage) + (lay.pp - 1) * sum(stage) / lay.pp / lay.v

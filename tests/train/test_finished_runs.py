@@ -29,7 +29,7 @@ def _fit(run_dir: str, steps: int, every: int = 2) -> dict:
 
     torch.manual_seed(0)
     x = torch.randn(32, 4)
-    data = list(zip(x, x.sum(dim=1, keepdim=True)))
+    data = list(zip(x, x.sum(dim=1, keepdim=True), strict=False))
     cfg = {"train": {"steps": steps, "global_batch": 4, "warmup_steps": 0, "log_every": 1},
            "checkpoint": {"every": every, "keep": 1, "async": False},
            "monitor": {"peak_tflops": 1.0, "tensorboard": False}}

@@ -63,7 +63,7 @@ class InitialState(Callback):
         full: dict[str, torch.Tensor] = {}
         for name, shape, offsets, t in (x for rank in everyone for x in rank):
             out = full.setdefault(name, torch.full(shape, float("nan"), dtype=t.dtype))
-            out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+            out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=False))] = t
         save_file(full, self.path)
         module = trainer.parallel.module
         buffers = {n: b for n, b in module.named_buffers() if n.endswith("inv_freq")}

@@ -92,7 +92,7 @@ def test_validate_block(block, no_launch, capsys):
 def test_transcript_block(block, no_launch, capsys):
     parts = re.split(r"^\$ (.*)$", block.code, flags=re.M)[1:]
     assert parts, f"{block.id}: no '$ command' line"
-    for command, expected in zip(parts[::2], parts[1::2]):
+    for command, expected in zip(parts[::2], parts[1::2], strict=True):
         argv = commands(command)[0]
         assert argv[0] == "disttrain"
         code = _main(argv[1:])

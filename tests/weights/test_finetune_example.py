@@ -1,6 +1,6 @@
-"""The fine-tuning guide's example (docs/guides/finetune.md) runs as printed (fewer steps) on a tiny Llama saved
-with ``save_pretrained``: two ranks at tp 2 start from its weights, and the export loads
-back with ``from_pretrained`` under the same names."""
+"""The fine-tuning guide's example (docs/guides/finetune.md) runs as printed (fewer
+steps) on a tiny Llama saved with ``save_pretrained``: two ranks at tp 2 start from its
+weights, and the export loads back with ``from_pretrained`` under the same names."""
 
 from __future__ import annotations
 

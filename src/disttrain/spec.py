@@ -101,11 +101,14 @@ class ModelSpec:
 
     @property
     def can_pipeline(self) -> bool:
+        """Whether the spec says enough to cut the model into pipeline stages (a block
+        list, the pieces around it, a hidden size)."""
         pieces = (self.embed is not None and self.finish is not None) or self.inject
         return self.blocks is not None and bool(pieces) and self.hidden_size > 0
 
     @property
     def n_blocks(self) -> int:
+        """The number of blocks in the block list."""
         return len(self.block_costs)
 
 

@@ -43,6 +43,7 @@ class DistributedTestError(AssertionError):
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked (for a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,5 +1,5 @@
 """The README's "your own model, in ten lines" runs as printed (fewer steps) and its
-model learns the task."""
+model learns the task; the documentation pages that show it show the same code."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+# pages that repeat the example (the test runs it once)
+COPIES = [ROOT / "docs" / "getting-started.md", ROOT / "docs" / "guides" / "own-model.md"]
 
 
 def test_the_ten_line_example_trains(tmp_path):
@@ -17,6 +20,8 @@ def test_the_ten_line_example_trains(tmp_path):
     start = text.index("**Your own model, in ten lines**")
     code = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
+    for page in COPIES:
+        assert f"```python\n{code}```" in page.read_text(encoding="utf-8"), page
     script = tmp_path / "train.py"
     script.write_text(code.replace('"steps": 200', '"steps": 60'))
     env = {k: v for k, v in os.environ.items()

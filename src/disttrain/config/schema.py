@@ -306,6 +306,7 @@ class Config:
     explicit: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every section as ``{section: {key: value}}``, under the names TOML and ``--set`` use."""
         return {name: {config_key(f): getattr(getattr(self, name), f.name)
                        for f in fields(cls)}
                 for name, cls in SECTIONS.items()}

@@ -69,21 +69,28 @@ class Callback:
     all_ranks: bool = False  # True: called on every rank, not only rank 0
 
     def on_train_start(self, trainer: Trainer) -> None:
+        """Once, after the run is built and before the first step; ``trainer.start_step`` is set."""
         pass
 
     def on_step_end(self, trainer: Trainer, record: MetricsRecord) -> None:
+        """After every step, with its step, learning rate, loss and gradient norm."""
         pass
 
     def on_log(self, trainer: Trainer, record: MetricsRecord) -> None:
+        """At every logged step (``train.log_every``), with the full metrics record."""
         pass
 
     def on_eval(self, trainer: Trainer, step: int, eval_loss: float) -> None:
+        """After each held-out evaluation (``step`` is ``start_step`` for the one
+        before training)."""
         pass
 
     def on_checkpoint(self, trainer: Trainer, step: int, path: Path) -> None:
+        """After a checkpoint of ``step`` is committed to ``path``."""
         pass
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any] | None) -> None:
+        """Once at the end, with the run summary (None if the run stopped early)."""
         pass
 
 

@@ -100,6 +100,7 @@ class StatePiece:
 
     @property
     def is_whole(self) -> bool:
+        """Whether the piece is the whole global tensor (no sharding)."""
         return tuple(self.tensor.shape) == tuple(self.global_shape) and \
             not any(self.offsets)
 
@@ -107,11 +108,14 @@ class StatePiece:
 class TensorSource(Protocol):
     """Global tensors by name (a checkpoint's reader)."""
 
-    def names(self, prefix: str = "") -> list[str]: ...
+    def names(self, prefix: str = "") -> list[str]:
+        """The names of the tensors this source holds, those starting with ``prefix``."""
 
-    def tensor(self, name: str) -> torch.Tensor: ...
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name``."""
 
-    def shape(self, name: str) -> tuple[int, ...]: ...
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The global shape of tensor ``name``, without reading it."""
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ class Placement:
     to_local_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
     def name(self, param: torch.Tensor) -> str:
+        """The global (full-model) name of this rank's parameter ``param``."""
         return self.names[id(param)]
 
     def boxes(self, name: str, param: torch.Tensor) -> list[Box]:

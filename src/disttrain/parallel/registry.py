@@ -95,6 +95,7 @@ def register_optimizer(kind: OptimizerKind) -> None:
 
 
 def strategy_names() -> list[str]:
+    """The registered data-parallel strategy names (``parallel.strategy``), sorted."""
     return sorted(STRATEGIES.names())
 
 

@@ -117,6 +117,7 @@ class Trainer:
 
     @property
     def runtime(self) -> Runtime:
+        """The process group, device and rank of this process (during and after :meth:`fit`)."""
         if self._runtime is None:
             raise RuntimeError("the process group is set up by fit(): call it first")
         return self._runtime
@@ -128,6 +129,7 @@ class Trainer:
 
     @property
     def is_main(self) -> bool:
+        """Whether this process is global rank 0 (the one that writes shared files)."""
         return self.runtime.is_main
 
     @property
@@ -142,18 +144,23 @@ class Trainer:
 
     @property
     def parallel(self) -> Parallelized:
+        """This rank's part of the model and its strategies
+        (:class:`disttrain.parallel.Parallelized`)."""
         return self.run.parallel
 
     @property
     def optimizer(self) -> Any:
+        """The optimizer stepping this rank's parameters (or its shard of them)."""
         return self.run.model.optimizer
 
     @property
     def world(self) -> Communicator:
+        """The communicator over every rank of the run."""
         return self.run.world
 
     @property
     def checkpoints(self) -> RunCheckpoints:
+        """The run's checkpoints: saving, loading and the latest one."""
         return self.run.checkpoints
 
     # ----------------------------------------------------------------- fit

@@ -229,12 +229,15 @@ class PretrainedWeights:
         self.wanted = dict(boxes)
 
     def names(self, prefix: str = "") -> list[str]:
+        """The checkpoint names of the directory's tensors (then the fallback's)
+        starting with ``prefix``."""
         mine = [MODEL + n for n in self.tensors if (MODEL + n).startswith(prefix)]
         rest = [] if self.rest is None else [n for n in self.rest.names(prefix)
                                              if n[len(MODEL):] not in self.tensors]
         return mine + rest
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, from the file header (nothing read)."""
         key = name[len(MODEL):]
         if key in self.tensors:
             return self.tensors[key].shape

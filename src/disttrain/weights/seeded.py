@@ -70,9 +70,11 @@ class SeededInit:
                 self._where[MODEL + full] = (mname, attr, attr in module._parameters)
 
     def names(self, prefix: str = "") -> list[str]:
+        """The names of the model's tensors starting with ``prefix``."""
         return [n for n in self._where if n.startswith(prefix)]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (from the meta model, nothing initialised)."""
         mname, attr, _ = self._where[name]
         return tuple(getattr(self.model.get_submodule(mname), attr).shape)
 

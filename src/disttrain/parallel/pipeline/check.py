@@ -32,7 +32,8 @@ def check_pipeline(config: Config, layout: Layout, micro_batches: int,
     try:
         validate_schedule(p.pp_schedule, layout.pp, micro_batches, v, spec.n_blocks)
     except ValueError as exc:
-        field, value = "parallel.pp_schedule", p.pp_schedule
+        field: str = "parallel.pp_schedule"
+        value: object = p.pp_schedule
         if "micro-batches" in str(exc):
             field, value = "train.grad_accum", micro_batches
         elif "v >=" in str(exc):

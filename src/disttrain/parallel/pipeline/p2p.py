@@ -177,10 +177,10 @@ def check_posts(schedule: Schedule,
         progress = False
         for r in range(pp):
             for peer in streams[r]:
-                m, their = ready(r, peer), ready(peer, r)
-                if (m is not None and m.send and their is not None
-                        and not their.send and their.tag == m.tag):
-                    arrived.add((peer, r, m.tag))
+                mine, their = ready(r, peer), ready(peer, r)
+                if (mine is not None and mine.send and their is not None
+                        and not their.send and their.tag == mine.tag):
+                    arrived.add((peer, r, mine.tag))
                     head[r][peer] += 1
                     head[peer][r] += 1
                     progress = True

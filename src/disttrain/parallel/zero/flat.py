@@ -11,7 +11,7 @@ model runs unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -36,14 +36,15 @@ class Unit:
     entry: nn.Module
 
 
-def build_units(scopes: list[tuple[int, nn.Module, list[nn.Module]]],
-                separate: set[int] = frozenset()) -> list[Unit]:
+def build_units(scopes: Sequence[tuple[int, nn.Module, Sequence[nn.Module]]],
+                separate: Set[int] = frozenset()) -> list[Unit]:
     """Units per scope, given ``(scope id, scope module, its blocks in forward order)``
     (the id: the pipeline chunk's index, 0 without a pipeline): one per block, then a
     root unit with the scope's other parameters, then one root unit per parameter in
     ``separate`` (ids; a weight whose gradient is exchanged between pipeline stages
     needs a shard layout of its own, identical on both sides)."""
-    units, seen = [], set()
+    units: list[Unit] = []
+    seen: set[int] = set()
     for scope, entry, blocks in scopes:
         for block in blocks:
             named = _fresh(block.named_parameters(), seen)

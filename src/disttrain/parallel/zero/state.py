@@ -71,7 +71,9 @@ def load_rank_state(flats: list[FlatParam], placement: Placement, source: Tensor
     """Give the optimizer its per-rank state back (``load_rank_state(shard, key,
     flat)``), for each buffer that has any saved; a parameter without it starts at 0."""
     local = rank_local_state(optimizer)
-    for key in local.rank_keys if local is not None else ():
+    if local is None:
+        return
+    for key in local.rank_keys:
         for f in flats:
             parts, found = [], False
             for p, name in zip(f.params, f.names):

@@ -231,7 +231,7 @@ class Parallelized:
         for pieces in everyone:
             for name, shape, offsets, t in pieces:
                 out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
-                out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+                out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
         return full
 
 

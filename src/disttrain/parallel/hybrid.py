@@ -117,7 +117,7 @@ class ModelParallel:
             extra = [("embedding" if c.is_first else "") + ("head" if c.is_last else "")
                      for c in self.chunks]
             parts.append("blocks " + ", ".join(s + (f" +{e}" if e else "")
-                                               for s, e in zip(spans, extra)))
+                                               for s, e in zip(spans, extra, strict=True)))
         if self.tp is not None:
             parts.append(f"1/{self.tp.tp_size} of each matrix (tp shard {self.tp.tp_rank})")
         return "; ".join(parts)

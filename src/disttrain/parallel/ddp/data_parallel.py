@@ -139,7 +139,7 @@ class DataParallel:
         """Zero the buckets and point every ``.grad`` back at its view."""
         for b in self.buckets:
             b.buffer.zero_()
-            for p, view in zip(b.params, b.views):
+            for p, view in zip(b.params, b.views, strict=True):
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
         self.reducer.reset()

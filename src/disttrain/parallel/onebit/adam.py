@@ -191,7 +191,7 @@ class OnebitAdam(torch.optim.Optimizer):
         servers = [self._server(p) for p in params]
         directions = self.exchange.average(xs, carries, servers, strides=strides)
         out = {}
-        for p, u, d, carry, beta1 in zip(params, directions, denoms, carries, betas):
+        for p, u, d, carry, beta1 in zip(params, directions, denoms, carries, betas, strict=True):
             carry.add_(u, alpha=beta1)  # b1 u goes into the next round
             m = self.state[p]["exp_avg"]
             if p in self.flats:  # this rank's shard of m = u d

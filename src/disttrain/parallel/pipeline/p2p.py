@@ -152,7 +152,7 @@ def check_posts(schedule: Schedule,
         for peer, stream in streams[r].items():
             sent = [m for m, _ in stream if m.send]
             got = [m for m, _ in streams[peer].get(r, []) if not m.send]
-            for n, (a, b) in enumerate(zip(sent, got)):
+            for n, (a, b) in enumerate(zip(sent, got, strict=False)):
                 if a.tag != b.tag:
                     raise ScheduleDeadlock(
                         f"{_name(schedule)}: message {n} from pp rank {r} to {peer} is "

@@ -92,7 +92,7 @@ def plan_stages(spec: ModelSpec, *, pp: int, v: int = 1, cuts: Sequence[int] | N
         raise ValueError(f"{n} chunks need {n - 1} cut points, got {len(cuts)}: {cuts}; "
                          "give the first block index of every chunk but the first")
     bounds = [0, *cuts, layers]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         if not a < b:
             raise ValueError(f"cut points {cuts} must increase strictly within 1.."
                              f"{layers - 1} (n_layer={layers}), so every chunk has a block")
@@ -506,9 +506,10 @@ def exchange_tied_grads(pairs: Sequence[tuple[torch.Tensor, int]],
     pair's two messages in one order (NCCL: a send waits for its receive)."""
     for grad, peer in pairs:
         mine, theirs = grad.detach().clone(), torch.empty_like(grad)
-        posts = [lambda: comm.isend(mine, peer, _TIED_TAG),
-                 lambda: comm.irecv(theirs, peer, _TIED_TAG)]
-        works = [post() for post in (posts if comm.rank < peer else posts[::-1])]
+        if comm.rank < peer:
+            works = [comm.isend(mine, peer, _TIED_TAG), comm.irecv(theirs, peer, _TIED_TAG)]
+        else:
+            works = [comm.irecv(theirs, peer, _TIED_TAG), comm.isend(mine, peer, _TIED_TAG)]
         for work in works:
             work.wait()
         grad.add_(theirs)

@@ -24,8 +24,9 @@ The last two do nothing without sequence parallelism. Before anything is swapped
 parameter is classified (:func:`~disttrain.spec.classify_tp_params`): sharded,
 replicated with identical gradients on every tp rank, or replicated with partial ones;
 a parameter inside a region (an attention or MLP holding sharded projections) that the
-plan does not name is refused, since nothing would sum its gradients. Modules are swapped in place under
-the same attribute names, so ``named_parameters()`` keeps the unsharded model's names.
+plan does not name is refused, since nothing would sum its gradients. Modules are swapped
+in place under the same attribute names, so ``named_parameters()`` keeps the unsharded
+model's names.
 
 With dropout > 0 the result equals the full model's in distribution only: each rank
 draws the masks of its own heads (and, under sequence parallelism, of its own

@@ -37,10 +37,10 @@ class Box:
     global_shape: tuple[int, ...]
 
     def local_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape))
+        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape, strict=True))
 
     def global_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape))
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape, strict=True))
 
 
 def whole_box(shape: tuple[int, ...]) -> list[Box]:

@@ -143,7 +143,7 @@ class ZeroDataParallel:
             f.shard.grad, f.grad_sum = None, None
             if f.grad_full is not None:
                 f.grad_full.zero_()
-                for p, view in zip(f.params, f.views(f.grad_full)):
+                for p, view in zip(f.params, f.views(f.grad_full), strict=True):
                     p.grad = view
 
     def clip_grad_norm(self, max_norm: float) -> float:

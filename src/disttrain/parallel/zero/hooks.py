@@ -80,7 +80,7 @@ class ShardReducer:
             source = flat.grad_full
         else:
             source = torch.zeros(flat.padded, dtype=flat.full.dtype, device=flat.full.device)
-            for p, view in zip(flat.params, flat.views(source)):
+            for p, view in zip(flat.params, flat.views(source), strict=True):
                 if p.grad is not None:
                     view.copy_(p.grad)
                     p.grad = None
@@ -121,7 +121,7 @@ class Stage3Gathers:
         self.next_block: dict[int, int] = {}
         self.prev_block: dict[int, int] = {}
         for seq in blocks.values():
-            for a, b in zip(seq, seq[1:]):
+            for a, b in zip(seq, seq[1:], strict=False):
                 self.next_block[a], self.prev_block[b] = b, a
         self.first_block = {scope: seq[0] for scope, seq in blocks.items()}
         self.gathers: dict[int, list[TrackedWork]] = {}

@@ -8,8 +8,8 @@ rank writes only what it owns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -72,7 +72,16 @@ def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
 
 
 
-def restore_named(reader: ShardReader, tensors: dict[str, torch.Tensor],
+class NamedTensorReader(Protocol):
+    """What restoring reads: tensors by global name (a :class:`ShardReader`, or any
+    strategy's ``TensorSource``)."""
+
+    def names(self, prefix: str = "") -> list[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+
+def restore_named(reader: NamedTensorReader, tensors: Mapping[str, torch.Tensor],
                   to_local: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Copy each ``model/<name>`` tensor into ``tensors[name]``; ``to_local(name, full)``
     cuts this rank's part out of the global tensor (tensor parallelism)."""
@@ -89,7 +98,7 @@ def restore_named(reader: ShardReader, tensors: dict[str, torch.Tensor],
             t.copy_(loaded)
 
 
-def restore_optimizer(reader: ShardReader, model: nn.Module,
+def restore_optimizer(reader: NamedTensorReader, model: nn.Module,
                       optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None,
                       to_local: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
                       skip: tuple[str, ...] = ()) -> None:

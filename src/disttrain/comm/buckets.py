@@ -10,13 +10,21 @@ same on all ranks whatever order gradients become ready in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from .codecs import GradientCodec
-from .collectives import Communicator
+from .collectives import Communicator, TrackedWork
 from .spans import SpanRecorder, now_us
+
+
+class Reduction(Protocol):
+    """A bucket's reduction in flight: a plain all-reduce's :class:`TrackedWork` or a
+    codec's :class:`~disttrain.comm.codecs.PendingReduction`."""
+
+    def wait(self) -> object: ...
 
 
 @dataclass
@@ -31,13 +39,13 @@ class GradBucket:
     offsets: list[int]
     buffer: torch.Tensor
     pending: int = 0
-    handle: object | None = None
+    handle: Reduction | None = None
     ready: set[int] = field(default_factory=set)
     views: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.views = [self.buffer[o:o + p.numel()].view(p.shape)
-                      for p, o in zip(self.params, self.offsets)]
+                      for p, o in zip(self.params, self.offsets, strict=True)]
 
     def grad_view(self, slot: int) -> torch.Tensor:
         """Parameter ``slot``'s gradient inside the flat buffer (built once)."""
@@ -141,19 +149,21 @@ class BucketReducer:
         self._next += 1
         if self.tracer is not None and self.tracer.enabled:
             if self.codec is None:
-                self._trace_completion(bucket, start)
+                self._trace_completion(bucket, self.tracer, start)
             else:  # several collectives: traced from launch to the end of wait()
                 self._started[bucket.index] = start
 
-    def _trace_completion(self, bucket: GradBucket, start: float) -> None:
-        future = bucket.handle.get_future()
+    def _trace_completion(self, bucket: GradBucket, tracer: SpanRecorder,
+                          start: float) -> None:
+        handle = bucket.handle  # a plain all-reduce's TrackedWork (no codec)
+        future = handle.get_future() if isinstance(handle, TrackedWork) else None
         name = f"all_reduce bucket {bucket.index}"
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
         if future is None:
-            self.tracer.complete(name, start, now_us(), "comm", bytes=nbytes)
+            tracer.complete(name, start, now_us(), "comm", bytes=nbytes)
         else:  # the callback runs when the reduction completes, on the backend's thread
-            future.then(lambda _: self.tracer.complete(name, start, now_us(), "comm",
-                                                       bytes=nbytes))
+            future.then(lambda _: tracer.complete(name, start, now_us(), "comm",
+                                                  bytes=nbytes))
 
     def wait(self, scale: float | torch.Tensor = 1.0) -> None:
         """Launch buckets whose parameters got no gradient (unused in this step), then
@@ -164,12 +174,15 @@ class BucketReducer:
         for b in self.buckets:
             ledger = self.comm.ledger  # a codec's later rounds are sent here
             sent, wire0 = ledger.payload_bytes, ledger.wire_sent_bytes
+            if b.handle is None:  # never: every bucket was launched just above
+                raise RuntimeError(f"bucket {b.index} was not launched")
             b.handle.wait()
             self.sent_bytes += ledger.payload_bytes - sent
             self.wire_sent += ledger.wire_sent_bytes - wire0
-            if b.index in self._started:
+            started = self._started.pop(b.index, None)
+            if started is not None and self.tracer is not None and self.codec is not None:
                 self.tracer.complete(f"{self.codec.name} bucket {b.index}",
-                                     self._started.pop(b.index), now_us(), "comm")
+                                     started, now_us(), "comm")
             wire = self._wire.get(b.index)
             if wire is not None:
                 b.buffer.copy_(wire)

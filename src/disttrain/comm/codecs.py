@@ -38,6 +38,7 @@ import math
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +61,15 @@ from .collectives import Communicator, TrackedWork
 # the wire dtype of each cast codec (ZeRO's reduce-scatter takes it too)
 CAST_DTYPES = {CODEC_FP16: torch.float16, CODEC_BF16: torch.bfloat16}
 Shape = Sequence[int]
+_Matrix = tuple[int, int, int, int]  # (offset, rows, cols, r) of a compressed matrix
+_Span = tuple[int, int]  # (offset, size) of an uncompressed segment
 
 
 class PendingReduction:
     """A codec reduction in flight: ``wait()`` waits for ``work`` (the first collective),
     then runs ``finish`` (decode, any further collective, write the sum into place)."""
 
-    def __init__(self, work: TrackedWork | None, finish: Callable[[], None]) -> None:
+    def __init__(self, work: TrackedWork | None, finish: Callable[[], object]) -> None:
         self.work, self.finish = work, finish
 
     def wait(self) -> None:
@@ -109,7 +112,11 @@ class GradientCodec(ABC):
         pending = self._start(x, comm, key, step, shapes)
         if x is flat:
             return pending
-        return PendingReduction(None, lambda: (pending.wait(), flat.copy_(x)))
+
+        def finish() -> None:
+            pending.wait()
+            flat.copy_(x)
+        return PendingReduction(None, finish)
 
     def all_reduce(self, flat: torch.Tensor, comm: Communicator, *, key: Hashable = 0,
                    segments: Sequence[Shape] | None = None) -> torch.Tensor:
@@ -133,7 +140,7 @@ class GradientCodec(ABC):
         if self.error_feedback:
             self.residuals[key] = residual
 
-    def _generator(self, device: torch.device, *salt: int) -> torch.Generator:
+    def _generator(self, device: torch.device, *salt: Hashable) -> torch.Generator:
         """A generator seeded from (seed, salt...) only: the same draws on every run."""
         value = self.seed
         for s in salt:
@@ -188,12 +195,13 @@ def _per_element(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 class CastCodec(GradientCodec):
     """fp16 / bf16: cast, all-reduce in the low precision, cast back."""
 
-    def __init__(self, dtype: torch.dtype, **kw) -> None:
+    def __init__(self, dtype: torch.dtype, **kw: Any) -> None:
         super().__init__(**kw)
         self.dtype = dtype
         self.name = next(name for name, d in CAST_DTYPES.items() if d == dtype)
 
-    def _start(self, x, comm, key, step, shapes):
+    def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
+               shapes: list[tuple[int, ...]]) -> PendingReduction:
         wire = x.to(self.dtype)
         return PendingReduction(comm.all_reduce(wire, async_op=True), lambda: x.copy_(wire))
 
@@ -205,11 +213,12 @@ class RandomKCodec(GradientCodec):
 
     name = CODEC_RANDOMK
 
-    def __init__(self, *, ratio: float = 0.01, **kw) -> None:
+    def __init__(self, *, ratio: float = 0.01, **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio = ratio
 
-    def _start(self, x, comm, key, step, shapes):
+    def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
+               shapes: list[tuple[int, ...]]) -> PendingReduction:
         n = x.numel()
         k = _count(n, self.ratio)
         gen = self._generator(x.device, key, step)
@@ -229,11 +238,12 @@ class TopKCodec(GradientCodec):
 
     name = CODEC_TOPK
 
-    def __init__(self, *, ratio: float = 0.01, **kw) -> None:
+    def __init__(self, *, ratio: float = 0.01, **kw: Any) -> None:
         super().__init__(**kw)
         self.ratio = ratio
 
-    def _start(self, x, comm, key, step, shapes):
+    def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
+               shapes: list[tuple[int, ...]]) -> PendingReduction:
         k = _count(x.numel(), self.ratio)
         idx = x.abs().topk(k, sorted=False).indices
         values = x[idx]
@@ -278,11 +288,12 @@ class OneBitCodec(GradientCodec):
 
     name = CODEC_ONEBIT
 
-    def __init__(self, *, block: int = 0, **kw) -> None:
+    def __init__(self, *, block: int = 0, **kw: Any) -> None:
         super().__init__(**kw)
         self.block = block
 
-    def _start(self, x, comm, key, step, shapes):
+    def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
+               shapes: list[tuple[int, ...]]) -> PendingReduction:
         n, sizes = x.numel(), _sizes(shapes)
         if self.block:
             sizes = _blocks(sizes, self.block)
@@ -316,13 +327,14 @@ class QSGDCodec(GradientCodec):
 
     name = CODEC_QSGD
 
-    def __init__(self, *, levels: int = 16, block: int = 512, **kw) -> None:
+    def __init__(self, *, levels: int = 16, block: int = 512, **kw: Any) -> None:
         super().__init__(**kw)
         if not 1 <= levels <= 127:
             raise ValueError(f"qsgd levels must be in 1..127 (int8), got {levels}")
         self.levels, self.block = levels, block
 
-    def _start(self, x, comm, key, step, shapes):
+    def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
+               shapes: list[tuple[int, ...]]) -> PendingReduction:
         n, s = x.numel(), self.levels
         sizes = _blocks(_sizes(shapes), self.block)
         norms = _block_sums(x * x, sizes).sqrt_()
@@ -364,14 +376,16 @@ class PowerSGDCodec(GradientCodec):
     name = CODEC_POWERSGD
 
     def __init__(self, *, rank: int = 4, warm_start: bool = True, batched: bool = False,
-                 **kw) -> None:
+                 **kw: Any) -> None:
         super().__init__(**kw)
         self.rank, self.warm_start, self.batched = rank, warm_start, batched
         self.q: dict[tuple[Hashable, int], torch.Tensor] = {}
 
-    def _layout(self, shapes: list[tuple[int, ...]]) -> tuple[list, list]:
+    def _layout(self, shapes: list[tuple[int, ...]]) -> tuple[list[_Matrix], list[_Span]]:
         """(offset, rows, cols, r) per compressed matrix, (offset, size) per other."""
-        mats, rest, offset = [], [], 0
+        mats: list[_Matrix] = []
+        rest: list[_Span] = []
+        offset = 0
         for shape in shapes:
             size = math.prod(shape)
             rows, cols = (shape[0], size // max(shape[0], 1)) if len(shape) >= 2 else (0, 0)
@@ -397,44 +411,55 @@ class PowerSGDCodec(GradientCodec):
         salt = (key, j) if self.warm_start else (key, j, step)
         return torch.randn(cols, r, generator=self._generator(device, *salt), device=device)
 
-    def _start(self, x, comm, key, step, shapes):
+    def _start(self, x: torch.Tensor, comm: Communicator, key: Hashable, step: int,
+               shapes: list[tuple[int, ...]]) -> PendingReduction:
         if self.batched:
             n = x.numel()
             rows = math.isqrt(n - 1) + 1 if n > 1 else 1
             cols = -(-n // rows)
             square = F.pad(x, (0, rows * cols - n))
             pending = self._start_matrices(square, comm, key, step, [(rows, cols)], n)
-            return PendingReduction(pending.work, lambda: (pending.finish(),
-                                                           x.copy_(square[:n])))
+
+            def finish() -> None:
+                pending.finish()
+                x.copy_(square[:n])
+            return PendingReduction(pending.work, finish)
         return self._start_matrices(x, comm, key, step, shapes, x.numel())
 
-    def _start_matrices(self, x, comm, key, step, shapes, n) -> PendingReduction:
+    def _start_matrices(self, x: torch.Tensor, comm: Communicator, key: Hashable,
+                        step: int, shapes: list[tuple[int, ...]],
+                        n: int) -> PendingReduction:
         """The protocol on ``x`` laid out as ``shapes``; the error-feedback residual kept
         is its first ``n`` elements (the rest is batched mode's zero padding)."""
         mats, rest = self._layout(shapes)
         ms = [x[o:o + a * b].view(a, b) for o, a, b, _ in mats]
         qs = [self._q(key, j, step, b, r, x.device) for j, (_, _, b, r) in enumerate(mats)]
-        ps = [m @ q for m, q in zip(ms, qs)]
+        ps = [m @ q for m, q in zip(ms, qs, strict=True)]
         first = torch.cat([p.reshape(-1) for p in ps] + [x[o:o + n] for o, n in rest]
                           + [x.new_empty(0)])
         work = comm.all_reduce(first, async_op=True)
         return PendingReduction(work, lambda: self._finish(x, comm, key, mats, rest, ms,
                                                            first, n))
 
-    def _finish(self, x, comm, key, mats, rest, ms, first, n) -> None:
+    def _finish(self, x: torch.Tensor, comm: Communicator, key: Hashable,
+                mats: list[_Matrix], rest: list[_Span], ms: list[torch.Tensor],
+                first: torch.Tensor, n: int) -> None:
         p_sizes = [a * r for _, a, _, r in mats]
         pieces = first.split(p_sizes + [first.numel() - sum(p_sizes)])
-        ps = [torch.linalg.qr(p.view(a, r)).Q for p, (_, a, _, r) in zip(pieces, mats)]
-        local_qs = [m.T @ p for m, p in zip(ms, ps)]
+        # pieces has one more entry than mats (the uncompressed rest), left out here
+        ps = [torch.linalg.qr(p.view(a, r)).Q
+              for p, (_, a, _, r) in zip(pieces, mats, strict=False)]
+        local_qs = [m.T @ p for m, p in zip(ms, ps, strict=True)]
         if self.error_feedback:
             residual = torch.zeros_like(x)
-            for (o, a, b, _), m, p, q in zip(mats, ms, ps, local_qs):
+            for (o, a, b, _), m, p, q in zip(mats, ms, ps, local_qs, strict=True):
                 residual[o:o + a * b] = (m - p @ q.T).reshape(-1)
             self._keep_residual(key, residual[:n])
         second = torch.cat([q.reshape(-1) for q in local_qs] + [x.new_empty(0)])
         comm.all_reduce(second)
         q_sizes = [b * r for _, _, b, r in mats]
-        for j, ((o, a, b, r), p, q) in enumerate(zip(mats, ps, second.split(q_sizes))):
+        q_pieces = second.split(q_sizes)
+        for j, ((o, a, b, r), p, q) in enumerate(zip(mats, ps, q_pieces, strict=True)):
             q = q.view(b, r)
             x[o:o + a * b] = (p @ q.T).reshape(-1)
             if self.warm_start:

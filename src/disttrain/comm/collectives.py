@@ -30,12 +30,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# ReduceOp.SUM and the others are RedOpType members in torch's stubs, not ReduceOps
+AnyReduceOp = ReduceOp | ReduceOp.RedOpType
 # the single-tensor collectives' names changed in recent torch releases
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -194,6 +196,9 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+_Obj = TypeVar("_Obj")  # the picklable object every rank passes to all_gather_object
+
+
 class Communicator:
     """Collectives over one process group, recorded in a ledger.
 
@@ -240,6 +245,12 @@ class Communicator:
                                  f"non-contiguous tensor {tuple(t.shape)} at "
                                  f"{_call_site(3)}; pass .contiguous()")
 
+    def _global_rank(self, group_rank: int) -> int:
+        """``group_rank`` of this group as a global rank (itself on a group of one)."""
+        if self.size == 1 or self.group is None:  # None: never, once dist is initialised
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
     def __deepcopy__(self, memo: dict) -> Communicator:
         """A handle on a shared process group: copies of a module share it."""
         return self
@@ -256,19 +267,50 @@ class Communicator:
         with self.ledger.blocked_on(rec):
             return call(False)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+    # Each op returns a TrackedWork when async, None when blocking (typed by overloads).
+    @overload
+    def all_reduce(self, tensor: torch.Tensor, op: AnyReduceOp = ..., *,
+                   async_op: Literal[True]) -> TrackedWork: ...
+    @overload
+    def all_reduce(self, tensor: torch.Tensor, op: AnyReduceOp = ...,
+                   async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def all_reduce(self, tensor: torch.Tensor, op: AnyReduceOp = ...,
+                   async_op: bool = ...) -> TrackedWork | None: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: AnyReduceOp = ReduceOp.SUM,
                    async_op: bool = False) -> TrackedWork | None:
         self._check("all_reduce", tensor)
         return self._run("all_reduce", tensor, lambda a: dist.all_reduce(
             tensor, op=op, group=self.group, async_op=a), async_op)
 
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = ..., *,
+                  async_op: Literal[True]) -> TrackedWork: ...
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = ...,
+                  async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = ...,
+                  async_op: bool = ...) -> TrackedWork | None: ...
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0,
                   async_op: bool = False) -> TrackedWork | None:
         self._check("broadcast", tensor)
         root = src == self.rank
-        src = dist.get_global_rank(self.group, src) if self.size > 1 else src
+        src = self._global_rank(src)
         return self._run("broadcast", tensor, lambda a: dist.broadcast(
             tensor, src=src, group=self.group, async_op=a), async_op, root)
+
+    @overload
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
+                       async_op: Literal[True]) -> TrackedWork: ...
+    @overload
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       async_op: bool = ...) -> TrackedWork | None: ...
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        async_op: bool = False) -> TrackedWork | None:
@@ -279,6 +321,16 @@ class Communicator:
         return self._run("reduce_scatter", input, lambda a: _REDUCE_SCATTER(
             output, input, group=self.group, async_op=a), async_op)
 
+    @overload
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *,
+                        async_op: Literal[True]) -> TrackedWork: ...
+    @overload
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor,
+                        async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor,
+                        async_op: bool = ...) -> TrackedWork | None: ...
+
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor,
                         async_op: bool = False) -> TrackedWork | None:
         """Concatenate every rank's ``input`` [n] into ``output`` [size * n]."""
@@ -287,6 +339,16 @@ class Communicator:
             output.copy_(input)
         return self._run("all_gather", input, lambda a: _ALL_GATHER(
             output, input, group=self.group, async_op=a), async_op)
+
+    @overload
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
+                   async_op: Literal[True]) -> TrackedWork: ...
+    @overload
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   async_op: bool = ...) -> TrackedWork | None: ...
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    async_op: bool = False) -> TrackedWork | None:
@@ -311,13 +373,13 @@ class Communicator:
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Send a small picklable object from ``src`` (used for run metadata only)."""
         box = [obj]
-        src = dist.get_global_rank(self.group, src) if self.size > 1 else src
+        src = self._global_rank(src)
         self._run("broadcast_object", None, lambda a: dist.broadcast_object_list(
             box, src=src, group=self.group), False)
         return box[0]
 
-    def all_gather_object(self, obj: object) -> list[object]:
-        out: list[object] = [obj] if self.size == 1 else [None] * self.size
+    def all_gather_object(self, obj: _Obj) -> list[_Obj]:
+        out: list[Any] = [obj] if self.size == 1 else [None] * self.size
         self._run("all_gather_object", None, lambda a: dist.all_gather_object(
             out, obj, group=self.group), False)
         return out

@@ -89,7 +89,7 @@ class BatchSplitter:
         largest share needs, so no rank has an empty micro-batch."""
         if not self.dynamic or any(t <= 0 for t in busy_s):
             return
-        rates = [n / t for n, t in zip(samples, busy_s)]
+        rates = [n / t for n, t in zip(samples, busy_s, strict=True)]
         minimum = 1
         while True:
             shares = split_by_rate(self.global_batch, rates, minimum)

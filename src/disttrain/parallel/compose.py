@@ -25,7 +25,7 @@ interfaces.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +141,10 @@ class Parallelized:
             return loss_fn
         if loss_fn is plain:
             return None
-        return self.mp.tp.full_logits_loss(loss_fn)
+        tp = self.mp.tp if self.mp is not None else None
+        if tp is None:  # never: token_loss is set from mp.tp
+            raise RuntimeError("a vocabulary-parallel token loss without tensor parallelism")
+        return tp.full_logits_loss(loss_fn)
 
     def local_boxes(self, optimizer: torch.optim.Optimizer
                     ) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
@@ -228,13 +231,18 @@ class Parallelized:
         for pieces in everyone:
             for name, shape, offsets, t in pieces:
                 out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
-                out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+                out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
         return full
 
 
-def _unique(params) -> list[nn.Parameter]:
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
-    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
 
 
 def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,
@@ -248,7 +256,10 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     lay = topology.layout
     fresh = on_meta(model)  # built on meta: only this rank's part gets storage, below
     if train.compile:  # refused at validation where it cannot apply (tp > 1, no blocks)
-        compile_blocks(block_list(model, spec))
+        blocks = block_list(model, spec)
+        if blocks is None:
+            raise ValueError("train.compile compiles the model's blocks; its spec names none")
+        compile_blocks(blocks)
     mp = None
     if lay.pp > 1 or lay.tp > 1:
         mp = apply_model_parallel(model, spec, par, groups.pp, groups.tp,

@@ -66,6 +66,12 @@ class ModelParallel:
     tp_comm: Communicator
     spec: ModelSpec
 
+    def pipeline(self) -> tuple[StagePlan, Schedule]:
+        """The stage plan and the schedule of a model cut over pp > 1."""
+        if self.stages is None or self.schedule is None:
+            raise ValueError("the model is not cut into pipeline stages (pp = 1)")
+        return self.stages, self.schedule
+
     @property
     def is_last_stage(self) -> bool:
         return self.pp_comm.rank == self.pp_comm.size - 1
@@ -79,8 +85,9 @@ class ModelParallel:
     def activation_length(self, seq_len: int) -> int:
         """Positions per rank in the activations stages exchange: sequence parallelism
         keeps them split over tp between blocks."""
-        sp = self.tp is not None and self.tp.sequence_parallel
-        return seq_len // self.tp.tp_size if sp else seq_len
+        if self.tp is not None and self.tp.sequence_parallel:
+            return seq_len // self.tp.tp_size
+        return seq_len
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(full-model name, parameter) for every parameter this rank holds."""
@@ -110,7 +117,7 @@ class ModelParallel:
             extra = [("embedding" if c.is_first else "") + ("head" if c.is_last else "")
                      for c in self.chunks]
             parts.append("blocks " + ", ".join(s + (f" +{e}" if e else "")
-                                               for s, e in zip(spans, extra)))
+                                               for s, e in zip(spans, extra, strict=True)))
         if self.tp is not None:
             parts.append(f"1/{self.tp.tp_size} of each matrix (tp shard {self.tp.tp_rank})")
         return "; ".join(parts)
@@ -188,7 +195,7 @@ class ModelParallelGrads:
             totals.zero_()
         return self.world.all_reduce(totals, async_op=True)
 
-    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
+    def finish_gradient_sync(self, scale: float = 1.0) -> None:
         self.inner.finish_gradient_sync(scale)
         pieces = self.inner.gradient_pieces()
         self.mp.fix_gradients({id(p): g for p, g in pieces})
@@ -236,8 +243,11 @@ def check_identical_grads(mp: ModelParallel, pieces: list[tuple[nn.Parameter, to
     :class:`~disttrain.errors.TensorParallelGradientError` raised on every rank (one
     gather over the world, so ranks of other tp groups stop too). Raised before the
     optimizer steps."""
+    tp = mp.tp
+    if tp is None:
+        raise ValueError("check_identical_grads checks a tensor-parallel model: mp.tp is None")
     checked = [(mp.placement.name(p), g) for p, g in pieces]
-    checked = [(name, g) for name, g in checked if mp.tp.kind(name) == IDENTICAL]
+    checked = [(name, g) for name, g in checked if tp.kind(name) == IDENTICAL]
     tp_comm, bad = mp.tp_comm, None
     if checked:
         sums = torch.stack([_checksums(g) for _, g in checked])  # [k, 4] float64

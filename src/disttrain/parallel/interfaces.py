@@ -40,7 +40,8 @@ class GradSync(Protocol):
     they are sharded), so a global norm counts every element once.
     """
 
-    grad_replicas: int
+    @property
+    def grad_replicas(self) -> int: ...
 
     def zero_grad(self) -> None:
         """Start a step: gradients zero."""
@@ -237,6 +238,15 @@ class RankLocalState(Protocol):
     def load_rank_state(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None: ...
 
     def load_range_state(self, p: torch.Tensor, key: str, full: torch.Tensor) -> None: ...
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, which a gradient sync keeps in place for every parameter it holds
+    (refused, naming the parameter's shape, if it is missing)."""
+    if p.grad is None:
+        raise RuntimeError(f"parameter of shape {tuple(p.shape)} has no gradient where "
+                           "the gradient sync keeps one")
+    return p.grad
 
 
 def rank_local_state(optimizer: torch.optim.Optimizer) -> RankLocalState | None:

@@ -39,8 +39,9 @@ class PipelinePass:
         b, t = tokens_shape(loaded[0])
         shape = (b, self.mp.activation_length(t), self.mp.spec.hidden_size)
         with autocast():
+            _, schedule = self.mp.pipeline()
             result = run_pipeline(self.mp.chunks, [(m, m) for m in loaded], loss,
-                                  self.mp.pp_comm, self.mp.schedule, activation_shape=shape,
+                                  self.mp.pp_comm, schedule, activation_shape=shape,
                                   loss_scale=loss_scale, grad_sync=self.grads.backward,
                                   clock=time.time)
         self._trace(result.timings)
@@ -87,7 +88,7 @@ def pipeline_logits(mp: ModelParallel, inputs: Any) -> torch.Tensor | None:
     """Forward only, chunk after chunk (no schedule needed): the last stage gets the
     output [B, T, V(/tp)], the other stages None. ``inputs``: a micro-batch (or its
     token ids)."""
-    comm, stages = mp.pp_comm, mp.stages
+    comm, (stages, _) = mp.pp_comm, mp.pipeline()
     mine = {c.index: c for c in mp.chunks}
     b, t = inputs.shape[:2] if isinstance(inputs, torch.Tensor) else tokens_shape(inputs)
     t = mp.activation_length(t)

@@ -124,14 +124,14 @@ def range_pieces(boxes: list[Box], local_shape: tuple[int, ...], start: int, sto
     for offs, sizes, flat in range_boxes(tuple(local_shape), start, stop):
         segment = data[flat - start:flat - start + _numel(sizes)].view(sizes)
         for b in boxes:
-            lo = [max(o, bo) for o, bo in zip(offs, b.local_offsets)]
+            lo = [max(o, bo) for o, bo in zip(offs, b.local_offsets, strict=True)]
             hi = [min(o + s, bo + bs) for o, s, bo, bs in
-                  zip(offs, sizes, b.local_offsets, b.shape)]
-            if any(a >= z for a, z in zip(lo, hi)):
+                  zip(offs, sizes, b.local_offsets, b.shape, strict=True)]
+            if any(a >= z for a, z in zip(lo, hi, strict=True)):
                 continue
-            view = segment[tuple(slice(a - o, z - o) for a, z, o in zip(lo, hi, offs))]
+            view = segment[tuple(slice(a - o, z - o) for a, z, o in zip(lo, hi, offs, strict=True))]
             glob = tuple(g + a - lo_b for g, a, lo_b in
-                         zip(b.global_offsets, lo, b.local_offsets))
+                         zip(b.global_offsets, lo, b.local_offsets, strict=True))
             out.append(GlobalPiece(b.global_shape, glob, view))
     return out
 

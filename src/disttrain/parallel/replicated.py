@@ -115,6 +115,8 @@ class ReplicatedState:
         range_keys = local.range_keys if local is not None else ()
         restore_optimizer(source, self.module, optimizer, self.placement.names,
                           self.placement.to_local, skip=rank_keys + range_keys)
+        if local is None:
+            return  # the optimizer keeps all its state in optimizer.state
         for name, p in self._parameters():
             for key in rank_keys + range_keys:
                 full = f"{OPTIM}{name}/{key}"

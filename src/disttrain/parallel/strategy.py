@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..comm.collectives import Communicator
+from ..comm.spans import SpanRecorder
 from ..config.layout import Layout
 from ..config.schema import CommConfig, Config, ParallelConfig, TrainConfig
 from ..names import STRATEGY_AUTO, STRATEGY_DDP, STRATEGY_LOCAL, STRATEGY_ZERO, SYNC_EVERY_STEP
@@ -80,7 +81,7 @@ class StrategyContext:
     parallel: ParallelConfig
     comm: CommConfig
     seed: int = 0
-    tracer: object | None = None
+    tracer: SpanRecorder | None = None
     fresh: bool = False
 
 

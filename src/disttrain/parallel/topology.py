@@ -1,9 +1,10 @@
 """The layout of ranks made live: the DeviceMesh built from a validated (dp, pp, tp, zero).
 
 A :class:`~disttrain.config.layout.Layout` is pure data, checked against a world size
-before any process group exists. :class:`Topology` pairs it with the live ``DeviceMesh`` (named axes ``pp``,
-``dp``, ``tp``, outermost first) and this rank's coordinates; it is passed explicitly
-to every strategy that needs a group. Nothing here is module-level state.
+before any process group exists. :class:`Topology` pairs it with the live ``DeviceMesh``
+(named axes ``pp``, ``dp``, ``tp``, outermost first) and this rank's coordinates; it is
+passed explicitly to every strategy that needs a group. Nothing here is module-level
+state.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ from torch import nn
 
 from ...comm.buckets import BucketReducer, GradBucket, assign_buckets
 from ...comm.codecs import GradientCodec
-from ...comm.collectives import Communicator, wire_bytes
-from ...monitor.trace import Tracer
+from ...comm.collectives import Communicator, TrackedWork, wire_bytes
+from ...comm.spans import SpanRecorder
+from ..interfaces import grad_of
 
 
 class DataParallel:
@@ -34,7 +35,7 @@ class DataParallel:
     :class:`~disttrain.parallel.interfaces.GradSync`."""
 
     def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int,
-                 tracer: Tracer | None = None,
+                 tracer: SpanRecorder | None = None,
                  reduce_dtype: torch.dtype = torch.float32,
                  codec: GradientCodec | None = None) -> None:
         self.model = model
@@ -62,11 +63,11 @@ class DataParallel:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket, slot = self._slots[param]
-        view = bucket.grad_view(slot)
-        if param.grad.data_ptr() != view.data_ptr():
+        view, grad = bucket.grad_view(slot), grad_of(param)  # just accumulated
+        if grad.data_ptr() != view.data_ptr():
             # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True) then a
             # fresh accumulation): move it back into the bucket.
-            view.copy_(param.grad)
+            view.copy_(grad)
             param.grad = view
         if self._sync:
             self.reducer.mark_ready(bucket, slot)
@@ -104,11 +105,11 @@ class DataParallel:
         buckets launch in their fixed order as they fill, whatever the schedule)."""
         return contextlib.nullcontext() if last else self.no_sync()
 
-    def reduce_loss_totals(self, totals: torch.Tensor):
+    def reduce_loss_totals(self, totals: torch.Tensor) -> TrackedWork:
         return self.comm.all_reduce(totals, async_op=True)
 
     def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return [(p, p.grad) for b in self.buckets for p in b.params]
+        return [(p, grad_of(p)) for b in self.buckets for p in b.params]
 
     def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         """Wait for all bucket reductions, then multiply the summed gradients by
@@ -138,7 +139,7 @@ class DataParallel:
         """Zero the buckets and point every ``.grad`` back at its view."""
         for b in self.buckets:
             b.buffer.zero_()
-            for p, view in zip(b.params, b.views):
+            for p, view in zip(b.params, b.views, strict=True):
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
         self.reducer.reset()
@@ -177,7 +178,7 @@ class DataParallel:
 
 def apply_data_parallel(model: nn.Module, comm: Communicator, *,
                         bucket_mb: float = 25.0, broadcast: bool = True,
-                        tracer: Tracer | None = None,
+                        tracer: SpanRecorder | None = None,
                         reduce_dtype: torch.dtype = torch.float32,
                         codec: GradientCodec | None = None) -> DataParallel:
     """Attach data-parallel gradient sync to ``model`` over ``comm``'s group;

@@ -52,9 +52,12 @@ residual is cut by element.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import overload
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from ...comm.collectives import Communicator
 from .exchange import MomentumExchange
@@ -85,7 +88,7 @@ class OnebitAdam(torch.optim.Optimizer):
     rank_keys = (WORKER_ERROR,)
     range_keys = (SERVER_ERROR,)
 
-    def __init__(self, params, comm: Communicator, *, freeze_step: int, lr: float = 1e-3,
+    def __init__(self, params: ParamsT, comm: Communicator, *, freeze_step: int, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
         if freeze_step < 1:
@@ -130,8 +133,13 @@ class OnebitAdam(torch.optim.Optimizer):
         """Whether the next step is a compressed one (gradients must stay local)."""
         return self.steps_taken >= self.freeze_step
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None if closure is None else closure()
         compress = self.compressing
         directions = self._exchange() if compress else {}
@@ -183,7 +191,7 @@ class OnebitAdam(torch.optim.Optimizer):
         servers = [self._server(p) for p in params]
         directions = self.exchange.average(xs, carries, servers, strides=strides)
         out = {}
-        for p, u, d, carry, beta1 in zip(params, directions, denoms, carries, betas):
+        for p, u, d, carry, beta1 in zip(params, directions, denoms, carries, betas, strict=True):
             carry.add_(u, alpha=beta1)  # b1 u goes into the next round
             m = self.state[p]["exp_avg"]
             if p in self.flats:  # this rank's shard of m = u d

@@ -136,7 +136,7 @@ class MomentumExchange:
         layouts = [_Layout.of(x.numel(), size, None if strides is None else strides[i])
                    for i, x in enumerate(xs)]
         scales, signs = [], []
-        for x, e, lay in zip(xs, worker_errors, layouts):
+        for x, e, lay in zip(xs, worker_errors, layouts, strict=True):
             y = lay.rows(x + e)
             mask = lay.mask(device)
             s, decoded = _compress(y, mask.sum(1), mask)
@@ -152,7 +152,7 @@ class MomentumExchange:
         got_scales = recv[:, :4 * p].contiguous().view(torch.float32)  # [size, P]
         out_scales, out_signs = [], []
         offset = 4 * p
-        for i, (lay, es) in enumerate(zip(layouts, server_errors)):
+        for i, (lay, es) in enumerate(zip(layouts, server_errors, strict=True)):
             nbytes = lay.chunk // 8
             mine = unpack_signs(recv[:, offset:offset + nbytes], lay.chunk)  # [size, c]
             offset += nbytes

@@ -10,7 +10,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ..clipping import clip_to_global_norm
-from ..interfaces import GradSync, Work
+from ..interfaces import GradSync, Work, grad_of
 from ..zero import ZeroDataParallel
 from .adam import FlatShard, OnebitAdam
 
@@ -54,14 +54,17 @@ class OnebitGrads:
             raise TypeError(f"OnebitGrads follows a OnebitAdam, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         if self.zero is not None:
-            optimizer.shard_over({
-                f.shard: FlatShard(full=f.full, grad=f.grad_full, numel=f.numel)
-                for f in self.zero.flats})
+            flats: dict[torch.Tensor, FlatShard] = {}
+            for f in self.zero.flats:
+                if f.grad_full is None:  # never: ZeRO-1 keeps each flat's full gradient
+                    raise RuntimeError(f"ZeRO-1 flat of unit {f.unit} has no grad_full")
+                flats[f.shard] = FlatShard(full=f.full, grad=f.grad_full, numel=f.numel)
+            optimizer.shard_over(flats)
 
     def _local_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, this rank's own whole gradient) during a local step."""
         if self.zero is not None:
-            return [(p, p.grad) for f in self.zero.flats for p in f.params]
+            return [(p, grad_of(p)) for f in self.zero.flats for p in f.params]
         return self.inner.gradient_pieces()
 
     def zero_grad(self) -> None:

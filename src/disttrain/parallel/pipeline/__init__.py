@@ -8,8 +8,8 @@
     sync_tied_grads(chunks, pp_comm)                        # tok_emb / head copies
     optimizer.step()
 
-``validate_schedule``, ``simulate`` and ``check_nccl_order`` need no process group (config validation,
-planning); ``chunk_param_names`` maps a chunk's parameter names to the full model's.
+``validate_schedule``, ``simulate`` and ``check_nccl_order`` need no process group (config
+validation, planning); ``chunk_param_names`` maps a chunk's parameter names to the full model's.
 """
 
 from .p2p import Message, check_nccl_order, check_posts, message_groups

@@ -32,7 +32,8 @@ def check_pipeline(config: Config, layout: Layout, micro_batches: int,
     try:
         validate_schedule(p.pp_schedule, layout.pp, micro_batches, v, spec.n_blocks)
     except ValueError as exc:
-        field, value = "parallel.pp_schedule", p.pp_schedule
+        field: str = "parallel.pp_schedule"
+        value: object = p.pp_schedule
         if "micro-batches" in str(exc):
             field, value = "train.grad_accum", micro_batches
         elif "v >=" in str(exc):
@@ -54,7 +55,7 @@ def pipeline_starts(split: str, chunks: int, n_layer: int) -> list[int] | None:
         raise ConfigError("parallel.pp_split", split, "is neither 'auto' nor a list of "
                           "block indices", "write e.g. '0,2' or 'auto'") from None
     ok = (len(starts) == chunks and starts[0] == 0 and all(a < b for a, b in
-          zip(starts, starts[1:])) and starts[-1] < n_layer)
+          zip(starts, starts[1:], strict=False)) and starts[-1] < n_layer)
     if not ok:
         even = ",".join(str(i * n_layer // chunks) for i in range(chunks))
         raise ConfigError("parallel.pp_split", split, f"needs {chunks} increasing block "

@@ -152,7 +152,7 @@ def check_posts(schedule: Schedule,
         for peer, stream in streams[r].items():
             sent = [m for m, _ in stream if m.send]
             got = [m for m, _ in streams[peer].get(r, []) if not m.send]
-            for n, (a, b) in enumerate(zip(sent, got)):
+            for n, (a, b) in enumerate(zip(sent, got, strict=False)):
                 if a.tag != b.tag:
                     raise ScheduleDeadlock(
                         f"{_name(schedule)}: message {n} from pp rank {r} to {peer} is "
@@ -177,10 +177,10 @@ def check_posts(schedule: Schedule,
         progress = False
         for r in range(pp):
             for peer in streams[r]:
-                m, their = ready(r, peer), ready(peer, r)
-                if (m is not None and m.send and their is not None
-                        and not their.send and their.tag == m.tag):
-                    arrived.add((peer, r, m.tag))
+                mine, their = ready(r, peer), ready(peer, r)
+                if (mine is not None and mine.send and their is not None
+                        and not their.send and their.tag == mine.tag):
+                    arrived.add((peer, r, mine.tag))
                     head[r][peer] += 1
                     head[peer][r] += 1
                     progress = True

@@ -112,7 +112,7 @@ class _Runner:
         self.loss_scale, self.clock = loss_scale, clock
         self.grad_sync = grad_sync or (lambda chunk, last: contextlib.nullcontext())
         self.meter = SavedActivationMeter(p for ch in chunks for p in ch.parameters())
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.recvs: dict[tuple[int, int], tuple[torch.Tensor, TrackedWork]] = {}
         check_nccl_order(schedule)
@@ -157,7 +157,10 @@ class _Runner:
                 self.recvs[m.peer, m.tag] = (buf, self.comm.irecv(buf, m.peer, m.tag))
 
     def _take_recv(self, action: Action) -> torch.Tensor:
-        buf, work = self.recvs.pop(source(self.schedule, action))
+        peer_tag = source(self.schedule, action)
+        if peer_tag is None:  # never: only actions that consume a message get here
+            raise RuntimeError(f"{action} receives no message")
+        buf, work = self.recvs.pop(peer_tag)
         work.wait()
         return buf
 
@@ -202,4 +205,6 @@ class _Runner:
         with self.grad_sync(action.chunk, last):
             torch.autograd.backward(out, grad_tensors=grad)
         if action.chunk > 0:
+            if x is None:  # never: every chunk after the first received its input
+                raise RuntimeError(f"{action} has no received input to send a gradient for")
             self._send(x.grad if x.grad is not None else torch.zeros_like(x), action)

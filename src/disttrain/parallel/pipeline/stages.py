@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -92,7 +92,7 @@ def plan_stages(spec: ModelSpec, *, pp: int, v: int = 1, cuts: Sequence[int] | N
         raise ValueError(f"{n} chunks need {n - 1} cut points, got {len(cuts)}: {cuts}; "
                          "give the first block index of every chunk but the first")
     bounds = [0, *cuts, layers]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         if not a < b:
             raise ValueError(f"cut points {cuts} must increase strictly within 1.."
                              f"{layers - 1} (n_layer={layers}), so every chunk has a block")
@@ -165,10 +165,10 @@ class PipelineChunk(nn.Module):
         self.tied_copies: tuple[str, ...] = ()
         self.tied_pairs: list[tuple[str, int]] = []  # (local name, peer pp rank)
         start, stop = plan.bounds[index], plan.bounds[index + 1]
-        blocks = block_list(model, spec)
+        self.blocks_path, blocks = _pipeline_blocks(model, spec)
         # Keyed by the block's index in the full model, so parameter names are kept.
         mine = BlockSlice({i: blocks[i] for i in range(start, stop)})
-        subs: dict[str, nn.Module] = {spec.blocks: mine}
+        subs: dict[str, nn.Module] = {self.blocks_path: mine}
         split = plan.pp > 1 and not (self.is_first and self.is_last)
         for owner, copy_name in spec.tied if split else ():
             if model.get_parameter(owner) is not model.get_parameter(copy_name):
@@ -185,7 +185,7 @@ class PipelineChunk(nn.Module):
         if spec.inject is None:  # spec.embed / spec.finish on a holder of the pieces
             for path in spec.before if self.is_first else ():
                 _attach(self, path, model.get_submodule(path))
-            _attach(self, spec.blocks, mine)
+            _attach(self, self.blocks_path, mine)
             for path in spec.after if self.is_last else ():
                 _attach(self, path, subs[path] if path in subs else model.get_submodule(path))
             self._nodes: list[nn.Module] = []
@@ -203,16 +203,34 @@ class PipelineChunk(nn.Module):
             x, inputs = None, x
         shell = self.__dict__["_shell"]
         if shell is None:
-            if self.is_first:
-                x = self.spec.embed(self, _single_input(inputs))
-            for block in self.get_submodule(self.spec.blocks):
-                x = block(x)
-            return self.spec.finish(self, x) if self.is_last else x
+            return self._run_pieces(x, inputs)
         self._received.value = x
         try:
             return output_logits(_call(shell, inputs))
         finally:
             self._received.value = None
+
+    def _run_pieces(self, x: torch.Tensor | None, inputs: Any) -> torch.Tensor:
+        """``spec.embed`` on the first chunk, the blocks, ``spec.finish`` on the last."""
+        if self.is_first:
+            if self.spec.embed is None:
+                raise ValueError("the first pipeline chunk needs spec.embed (or spec.inject)")
+            x = self.spec.embed(self, _single_input(inputs))
+        elif x is None:
+            raise RuntimeError("a later pipeline chunk ran without a received activation")
+        for block in self._block_slice():
+            x = block(x)
+        if not self.is_last:
+            return x
+        if self.spec.finish is None:
+            raise ValueError("the last pipeline chunk needs spec.finish (or spec.inject)")
+        return self.spec.finish(self, x)
+
+    def _block_slice(self) -> nn.ModuleList:
+        blocks = self.get_submodule(self.blocks_path)
+        if not isinstance(blocks, nn.ModuleList):  # never: the chunk put its slice there
+            raise TypeError(f"{self.blocks_path!r} is a {type(blocks).__name__}")
+        return blocks
 
     def train(self, mode: bool = True) -> PipelineChunk:
         super().train(mode)
@@ -222,7 +240,7 @@ class PipelineChunk(nn.Module):
 
     def chunk_blocks(self) -> list[nn.Module]:
         """This chunk's blocks, in order."""
-        return list(self.get_submodule(self.spec.blocks))
+        return list(self._block_slice())
 
     @property
     def tie_peer(self) -> int | None:
@@ -244,6 +262,11 @@ class BlockSlice(nn.ModuleList):
         items = blocks.items() if isinstance(blocks, Mapping) else enumerate(blocks)
         for i, block in items:
             self.add_module(str(i), block)
+
+    @overload
+    def __getitem__(self, idx: slice) -> BlockSlice: ...
+    @overload
+    def __getitem__(self, idx: int) -> nn.Module: ...
 
     def __getitem__(self, idx: int | slice) -> nn.Module | BlockSlice:
         values = list(self._modules.values())
@@ -291,8 +314,24 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     for name in parents:
         if name not in node._modules:
             node.add_module(name, nn.Module())
-        node = node._modules[name]
+        node = _child(node, name)
     node.add_module(leaf, module)
+
+
+def _child(node: nn.Module, name: str) -> nn.Module:
+    """``node``'s registered child ``name`` (refused if registered as None)."""
+    child = node._modules[name]
+    if child is None:
+        raise ValueError(f"{type(node).__name__} has no module {name!r} (registered as None)")
+    return child
+
+
+def _pipeline_blocks(model: nn.Module, spec: ModelSpec) -> tuple[str, nn.ModuleList]:
+    """The block list's path and the list itself, which a pipeline cut needs."""
+    blocks = block_list(model, spec)
+    if spec.blocks is None or blocks is None:
+        raise ValueError("a pipeline cut needs a ModelSpec naming the block list (blocks)")
+    return spec.blocks, blocks
 
 
 def _stand_in(module: nn.Module) -> nn.Module:
@@ -327,7 +366,7 @@ def _shell(model: nn.Module, subs: Mapping[str, nn.Module]
         for name in parents:
             prefix = f"{prefix}.{name}" if prefix else name
             if prefix not in copies:
-                copies[prefix] = _shallow(node._modules[name])
+                copies[prefix] = _shallow(_child(node, name))
                 node._modules[name] = copies[prefix]
             node = copies[prefix]
         node._modules[leaf] = new
@@ -368,7 +407,7 @@ def check_cut(model: nn.Module, spec: ModelSpec) -> None:
     Call it on every rank of a tp group together (the model may hold tp shards)."""
     if spec.inject is None or spec.probe is None:
         return
-    blocks = block_list(model, spec)
+    path, blocks = _pipeline_blocks(model, spec)
     device = next(model.parameters()).device
     probe = _Inputs({k: v.to(device) if isinstance(v, torch.Tensor) else v
                      for k, v in spec.probe.items()})
@@ -387,10 +426,10 @@ def check_cut(model: nn.Module, spec: ModelSpec) -> None:
     try:
         with torch.no_grad():
             full = output_logits(_call(model, probe))
-            pieces = {}
+            pieces: dict[tuple[bool, bool], torch.Tensor] = {}
             for first, last in ((True, False), (False, False), (False, True)):
                 received = _Received()
-                subs = {spec.blocks: BlockSlice(),
+                subs = {path: BlockSlice(),
                         **_stand_ins(model, spec, received, first=first, last=last)}
                 shell, _ = _shell(model, subs)
                 received.value = seen["last"] if last else seen["first"]
@@ -433,7 +472,7 @@ def build_chunks(model: nn.Module, spec: ModelSpec, plan: StagePlan,
     if not spec.can_pipeline:
         raise ValueError("this model's spec does not say how to cut it (blocks, before/"
                          "after modules, embed/finish); pass a ModelSpec that does")
-    blocks = block_list(model, spec)
+    _, blocks = _pipeline_blocks(model, spec)
     if len(blocks) != plan.bounds[-1]:
         raise ValueError(f"the plan cuts {plan.bounds[-1]} blocks but the model has "
                          f"{len(blocks)}; plan with the model's own spec")
@@ -467,9 +506,10 @@ def exchange_tied_grads(pairs: Sequence[tuple[torch.Tensor, int]],
     pair's two messages in one order (NCCL: a send waits for its receive)."""
     for grad, peer in pairs:
         mine, theirs = grad.detach().clone(), torch.empty_like(grad)
-        posts = [lambda: comm.isend(mine, peer, _TIED_TAG),
-                 lambda: comm.irecv(theirs, peer, _TIED_TAG)]
-        works = [post() for post in (posts if comm.rank < peer else posts[::-1])]
+        if comm.rank < peer:
+            works = [comm.isend(mine, peer, _TIED_TAG), comm.irecv(theirs, peer, _TIED_TAG)]
+        else:
+            works = [comm.irecv(theirs, peer, _TIED_TAG), comm.isend(mine, peer, _TIED_TAG)]
         for work in works:
             work.wait()
         grad.add_(theirs)

@@ -91,7 +91,8 @@ ComputeGradients = Callable[[list[list[int]]], tuple[float, int, float]]
 def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
     """Parameter indices per server: largest parameter first, each to the server with
     the fewest elements so far; every list in model order."""
-    load, shards = [0] * servers, [[] for _ in range(servers)]
+    load = [0] * servers
+    shards: list[list[int]] = [[] for _ in range(servers)]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         s = min(range(servers), key=lambda s: (load[s], s))
         shards[s].append(i)

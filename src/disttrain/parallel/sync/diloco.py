@@ -21,6 +21,8 @@ feedback carries what a round did not send into the next round's pseudo-gradient
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -46,7 +48,7 @@ class OuterNesterov:
         return self.theta.detach()
 
 
-def outer_round(comm: Communicator, params: list[torch.Tensor],
+def outer_round(comm: Communicator, params: Sequence[torch.Tensor],
                 outer: OuterNesterov, codec: GradientCodec | None = None) -> None:
     """End one round: average the pseudo-gradients over ``comm`` (through ``codec``
     when given), take the outer step, and load the new global parameters into

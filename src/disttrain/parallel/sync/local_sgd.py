@@ -45,7 +45,7 @@ class LocalSGD(PeriodicSync):
             self.theta = flatten(self.params)
 
     def _round(self) -> None:
-        if self.codec is None:
+        if self.codec is None or self.theta is None:  # theta is kept iff there is a codec
             weighted_average(self.comm, self.params, 1.0)
             return
         delta = self.theta - flatten(self.params)

@@ -24,8 +24,9 @@ The last two do nothing without sequence parallelism. Before anything is swapped
 parameter is classified (:func:`~disttrain.spec.classify_tp_params`): sharded,
 replicated with identical gradients on every tp rank, or replicated with partial ones;
 a parameter inside a region (an attention or MLP holding sharded projections) that the
-plan does not name is refused, since nothing would sum its gradients. Modules are swapped in place under
-the same attribute names, so ``named_parameters()`` keeps the unsharded model's names.
+plan does not name is refused, since nothing would sum its gradients. Modules are swapped
+in place under the same attribute names, so ``named_parameters()`` keeps the unsharded
+model's names.
 
 With dropout > 0 the result equals the full model's in distribution only: each rank
 draws the masks of its own heads (and, under sequence parallelism, of its own
@@ -40,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -216,10 +217,11 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
     :func:`~disttrain.spec.spec_for` the model); every tp rank must pass an
     identically initialised model. Returns the :class:`TensorParallel` handle."""
     spec = spec or spec_for(model)
-    if plan is None and spec.tp_plan is None:
+    given = spec.tp_plan if plan is None else plan
+    if given is None:
         raise ValueError(f"no tensor-parallel plan for a {type(model).__name__}: pass "
                          "plan= (module-name pattern -> style)")
-    plan = dict(spec.tp_plan if plan is None else plan)
+    plan = dict(given)
     check_divisible(spec, comm.size, sequence_parallel=sequence_parallel)
     targets = match_plan(model, plan)
     _check_ties(model, targets)
@@ -286,14 +288,15 @@ def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel:
            shards: dict[int, nn.Parameter], *, transposed: bool = False) -> nn.Module:
     full_weight = module.weight
     tied = shards.get(id(full_weight))
+    new: VocabParallelEmbedding | ColumnParallelLinear | RowParallelLinear
     if tied is not None and style != "vocab_head":
         raise ValueError(f"a {style!r} module shares a weight with a module already "
                          "sharded; only a 'vocab_head' may share the 'vocab' embedding's")
     sp = {"sequence_parallel": sequence_parallel}
     if style == "vocab":
-        new = VocabParallelEmbedding(module, comm)
+        new = VocabParallelEmbedding(_checked(module, nn.Embedding), comm)
     elif style == "vocab_head":
-        new = VocabParallelHead(module, comm, tied=tied, **sp)
+        new = VocabParallelHead(_checked(module, nn.Linear), comm, tied=tied, **sp)
     elif style == "rowwise":
         new = RowParallelLinear(module, comm, transposed=transposed, **sp)
     else:
@@ -301,6 +304,16 @@ def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel:
                                    transposed=transposed, **sp)
     shards[id(full_weight)] = new.weight
     return new
+
+
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+def _checked(module: nn.Module, kind: type[_Module]) -> _Module:
+    """``module`` as the ``kind`` :func:`_check_module` has already made sure it is."""
+    if not isinstance(module, kind):
+        raise TypeError(f"expected a {kind.__name__}, got a {type(module).__name__}")
+    return module
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:

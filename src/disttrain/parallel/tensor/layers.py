@@ -10,6 +10,7 @@ gradient on each rank (``partial_grad_params``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +37,10 @@ class Box:
     global_shape: tuple[int, ...]
 
     def local_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape))
+        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape, strict=True))
 
     def global_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape))
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape, strict=True))
 
 
 def whole_box(shape: tuple[int, ...]) -> list[Box]:
@@ -88,10 +89,19 @@ def cut(full: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
     return local
 
 
-def _shard_param(full: torch.Tensor | None, boxes: list[Box]) -> nn.Parameter | None:
-    if full is None:
-        return None
+def _shard_param(full: torch.Tensor, boxes: list[Box]) -> nn.Parameter:
     return nn.Parameter(cut(full.detach(), boxes), requires_grad=full.requires_grad)
+
+
+def _shard_optional(full: torch.Tensor | None, boxes: list[Box]) -> nn.Parameter | None:
+    return None if full is None else _shard_param(full, boxes)
+
+
+def _weight_and_bias(full: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A full linear-like layer's ``weight`` and ``bias`` (None when it has none).
+    The casts only restate what they are: nn.Module's stubs type every registered
+    parameter read through ``__getattr__`` as ``Tensor | Module``."""
+    return cast(torch.Tensor, full.weight), cast("torch.Tensor | None", full.bias)
 
 
 class ShardedModule(nn.Module):
@@ -126,16 +136,17 @@ class ColumnParallelLinear(ShardedModule):
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.transposed = transposed
-        shape = tuple(full.weight.shape)
+        weight, bias = _weight_and_bias(full)
+        shape = tuple(weight.shape)
         out_dim = 1 if transposed else 0
         self._boxes = {"weight": dim_boxes(shape, out_dim, comm.rank, comm.size, parts)}
-        if full.bias is not None:
+        if bias is not None:
             self._boxes["bias"] = dim_boxes(shape[out_dim:out_dim + 1], 0, comm.rank,
                                             comm.size, parts)
         self.in_features = shape[1 - out_dim]
         self.out_features = shape[out_dim] // comm.size
-        self.weight = _shard_param(full.weight, self._boxes["weight"])
-        self.bias = _shard_param(full.bias, self._boxes.get("bias", []))
+        self.weight = _shard_param(weight, self._boxes["weight"])
+        self.bias = _shard_optional(bias, self._boxes.get("bias", []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -176,15 +187,16 @@ class RowParallelLinear(ShardedModule):
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.transposed = transposed
-        shape = tuple(full.weight.shape)
+        weight, bias = _weight_and_bias(full)
+        shape = tuple(weight.shape)
         in_dim = 0 if transposed else 1
         self._boxes = {"weight": dim_boxes(shape, in_dim, comm.rank, comm.size)}
-        if full.bias is not None:
-            self._boxes["bias"] = whole_box(tuple(full.bias.shape))
+        if bias is not None:
+            self._boxes["bias"] = whole_box(tuple(bias.shape))
         self.in_features = shape[in_dim] // comm.size
         self.out_features = shape[1 - in_dim]
-        self.weight = _shard_param(full.weight, self._boxes["weight"])
-        self.bias = _shard_param(full.bias, self._boxes.get("bias", []))
+        self.weight = _shard_param(weight, self._boxes["weight"])
+        self.bias = _shard_optional(bias, self._boxes.get("bias", []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, _as_linear(self.weight, self.transposed))

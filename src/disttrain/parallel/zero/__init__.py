@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from ...comm.codecs import CAST_DTYPES
-from ...comm.collectives import Communicator
+from ...comm.collectives import Communicator, TrackedWork
 from ...names import STRATEGY_ZERO
-from ...spec import generic_spec
+from ...spec import block_list, generic_spec
 from ..clipping import clip_to_global_norm
 from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement
@@ -114,7 +114,7 @@ class ZeroDataParallel:
             if self.stage > 1 or last:
                 self.reducer.end_scope(scope)
 
-    def reduce_loss_totals(self, totals: torch.Tensor):
+    def reduce_loss_totals(self, totals: torch.Tensor) -> TrackedWork:
         return self.comm.all_reduce(totals, async_op=True)
 
     def finish_gradient_sync(self, scale: float = 1.0) -> None:
@@ -143,7 +143,7 @@ class ZeroDataParallel:
             f.shard.grad, f.grad_sum = None, None
             if f.grad_full is not None:
                 f.grad_full.zero_()
-                for p, view in zip(f.params, f.views(f.grad_full)):
+                for p, view in zip(f.params, f.views(f.grad_full), strict=True):
                     p.grad = view
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -225,7 +225,8 @@ class ZeroDataParallel:
 def model_units(model: nn.Module) -> list[Unit]:
     """One scope (the whole model): its block list's blocks, then the root."""
     spec = generic_spec(model)
-    blocks = list(model.get_submodule(spec.blocks)) if spec.blocks else []
+    found = block_list(model, spec) if spec.blocks else None
+    blocks = list(found) if found is not None else []
     return build_units([(0, model, blocks)])
 
 

@@ -11,7 +11,7 @@ model runs unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -36,14 +36,15 @@ class Unit:
     entry: nn.Module
 
 
-def build_units(scopes: list[tuple[int, nn.Module, list[nn.Module]]],
-                separate: set[int] = frozenset()) -> list[Unit]:
+def build_units(scopes: Sequence[tuple[int, nn.Module, Sequence[nn.Module]]],
+                separate: Set[int] = frozenset()) -> list[Unit]:
     """Units per scope, given ``(scope id, scope module, its blocks in forward order)``
     (the id: the pipeline chunk's index, 0 without a pipeline): one per block, then a
     root unit with the scope's other parameters, then one root unit per parameter in
     ``separate`` (ids; a weight whose gradient is exchanged between pipeline stages
     needs a shard layout of its own, identical on both sides)."""
-    units, seen = [], set()
+    units: list[Unit] = []
+    seen: set[int] = set()
     for scope, entry, blocks in scopes:
         for block in blocks:
             named = _fresh(block.named_parameters(), seen)
@@ -99,7 +100,8 @@ class FlatParam:
         return self.offsets[-1] + self.params[-1].numel()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+        return [flat[o:o + p.numel()].view(p.shape)
+                for p, o in zip(self.params, self.offsets, strict=True)]
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         n = self.shard.numel()
@@ -109,7 +111,8 @@ class FlatParam:
         """(slot, parameter, name, start, stop) of each parameter's part inside rank
         ``rank``'s shard; start/stop index the parameter's flattening."""
         lo, hi = self.shard_range(rank)
-        for slot, (p, name, off) in enumerate(zip(self.params, self.names, self.offsets)):
+        placed = zip(self.params, self.names, self.offsets, strict=True)
+        for slot, (p, name, off) in enumerate(placed):
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
                 yield slot, p, name, a - off, b - off
@@ -143,7 +146,7 @@ def flatten_unit(unit: Unit, index: int, decay: bool, names: dict[int, str], ran
     else:
         full = torch.zeros(padded, dtype=params[0].dtype, device=where)
         with torch.no_grad():
-            for p, o in zip(params, offsets):
+            for p, o in zip(params, offsets, strict=True):
                 full[o:o + p.numel()].copy_(p.detach().reshape(-1))
     # stages 1-2: the shard is this rank's slice of the full parameters (no second copy);
     # stage 3 frees the full buffer, so the shard is its own tensor
@@ -155,13 +158,13 @@ def flatten_unit(unit: Unit, index: int, decay: bool, names: dict[int, str], ran
     flat = FlatParam(unit=index, params=params, names=[names[id(p)] for p in params],
                      offsets=offsets, full=full, shard=shard, decay=decay, scope=unit.scope,
                      root=unit.module is None)
-    for p, view in zip(params, flat.views(full)):
+    for p, view in zip(params, flat.views(full), strict=True):
         give_storage(p, view)
     if fresh and stage == 3:  # never written: its pages were never touched
         free(full)
     if stage == 1:
         flat.grad_full = torch.zeros_like(full)
-        for p, view in zip(params, flat.views(flat.grad_full)):
+        for p, view in zip(params, flat.views(flat.grad_full), strict=True):
             p.grad = view
     return flat
 

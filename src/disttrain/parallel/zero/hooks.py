@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ...comm.collectives import Communicator, TrackedWork
 from .flat import FlatParam, Unit, free, is_freed, materialize
@@ -73,10 +75,12 @@ class ShardReducer:
     def _reduce(self, flat: FlatParam) -> None:
         """Reduce-scatter ``flat``'s gradient; stages 2-3 free the full gradient."""
         if self.stage == 1:
+            if flat.grad_full is None:  # never: stage 1 builds each flat's full gradient
+                raise RuntimeError(f"ZeRO stage 1 flat of unit {flat.unit} has no grad_full")
             source = flat.grad_full
         else:
             source = torch.zeros(flat.padded, dtype=flat.full.dtype, device=flat.full.device)
-            for p, view in zip(flat.params, flat.views(source)):
+            for p, view in zip(flat.params, flat.views(source), strict=True):
                 if p.grad is not None:
                     view.copy_(p.grad)
                     p.grad = None
@@ -117,25 +121,28 @@ class Stage3Gathers:
         self.next_block: dict[int, int] = {}
         self.prev_block: dict[int, int] = {}
         for seq in blocks.values():
-            for a, b in zip(seq, seq[1:]):
+            for a, b in zip(seq, seq[1:], strict=False):
                 self.next_block[a], self.prev_block[b] = b, a
         self.first_block = {scope: seq[0] for scope, seq in blocks.items()}
         self.gathers: dict[int, list[TrackedWork]] = {}
         self.backward_prefetch: tuple[int, int] | None = None  # (freed unit, next unit)
         self.hooks = self._install(units)
 
-    def _install(self, units: list[Unit]) -> list:
-        hooks, entries = [], {}
+    def _install(self, units: list[Unit]) -> list[RemovableHandle]:
+        hooks: list[RemovableHandle] = []
+        entries: dict[int, tuple[nn.Module, int]] = {}  # id(entry) -> (entry, its scope)
         for i, u in enumerate(units):
             entries.setdefault(id(u.entry), (u.entry, u.scope))
             if u.module is None:
                 continue
+
+            def before_backward(_m: nn.Module, _grads: object, i: int = i) -> None:
+                self._gather_for_backward(i)
             hooks += [
                 u.module.register_forward_pre_hook(lambda m, a, i=i: self.gather(
                     i, prefetch=self.next_block.get(i))),
                 u.module.register_forward_hook(lambda m, a, o, i=i: self.free_unit(i)),
-                u.module.register_full_backward_pre_hook(
-                    lambda m, g, i=i: self._gather_for_backward(i))]
+                u.module.register_full_backward_pre_hook(before_backward)]
         for entry, scope in entries.values():
             hooks.append(entry.register_forward_pre_hook(
                 lambda m, a, scope=scope: self._gather_roots(scope)))

@@ -60,7 +60,7 @@ def rank_pieces(flats: list[FlatParam], placement: Placement,
     out: list[StatePiece] = []
     for f in flats:
         for key, flat in local.rank_state(f.shard).items():
-            for p, name, view in zip(f.params, f.names, f.views(flat)):
+            for p, name, view in zip(f.params, f.names, f.views(flat), strict=True):
                 if placement.writes(p):
                     out += rank_row_pieces(placement, name, p, key, view, dp_rank, dp_size)
     return out
@@ -71,10 +71,12 @@ def load_rank_state(flats: list[FlatParam], placement: Placement, source: Tensor
     """Give the optimizer its per-rank state back (``load_rank_state(shard, key,
     flat)``), for each buffer that has any saved; a parameter without it starts at 0."""
     local = rank_local_state(optimizer)
-    for key in local.rank_keys if local is not None else ():
+    if local is None:
+        return
+    for key in local.rank_keys:
         for f in flats:
             parts, found = [], False
-            for p, name in zip(f.params, f.names):
+            for p, name in zip(f.params, f.names, strict=True):
                 full = f"{OPTIM}{name}/{key}"
                 if full in source.names(full):
                     row = read_rank_row(source, full, MODEL + name, dp_rank, dp_size)
@@ -95,7 +97,7 @@ def load_shards(flats: list[FlatParam], rank: int, placement: Placement,
     for f in flats:
         state: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for slot, p, name, a, b in f.pieces(rank):
+            for slot, _p, name, a, b in f.pieces(rank):
                 where = f.in_shard(rank, slot, a, b)
                 f.shard[where] = _local_range(source, placement, MODEL + name, name, a, b)
                 for full_name in source.names(f"{OPTIM}{name}/"):

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"disttrain: error: {line}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as exc:  # a worker that stopped on a signal (it said so)
-        return int(exc.code)
+        return exc.exit_code
     except TrainingStopped as exc:  # every rank agrees on why: rank 0 says it
         if os.environ.get("RANK", "0") == "0":
             print(f"disttrain: error: {exc}", file=sys.stderr)

@@ -100,7 +100,8 @@ class Interrupted(SystemExit):
     """
 
     def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
+        self.exit_code = 128 + signum  # SystemExit's ``code``, typed as an int
+        super().__init__(self.exit_code)
         self.signum = signum
 
 
@@ -145,8 +146,8 @@ def nonfinite_part(loss_sum: float, grad_norm: float, loss_scaled: bool) -> str 
     """Which of the step's loss / gradients is nan or inf (None: neither). Both are
     values every rank already agrees on: the loss total is summed over the ranks whose
     gradients are summed together (a nan or inf anywhere makes the sum non-finite) and
-    the norm is global, so no extra collective is needed (in a training step). With fp16 loss scaling a
-    gradient overflow is the scaler's to skip, not a divergence."""
+    the norm is global, so no extra collective is needed (in a training step). With fp16
+    loss scaling a gradient overflow is the scaler's to skip, not a divergence."""
     bad_loss = not math.isfinite(loss_sum)
     bad_grads = not loss_scaled and not math.isfinite(grad_norm)
     if bad_loss and bad_grads:

@@ -4,8 +4,9 @@
 model's spec into a :class:`~disttrain.config.consistency.RunPlan` (the layout, the batch
 triple with its third member derived, the learning rate), asking each part that has
 constraints: the config's own sections, then every strategy the config selects, each
-through the check that lives beside it (the registered ones: :mod:`.parallel.registry`). It sits above both ``config`` and ``parallel``
-(the launcher and the Trainer call it), so neither imports the other.
+through the check that lives beside it (the registered ones: :mod:`.parallel.registry`).
+It sits above both ``config`` and ``parallel`` (the launcher and the Trainer call it),
+so neither imports the other.
 """
 
 from __future__ import annotations

@@ -60,20 +60,22 @@ class ModelSpec:
     ``tp_plan``: module-name pattern -> tensor-parallel style. ``tp_divisors``: the
     dimensions tp must divide. ``tp_head_attrs``: ``"module-pattern.attribute"``
     entries naming integer attributes of attention modules that count heads or their
-    total width (each tp rank then holds 1/tp of them). ``tp_transposed``: module-name patterns of modules that store their weight
-    as [in, out] and compute x @ W + b (GPT-2's ``Conv1D``); their shards keep that
-    layout. ``embedding_cost`` / ``block_costs`` / ``head_cost``:
-    relative forward cost per token of each piece (any unit), for balanced pipeline
-    cuts. ``flops_per_token``: training FLOPs per token (None: counted at run time).
-    ``sequence_divisor``: the dimension sequence parallelism splits. ``config_json``:
-    the model's own configuration (a transformers ``config.json``), kept in the run
-    directory so the weights can be exported in the model's own format.
+    total width (each tp rank then holds 1/tp of them). ``tp_transposed``: module-name
+    patterns of modules that store their weight as [in, out] and compute x @ W + b
+    (GPT-2's ``Conv1D``); their shards keep that layout. ``embedding_cost`` /
+    ``block_costs`` / ``head_cost``: relative forward cost per token of each piece (any
+    unit), for balanced pipeline cuts. ``flops_per_token``: training FLOPs per token
+    (None: counted at run time). ``sequence_divisor``: the dimension sequence
+    parallelism splits. ``config_json``: the model's own configuration (a transformers
+    ``config.json``), kept in the run directory so the weights can be exported in the
+    model's own format.
     ``tp_refusal``: why this model's structure cannot run under its tp plan (a
     parameter the plan cannot classify, see :func:`classify_tp_params`), found when the
     spec was read off the model; validation refuses ``parallel.tp > 1`` with it.
     ``twin``: builds a small model of the same class and forward code, with values,
     and its spec: checks that must run the model (the pipeline cut) run on it when the
-    model itself is on the meta device (None: such checks refuse a meta model).
+    model itself is on the meta device (None, or a builder returning None: such checks
+    refuse a meta model).
     """
 
     blocks: str | None
@@ -97,7 +99,7 @@ class ModelSpec:
     sequence_divisor: Divisor | None = None
     config_json: str | None = None
     tp_refusal: str | None = None
-    twin: Callable[[], tuple[nn.Module, ModelSpec]] | None = None
+    twin: Callable[[], tuple[nn.Module, ModelSpec] | None] | None = None
 
     @property
     def can_pipeline(self) -> bool:
@@ -129,7 +131,8 @@ def generic_spec(model: nn.Module) -> ModelSpec:
     name = next((n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)),
                 None)
     blocks = model.get_submodule(name) if name is not None else None
-    return ModelSpec(blocks=name, block_costs=(1.0,) * (len(blocks) if blocks else 0))
+    n_blocks = len(blocks) if isinstance(blocks, nn.ModuleList) else 0
+    return ModelSpec(blocks=name, block_costs=(1.0,) * n_blocks)
 
 
 def output_logits(outputs: Any) -> torch.Tensor:
@@ -197,9 +200,9 @@ def match_plan(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, str
                          "fix or remove them")
     targets = []
     for n in names:
-        style = next((s for p, s in plan.items() if fnmatchcase(n, p)), None)
-        if style is not None:
-            targets.append((n, style))
+        chosen = next((s for p, s in plan.items() if fnmatchcase(n, p)), None)
+        if chosen is not None:
+            targets.append((n, chosen))
     return sorted(targets, key=lambda t: t[1] == "vocab_head")
 
 

@@ -50,6 +50,8 @@ def free_port() -> int:
 
 
 START_METHOD_ENV = "DISTTRAIN_TEST_START_METHOD"
+# the attribute of a @distributed wrapper holding the test body a rank runs
+_WRAPPED_BODY = "__wrapped_body__"
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
@@ -72,7 +74,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
     if start_method not in ("spawn", "fork") or (start_method, backend) == ("fork", "nccl"):
         raise ValueError(f"start_method={start_method!r} with backend={backend!r}: use "
                          "'spawn', or 'fork' with gloo")
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context("spawn") if start_method == "spawn" else mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
     target = (fn.__module__, fn.__qualname__)
@@ -165,7 +167,7 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     # A @distributed test is stored wrapped; the child runs the original body.
-    return getattr(obj, "__wrapped_body__", obj)
+    return getattr(obj, _WRAPPED_BODY, obj)
 
 
 def distributed(world_size: int, timeout: float = 120.0) -> Callable:
@@ -175,6 +177,6 @@ def distributed(world_size: int, timeout: float = 120.0) -> Callable:
         @functools.wraps(body)
         def wrapper(*args: Any, **kwargs: Any) -> None:
             run_distributed(wrapper, world_size, args=args, kwargs=kwargs, timeout=timeout)
-        wrapper.__wrapped_body__ = body
+        setattr(wrapper, _WRAPPED_BODY, body)
         return wrapper
     return decorate

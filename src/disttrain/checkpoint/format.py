@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,14 +73,22 @@ class ShardRef:
     @property
     def numel(self) -> int:
         """Elements in this piece."""
-        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(self.shape)
+        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(self.box()[1])
+
+    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, shape) of a piece stored as a box (one without ``flat``)."""
+        if self.offsets is None or self.shape is None:
+            raise ValueError(f"shard {self.key!r} of {self.file} has neither a flat range "
+                             "nor a box (offsets and shape)")
+        return self.offsets, self.shape
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"file": self.file, "key": self.key}
         if self.flat is not None:
             out["flat"] = list(self.flat)
         else:
-            out["offsets"], out["shape"] = list(self.offsets), list(self.shape)
+            offsets, shape = self.box()
+            out["offsets"], out["shape"] = list(offsets), list(shape)
         return out
 
     @staticmethod
@@ -181,7 +190,7 @@ class ShardReader:
         wanted = self._wanted(name, tuple(entry.shape))
         for ref in entry.shards:
             if wanted is not None and ref.offsets is not None and not any(
-                    _overlap(ref.offsets, ref.shape, o, n) for o, n in wanted):
+                    _overlap(*ref.box(), o, n) for o, n in wanted):
                 continue  # a part another rank holds
             piece = self._file(ref.file).get_tensor(ref.key)
             self.bytes_read += piece.numel() * piece.element_size()
@@ -193,8 +202,9 @@ class ShardReader:
             if ref.flat is not None:
                 out.view(-1)[ref.flat[0]:ref.flat[1]] = piece.reshape(-1)
             else:
-                box = tuple(slice(o, o + n) for o, n in zip(ref.offsets, ref.shape))
-                out[box] = piece.reshape(ref.shape)
+                offsets, sizes = ref.box()
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+                out[box] = piece.reshape(sizes)
             covered += piece.numel()
         if wanted is None and covered < out.numel():
             raise ValueError(f"checkpoint tensor {name} is only partly stored "
@@ -202,6 +212,9 @@ class ShardReader:
         return out
 
 
-def _overlap(a_offsets, a_sizes, b_offsets, b_sizes) -> bool:
+def _overlap(a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int],
+             b_sizes: Sequence[int]) -> bool:
+    """Whether box a and box b (offsets and sizes per dimension, the same number of
+    dimensions) intersect."""
     return all(ao < bo + bn and bo < ao + an
-               for ao, an, bo, bn in zip(a_offsets, a_sizes, b_offsets, b_sizes))
+               for ao, an, bo, bn in zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True))

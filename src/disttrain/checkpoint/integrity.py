@@ -167,7 +167,7 @@ def _shard(directory: Path, path: Path, name: str, shape: tuple[int, ...], raw: 
     offsets = _counts(path, raw.get("offsets"), f"tensor {name} shard offsets")
     extent = _counts(path, raw.get("shape"), f"tensor {name} shard shape")
     if len(offsets) != len(shape) or len(extent) != len(shape) or any(
-            o + n > d for o, n, d in zip(offsets, extent, shape)):
+            o + n > d for o, n, d in zip(offsets, extent, shape, strict=True)):
         raise CheckpointRejected(path, f"tensor {name} shard box {list(offsets)}+"
                                        f"{list(extent)} is not inside its shape {list(shape)}")
     return ShardRef(file, key, offsets=offsets, shape=extent)

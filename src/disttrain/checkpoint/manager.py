@@ -157,10 +157,10 @@ class CheckpointManager:
         on_device = {n: t for n, t in mine.items() if t.is_cuda}
         pinned = self._snapshot_device(on_device) if on_device else {}
         on_host = {n: t for n, t in mine.items() if n not in on_device}
-        self._copied = threading.Event()
+        copied = self._copied = threading.Event()
         self._thread = threading.Thread(target=self._run,
                                         args=(staging, step, on_host, pinned, meta,
-                                              parts or {}),
+                                              parts or {}, copied),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
 
@@ -215,12 +215,14 @@ class CheckpointManager:
 
     def _run(self, staging: Path, step: int, mine: dict[str, torch.Tensor],
              pinned: dict[str, torch.Tensor], meta: dict[str, Any],
-             parts: dict[str, Part]) -> None:
+             parts: dict[str, Part], copied: threading.Event) -> None:
+        """The background thread of an asynchronous save; ``copied``: set once the
+        snapshot is taken (this save's :attr:`_copied`)."""
         try:
             try:
                 host = self._copy_to_host(mine)
             finally:  # never leave before_update() waiting, even on an error
-                self._copied.set()
+                copied.set()
             if self._device_copy is not None:
                 self._device_copy[0].synchronize()  # the GPU copies have landed
             host.update(pinned)
@@ -280,7 +282,7 @@ class CheckpointManager:
             entry.shards.append(
                 ShardRef(name, key, offsets=tuple(where["offsets"]),
                          shape=tuple(where["shape"])) if isinstance(where, dict)
-                else ShardRef(name, key, flat=tuple(where)))
+                else ShardRef(name, key, flat=(where[0], where[1])))
         storage.write_marker(staging, self.rank, file_meta, entries)
 
     @property

@@ -123,7 +123,8 @@ def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
     order = sorted(tensors, key=lambda n: (_ST_ORDER.get(tensors[n].dtype, -1), n))
     pieces = [memoryview(_safetensors_header(tensors, order))]
     for name in order:
-        raw = memoryview(tensor_bytes(tensors[name]))
+        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only
+        raw = memoryview(tensor_bytes(tensors[name]))  # type: ignore[arg-type]
         pieces += [raw[s:s + _CHUNK] for s in range(0, len(raw), _CHUNK)]
     return pieces
 

@@ -52,7 +52,8 @@ def write_streamed(path: Path, entries: Sequence[Entry],
                     raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected "
                                      f"{tuple(shape)} {dtype}")
                 data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))
+                # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only
+                f.write(memoryview(data.numpy()))  # type: ignore[arg-type]
         os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     finally:

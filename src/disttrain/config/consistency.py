@@ -71,12 +71,16 @@ def resolve_batch(train: TrainConfig, explicit: frozenset[str], dp: int) -> Batc
                           "two of global_batch, micro_batch, grad_accum are needed",
                           "set two of them")
     g, m, a = (given.get(k) for k in BATCH_KEYS)
-    if g is None:
+    if g is None and m is not None and a is not None:
         g = m * a * dp
-    elif m is None:
+    elif m is None and g is not None and a is not None:
         m = _divide("train.global_batch", g, a * dp, f"grad_accum x dp = {a}x{dp}")
-    elif a is None:
+    elif a is None and g is not None and m is not None:
         a = _divide("train.global_batch", g, m * dp, f"micro_batch x dp = {m}x{dp}")
+    if g is None or m is None or a is None:  # never: two of them are known (above)
+        raise ConfigError("train.global_batch", train.global_batch,
+                          "two of global_batch, micro_batch, grad_accum are needed",
+                          "set two of them")
     if g != m * a * dp:
         raise ConfigError("train.global_batch", g,
                           f"must equal micro_batch x grad_accum x dp = {m}x{a}x{dp} = "

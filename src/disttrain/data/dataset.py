@@ -50,7 +50,7 @@ class TokenWindowDataset(Dataset):
         sizes = tokens_per_shard(self.shards, dtype)
         counts = [n // (seq_len + 1) for n in sizes]
         self._ends = np.cumsum(counts).tolist()  # _ends[s] = windows in shards 0..s
-        self._maps: dict[int, np.memmap] = {}
+        self._maps: dict[int, np.ndarray] = {}  # memory maps (open_shard)
         if not self._ends or self._ends[-1] == 0:
             raise DataError(f"{sum(sizes)} tokens in {len(self.shards)} shard(s) make no "
                             f"window of seq_len+1={seq_len + 1} tokens (seq_len is too large "
@@ -77,7 +77,7 @@ class TokenWindowDataset(Dataset):
         first = self._ends[shard - 1] if shard else 0
         return shard, (index - first) * (self.seq_len + 1)
 
-    def _map(self, shard: int) -> np.memmap:
+    def _map(self, shard: int) -> np.ndarray:
         if shard not in self._maps:
             self._maps[shard] = open_shard(self.shards[shard], self.dtype)
         return self._maps[shard]

@@ -81,12 +81,11 @@ class PrefetchingLoader:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._plan = _Plan()
-        self._data = DataLoader(_IndexListDataset(dataset, collate), batch_size=None,
-                                sampler=self._plan, num_workers=workers,
-                                collate_fn=_as_is, pin_memory=pin_memory,
-                                prefetch_factor=prefetch, persistent_workers=True,
-                                multiprocessing_context=_START_METHOD,
-                                worker_init_fn=_WorkerStart(in_worker))
+        self._data: DataLoader | None = DataLoader(
+            _IndexListDataset(dataset, collate), batch_size=None, sampler=self._plan,
+            num_workers=workers, collate_fn=_as_is, pin_memory=pin_memory,
+            prefetch_factor=prefetch, persistent_workers=True,
+            multiprocessing_context=_START_METHOD, worker_init_fn=_WorkerStart(in_worker))
         self._stream: Iterator[tuple[tuple[int, ...], Any]] | None = None
         self._following = False  # no plan yet: everything loads in the caller
         self._step: Sequence[list[int]] = ()
@@ -121,6 +120,8 @@ class PrefetchingLoader:
     def _restart(self, start: int) -> None:
         lists = [tuple(x) for x in self._step[start:]]
         self._plan.keys = itertools.chain(lists, (tuple(x) for x in self._future()))
+        if self._data is None:
+            raise RuntimeError("the loader is closed: no batch can be loaded after close()")
         self._stream = iter(self._data)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ embedding. Strategies are applied to this unchanged model from outside.
 from __future__ import annotations
 
 import math
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,17 +123,30 @@ class GPT(nn.Module):
         return gpt_finish(self, x)
 
 
+class _GPTEnds(Protocol):
+    """The modules :func:`gpt_embed` and :func:`gpt_finish` run: the GPT's, or those of
+    any module holding them (a pipeline stage)."""
+
+    tok_emb: nn.Module
+    pos_emb: nn.Module
+    drop: nn.Module
+    ln_f: nn.Module
+    head: nn.Module
+
+
 def gpt_embed(m: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Token + position embeddings (then dropout) of input_ids [B, T] -> [B, T, d]; ``m``
     is the GPT or any module holding its ``tok_emb``, ``pos_emb`` and ``drop``."""
+    ends = cast(_GPTEnds, m)  # nn.Module types its submodules as Tensor | Module
     pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return m.drop(m.tok_emb(input_ids) + m.pos_emb(pos))
+    return ends.drop(ends.tok_emb(input_ids) + ends.pos_emb(pos))
 
 
 def gpt_finish(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Final norm and output projection [B, T, d] -> logits [B, T, V]; ``m`` holds
     ``ln_f`` and ``head``."""
-    return m.head(m.ln_f(x))
+    ends = cast(_GPTEnds, m)  # nn.Module types its submodules as Tensor | Module
+    return ends.head(ends.ln_f(x))
 
 
 # The tensor-parallel plan (module-name pattern -> style, see

@@ -29,7 +29,7 @@ import inspect
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, cast
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from ..spec import (
     Divisor,
     ModelSpec,
     UnclassifiedParameter,
+    block_list,
     classify_tp_params,
     generic_spec,
     register_spec,
@@ -48,6 +49,28 @@ from ..spec import (
 # dimension -> the [model] key that sets it, for messages (model.name = gpt2 | llama)
 _MODEL_FIELDS = {"heads": "model.n_head", "kv_heads": "model.n_kv_head",
                  "mlp": "model.d_model", "vocab": "model.vocab_size"}
+
+
+class _CausalLM(Protocol):
+    """What this module reads of a transformers ``PreTrainedModel`` beyond nn.Module."""
+
+    config: Any  # a transformers PretrainedConfig
+
+    def get_input_embeddings(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+
+def _lm(model: nn.Module) -> _CausalLM:
+    """``model``, a transformers model, as one (nn.Module types the attributes a
+    subclass adds as Tensor | Module)."""
+    return cast(_CausalLM, model)
+
+
+def _int_attr(m: nn.Module, name: str) -> int:
+    """``int(m.<name>)`` for a plain int attribute of a module (``out_features``,
+    ``num_embeddings``), which nn.Module's typing gives as Tensor | Module."""
+    return int(getattr(m, name))
 
 
 def is_hf(cfg: ModelConfig) -> bool:
@@ -189,32 +212,33 @@ def hf_dimensions(model: nn.Module, cfg: ModelConfig) -> tuple[int, int, int]:
     transformers config when ``model.hf_config`` chose it."""
     if not cfg.hf_config:
         return cfg.seq_len, cfg.n_layer, cfg.d_model
-    c = model.config
+    c = _lm(model).config
     return cfg.seq_len, int(c.num_hidden_layers), int(c.hidden_size)
 
 
 def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelSpec:
     """The spec of a transformers causal LM, from its module structure (see the module
     docstring). ``fields``: the config keys named in tp refusals."""
+    lm = _lm(model)
     spec = dataclasses.replace(generic_spec(model),
-                               config_json=model.config.to_json_string(),
+                               config_json=lm.config.to_json_string(),
                                call_kwargs=_no_cache(model))
-    if spec.blocks is None:
+    path, blocks = spec.blocks, block_list(model, spec)
+    if path is None or blocks is None:
         return spec
     names = {id(m): n for n, m in model.named_modules()}
-    embedding = model.get_input_embeddings()
-    head = model.get_output_embeddings()
+    embedding = lm.get_input_embeddings()
+    head = lm.get_output_embeddings()
     if id(embedding) not in names or (head is not None and id(head) not in names):
         return spec
-    before, after = _around_blocks(model, spec.blocks)
+    before, after = _around_blocks(model, path)
     spec = dataclasses.replace(spec, twin=lambda: _small_twin(model))
     emb_path = names[id(embedding)]
     if emb_path not in before:
         return spec
-    hidden = int(embedding.embedding_dim)
-    vocab = int(embedding.num_embeddings)
-    blocks = model.get_submodule(spec.blocks)
-    seq = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    hidden = _int_attr(embedding, "embedding_dim")
+    vocab = _int_attr(embedding, "num_embeddings")
+    seq = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
     block_costs = tuple(float(2 * _matmul_params(b) + 4 * seq * hidden) for b in blocks)
     spec = dataclasses.replace(
         spec, before=before, after=after, inject=emb_path, hidden_size=hidden,
@@ -246,7 +270,8 @@ def _small_twin(model: nn.Module) -> tuple[nn.Module, ModelSpec] | None:
     """A 2-block, 32-wide model of ``model``'s class and forward code (grouped-query
     attention kept as grouped), randomly initialised on the CPU, and its spec; None if
     its config cannot be made small this way."""
-    values = model.config.to_dict()
+    config = _lm(model).config
+    values = config.to_dict()
     grouped = values.get("num_key_value_heads") not in (None, values.get(
         "num_attention_heads"))
     values.update({k: v for k, v in _SMALL.items() if k in values})
@@ -259,7 +284,7 @@ def _small_twin(model: nn.Module) -> tuple[nn.Module, ModelSpec] | None:
     try:
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)
-            twin = type(model)(type(model.config).from_dict(values))
+            twin = type(model)(type(config).from_dict(values))
     except Exception:  # noqa: BLE001 - a family whose config does not shrink so
         return None
     return twin, hf_spec(twin)
@@ -323,8 +348,10 @@ def _tied(model: nn.Module, before: tuple[str, ...], after: tuple[str, ...]
 
 def _covers(model: nn.Module, spec: ModelSpec) -> bool:
     """Every parameter lies in the blocks or in a module before / after them."""
-    held = {id(p) for path in (*spec.before, *spec.after, spec.blocks)
-            for p in model.get_submodule(path).parameters()}
+    blocks = block_list(model, spec)
+    parts = [model.get_submodule(path) for path in (*spec.before, *spec.after)]
+    held = {id(p) for part in (*parts, *([blocks] if blocks is not None else []))
+            for p in part.parameters()}
     return all(id(p) in held for p in model.parameters())
 
 
@@ -332,11 +359,14 @@ def _tp_layout(model: nn.Module, spec: ModelSpec, head: str | None, embedding: s
                fields: dict[str, str]) -> dict[str, Any] | None:
     """The plan, divisors and head attributes for a Llama-like or GPT-2-like block
     structure (None for any other)."""
-    blocks = list(model.get_submodule(spec.blocks))
+    block_modules = block_list(model, spec)
+    if block_modules is None:
+        return None
+    blocks = list(block_modules)
     first = {n: m for n, m in blocks[0].named_modules()}
     if any({n for n, _ in b.named_modules()} != set(first) for b in blocks[1:]):
         return None
-    config = model.config
+    config = _lm(model).config
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
     if heads <= 0:
@@ -349,7 +379,7 @@ def _tp_layout(model: nn.Module, spec: ModelSpec, head: str | None, embedding: s
     full_plan = {embedding: "vocab", **{prefix + n: s for n, s in plan.items()}}
     if head is not None:
         full_plan[head] = "vocab_head"
-    vocab = int(model.get_submodule(embedding).num_embeddings)
+    vocab = _int_attr(model.get_submodule(embedding), "num_embeddings")
     divisors = [Divisor(fields.get("heads", "num_attention_heads"), heads, heads,
                         "attention heads"),
                 Divisor(fields.get("mlp", "intermediate_size"), mlp_width, mlp_width,
@@ -380,7 +410,9 @@ def _llama_like(modules: dict[str, nn.Module], heads: int
     if len(q) != 1 or len(up) != 1:
         return None
     attn, mlp = q[0].rpartition(".")[0], up[0].rpartition(".")[0]
-    join = (lambda parent, leaf: f"{parent}.{leaf}" if parent else leaf)
+    def join(parent: str, leaf: str) -> str:
+        return f"{parent}.{leaf}" if parent else leaf
+
     attn_names = {s: join(attn, s) for s in ("q_proj", "k_proj", "v_proj", "o_proj")}
     mlp_names = {s: join(mlp, s) for s in ("gate_proj", "up_proj", "down_proj")}
     if not all(_linear(modules.get(n)) for n in attn_names.values()):
@@ -395,13 +427,13 @@ def _llama_like(modules: dict[str, nn.Module], heads: int
         if not _linear(modules[mlp_names["gate_proj"]]):
             return None
         plan[mlp_names["gate_proj"]] = "colwise"
-    head_dim = modules[attn_names["q_proj"]].out_features // heads
+    head_dim = _int_attr(modules[attn_names["q_proj"]], "out_features") // heads
     plan |= {n: "partial" for n in _per_head_modules(modules, attn, head_dim)}
     parent = modules[attn] if attn else None
     # older transformers versions reshape by these counts; newer ones by -1
     attrs = [join(attn, a) for a in ("num_heads", "num_key_value_heads", "hidden_size")
              if isinstance(getattr(parent, a, None), int)]
-    return plan, [], attrs, int(modules[mlp_names["up_proj"]].out_features)
+    return plan, [], attrs, _int_attr(modules[mlp_names["up_proj"]], "out_features")
 
 
 def _per_head_modules(modules: dict[str, nn.Module], attn: str, head_dim: int) -> list[str]:
@@ -431,8 +463,9 @@ def _gpt2_like(modules: dict[str, nn.Module], heads: int
     attn, mlp = qkv[0].rpartition(".")[0], fc[0].rpartition(".")[0]
     names = [qkv[0], f"{attn}.c_proj", fc[0], f"{mlp}.c_proj"]
     mods = [modules.get(n) for n in names]
-    weights = [getattr(m, "weight", None) for m in mods]
-    if any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+    weights = [w for w in (getattr(m, "weight", None) for m in mods)
+               if isinstance(w, torch.Tensor) and w.dim() == 2]
+    if len(weights) != len(mods):
         return None
     linear = [_linear(m) for m in mods]
     if any(linear) and not all(linear):

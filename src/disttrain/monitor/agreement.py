@@ -7,7 +7,7 @@ rank 0 compares and the first difference is reported before training starts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -39,7 +39,7 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, An
 def check_agreement(comm: Communicator, config: Config, model: nn.Module) -> None:
     """Raise UserError on every rank if any rank's config or model differs from
     rank 0's, naming the first difference."""
-    everyone = comm.all_gather_object(fingerprint(config, model))
+    everyone = cast(list[dict[str, Any]], comm.all_gather_object(fingerprint(config, model)))
     for rank, theirs in enumerate(everyone[1:], start=1):
         diff = first_difference(everyone[0], theirs)
         if diff:

@@ -53,8 +53,12 @@ class Trainer(Protocol):
 
     config: Config
     model: nn.Module
-    run_dir: Path | None
-    start_step: int  # 0, or the step a resumed run continues from
+
+    @property
+    def run_dir(self) -> Path | None: ...
+
+    @property
+    def start_step(self) -> int: ...  # 0, or the step a resumed run continues from
 
     @property
     def rank(self) -> int: ...

@@ -39,12 +39,13 @@ class MetricsWriter:
                           allow_nan=False)
         self._pending += (line + "\n").encode("utf-8")
         self._unwritten += 1
-        self._drain()
+        self._drain(self.path)
 
-    def _drain(self) -> None:
+    def _drain(self, path: Path) -> None:
+        """Write what is pending to ``path`` (this writer's :attr:`path`)."""
         try:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             while self._pending:
                 done = os.write(self._fd, self._pending)
                 chunk, self._pending = self._pending[:done], self._pending[done:]
@@ -63,7 +64,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.path is not None and self._pending:
-            self._drain()
+            self._drain(self.path)
             if self._pending:
                 self.say(f"warning: {self._unwritten} metrics record(s) could not be "
                          f"written to {self.path}")

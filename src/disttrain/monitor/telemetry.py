@@ -50,7 +50,7 @@ class Telemetry:
         mine = [w.per_step(f) for f in STAT_FIELDS] + [w.per_step(RANK_SAMPLES), current, peak]
         rows = self.comm.all_gather(torch.tensor(mine, dtype=torch.float64,
                                                  device=self.device))
-        return [dict(zip(_GATHERED, row.tolist())) | {RANK: r} for r, row in
+        return [dict(zip(_GATHERED, row.tolist(), strict=True)) | {RANK: r} for r, row in
                 enumerate(rows)]
 
     def log(self, record: MetricsRecord | Mapping[str, Any], flops_per_term: float | None

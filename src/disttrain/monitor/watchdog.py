@@ -50,7 +50,8 @@ def _ranges(ranks: list[int]) -> str:
 
 def diagnose(reports: dict[int, dict], world_size: int) -> str:
     """One line: which ranks wait where; ranks that did not report are named too."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    # ((verb for one rank, for several), where) -> the ranks
+    groups: dict[tuple[tuple[str, str], str], list[int]] = {}
     for rank, rep in reports.items():
         where = (("waits", "wait"), f"at {rep['waiting']}") if rep.get("waiting") else \
             (("is", "are"), f"not in a collective (last issued {rep['last']})")

@@ -138,7 +138,7 @@ def run_shape(run: RunRecord) -> ModelShape:
 
 def _named_shape(model: ModelConfig) -> ModelShape:
     """What :func:`~disttrain.models.hf.build_hf_model` builds for ``model.name``."""
-    common = dict(name=model.name, layers=model.n_layer, hidden=model.d_model,
+    common: dict[str, Any] = dict(name=model.name, layers=model.n_layer, hidden=model.d_model,
                   heads=model.n_head, seq=model.seq_len, vocab=model.vocab_size,
                   dropout=model.dropout > 0)
     if model.name == "gpt2":
@@ -186,7 +186,7 @@ def run_chunks(config: Config, lay: PlannedLayout) -> tuple[int, ...] | None:
     except (ImportError, OSError, ValueError):
         return None
     stages = plan_stages(spec, pp=lay.pp, v=lay.v, cuts=pipeline_cuts(config.parallel, spec))
-    return tuple(b - a for a, b in zip(stages.bounds, stages.bounds[1:]))
+    return tuple(b - a for a, b in zip(stages.bounds, stages.bounds[1:], strict=False))
 
 
 def run_cluster(text: str | None, run: RunRecord) -> Cluster:
@@ -232,7 +232,7 @@ def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
     ranks = []
     for rank, measured in enumerate(_rank_memory(run, notes)):
         stage = mesh.coordinates(rank)[0]
-        mem = est.stages[stage]
+        mem = est.stage_memory(stage)
         ranks.append({"rank": rank, "stage": stage,
                       "model_states": _pair(mem.model_states,
                                             sum(measured[k] for k in MODEL_STATE_PARTS)),

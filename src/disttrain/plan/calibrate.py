@@ -153,7 +153,7 @@ def calibrate(opts: CalibrateOptions) -> Cluster:
         torch.set_num_threads(threads)
 
 
-def _measure_device(opts: CalibrateOptions, links: dict[str, float],
+def _measure_device(opts: CalibrateOptions, links: dict[str, Any],
                     link_notes: dict[str, Any]) -> Cluster:
     # memory first: on a GPU, what is in use before this process allocates is reserved
     memory_gib, reserved_gib = device_memory_gib(opts.device, opts.nproc)
@@ -263,7 +263,7 @@ def _matmul_notes(points: list[MatmulPoint], probes: list[MatmulPoint],
                   probe_notes: dict[str, str], fit: MatmulFit) -> dict[str, Any]:
     rows = [{"precision": p.precision, "m": p.m, "k": p.k, "n": p.n, "seconds": p.seconds,
              "gflops": p.flops / p.seconds / 1e9, "fit_rel_error": err}
-            for p, err in zip(points, fit.rel_errors)]
+            for p, err in zip(points, fit.rel_errors, strict=True)]
     rows += [{"precision": p.precision, "m": p.m, "k": p.k, "n": p.n, "seconds": p.seconds,
               "gflops": p.flops / p.seconds / 1e9, "fit_rel_error": None} for p in probes]
     return {"shapes": "[m, k] x [k, n]: tokens x hidden times hidden x out",
@@ -282,11 +282,11 @@ def _attention(opts: CalibrateOptions, cluster: Cluster) -> tuple[float, dict[st
     unit = replace(cluster, attention_efficiency=1.0)
     ideal = [attention_time(unit, p.batch, p.seq, p.heads * p.head_dim, precision)
              for p in points]
-    effs = [i / p.seconds for i, p in zip(ideal, points)]
+    effs = [i / p.seconds for i, p in zip(ideal, points, strict=True)]
     eff = min(1.0, math.exp(statistics.fmean(math.log(e) for e in effs)))
     rows = [{"batch": p.batch, "heads": p.heads, "seq": p.seq, "head_dim": p.head_dim,
              "seconds": p.seconds, "efficiency": e, "fit_rel_error": e / eff - 1}
-            for p, e in zip(points, effs)]
+            for p, e in zip(points, effs, strict=True)]
     return eff, {"precision": precision, "causal": True, "points": rows, "efficiency": eff,
                  "note": "FLOPs as estimate.attention_time counts them (4 b s^2 width, "
                  "causal masking not subtracted), over the measured peak"}
@@ -294,7 +294,7 @@ def _attention(opts: CalibrateOptions, cluster: Cluster) -> tuple[float, dict[st
 
 # links --------------------------------------------------------------------------------
 
-def measure_links(opts: CalibrateOptions) -> tuple[dict[str, float], dict[str, Any]]:
+def measure_links(opts: CalibrateOptions) -> tuple[dict[str, Any], dict[str, Any]]:
     """Cluster link fields from collectives over ``nproc`` ranks, and the notes for
     ``measured``; none (empty) for one rank. Also every group of
     :func:`~disttrain.plan.measure.group_sizes` inside the world (``group_links``); on
@@ -346,7 +346,8 @@ def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
 
 def _call_medians(op: str, n_sizes: int, per_rank: list[dict[str, list[list[float]]]]
                   ) -> list[float]:
-    return [statistics.median(max(ranks) for ranks in zip(*(r[op][i] for r in per_rank)))
+    return [statistics.median(max(ranks) for ranks in zip(*(r[op][i] for r in per_rank),
+                                                             strict=True))
             for i in range(n_sizes)]
 
 
@@ -359,7 +360,7 @@ def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
     notes: dict[str, Any] = {"ranks": n, "dtype": "fp32", "sizes_bytes": sizes}
     fits = {}
     for op in COLLECTIVES:
-        calls = [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank))]
+        calls = [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank), strict=True)]
                  for i in range(len(sizes))]
         medians = [statistics.median(c) for c in calls]
         fits[op] = fit_line(sizes, medians)
@@ -382,7 +383,7 @@ def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
     return fields, notes
 
 
-def _no_links(bytes_per_s: float) -> dict[str, float]:
+def _no_links(bytes_per_s: float) -> dict[str, Any]:
     gbps = bytes_per_s / 1e9
     return {"intra_gbps": gbps, "inter_gbps": gbps}
 

@@ -118,7 +118,7 @@ def _state_bytes(config: Config, layout: Layout) -> int:
         params = num_params(config.model)
     states = model_state_bytes(params, dp=layout.dp, zero=layout.zero,
                                optimizer=kind, momentum=t.momentum > 0).model_states
-    return states // (layout.pp * layout.tp)
+    return int(states // (layout.pp * layout.tp))  # an int already: params is one
 
 
 def _hf_shape(config: Config) -> ModelShape | None:
@@ -153,14 +153,14 @@ def _largest_dimension(config: Config) -> tuple[str, int | str]:
     return f"model.{name}", getattr(config.model, name)
 
 
-def _batch_field(config: Config, micro_batch: int) -> tuple[str, int]:
+def _batch_field(config: Config, micro_batch: int) -> tuple[str, int | None]:
     """The batch member the user set that sets the micro-batch size."""
     if "train.micro_batch" in config.explicit:
         return "train.micro_batch", micro_batch
     return "train.global_batch", config.train.global_batch
 
 
-def _refuse(field: str, value: int, need: int, memory: RankMemory, what: str,
+def _refuse(field: str, value: object, need: int, memory: RankMemory, what: str,
             fix: str) -> None:
     raise ConfigError(field, value, f"needs ~{_gib(need)} GiB per rank for {what}, "
                       f"more than the {_gib(memory.bytes)} GiB a rank can have "

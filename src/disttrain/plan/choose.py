@@ -167,7 +167,7 @@ def explain(rows: list[Estimate], shape: ModelShape, cluster: Cluster) -> str:
     total = best.step_time_s
     parts = sorted(t.items(), key=lambda kv: -kv[1])
     spent = ", ".join(f"{_WORDS[k]} {100 * v / total:.0f}%" for k, v in parts if v > 0)
-    mem = best.stages[best.worst_stage]
+    mem = best.stage_memory(best.worst_stage)
     lines = [f"best: {best.layout.label()}: {total:.3f} s/step, MFU "
              f"{100 * best.mfu:.1f}%, bottleneck {_WORDS[best.bottleneck]}",
              f"  its step: {spent}",
@@ -178,7 +178,7 @@ def explain(rows: list[Estimate], shape: ModelShape, cluster: Cluster) -> str:
     if len(rows) > 1:
         other = rows[1]
         diffs = {k: other.times.get(k, 0) - t.get(k, 0) for k in set(t) | set(other.times)}
-        worse = max(diffs, key=diffs.get)
+        worse = max(diffs, key=lambda k: diffs[k])
         lines.append(f"next: {other.layout.label()}: {other.step_time_s:.3f} s/step "
                      f"(+{100 * (other.step_time_s / total - 1):.1f}%), mostly "
                      f"{_WORDS[worse]} (+{diffs[worse]:.3f} s); memory "

@@ -49,9 +49,10 @@ class Cluster:
     Framework time beyond the kernels: ``layer_overhead_s`` per transformer layer's
     forward and backward (eager dispatch of its small operations, autograd's
     bookkeeping), ``microbatch_overhead_s`` per micro-batch for the model's ends
-    (embedding, final norm, head, loss) beyond their kernels, ``tensor_overhead_s`` per parameter tensor per optimizer step
-    (clipping, the update, zeroing). With ``async_dispatch`` (a GPU) the host's work
-    overlaps the device's and a layer takes the longer of the two; on a CPU they add.
+    (embedding, final norm, head, loss) beyond their kernels, ``tensor_overhead_s`` per
+    parameter tensor per optimizer step (clipping, the update, zeroing). With
+    ``async_dispatch`` (a GPU) the host's work overlaps the device's and a layer takes
+    the longer of the two; on a CPU they add.
     ``host_cores``: on a CPU, the cores a node's ranks share, each computing with
     ``threads_per_rank`` threads, so that more threads than cores slow every rank's
     compute in proportion (0: every device computes on its own, a GPU).
@@ -176,7 +177,8 @@ def _peaks(name: str) -> dict[str, float]:
 # transformer layer's forward and backward, about 5 us each; it overlaps the device's
 # work (async_dispatch), so it only shows for tiny layers. Fused AdamW: no per-tensor
 # loop.
-_GPU_HOST = {"layer_overhead_s": 3e-4, "tensor_overhead_s": 0.0, "async_dispatch": True}
+_GPU_HOST: dict[str, Any] = {"layer_overhead_s": 3e-4, "tensor_overhead_s": 0.0,
+                             "async_dispatch": True}
 
 # Datasheet figures: HBM bandwidth (GB/s); NVLink per GPU (A100: 600 GB/s, H100/H200:
 # 900 GB/s, both directions, so 300 / 450 each way); DGX A100: 8 x 200 Gb/s HDR

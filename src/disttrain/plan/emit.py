@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..errors import UserError
 from .estimate import Estimate
@@ -37,7 +38,7 @@ def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate) -> 
         raise UserError("--emit-config: disttrain builds this shape only from a "
                         "transformers config.json; pass --model path/config.json")
     m = lay.micro_batches(ns.global_batch)
-    parallel = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
+    parallel: dict[str, Any] = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
                 "sequence_parallel": lay.sp}
     if lay.pp > 1:
         parallel["pp_schedule"] = lay.schedule

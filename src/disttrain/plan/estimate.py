@@ -34,7 +34,7 @@ from .cluster import Cluster
 from .costs import ACT_BYTES
 from .layout import PlannedLayout
 from .memory import model_state_bytes
-from .options import Options
+from .options import DEFAULT_OPTIONS, Options
 from .shape import ModelShape, rank_params
 from .steptime import StepTime, step_time
 
@@ -90,9 +90,18 @@ class Estimate:
     chunk_backward_s: tuple[tuple[float, ...], ...] = ()
     p2p_message_s: float = 0.0
 
+    def stage_memory(self, stage: int) -> StageMemory:
+        """The memory of pipeline stage ``stage``, which was estimated (the largest
+        always is; every stage with ``all_stages``)."""
+        mem = self.stages[stage]
+        if mem is None:
+            raise ValueError(f"stage {stage} of {self.layout.label()} was not estimated "
+                             "(estimate with all_stages=True)")
+        return mem
+
     @property
     def memory_bytes(self) -> float:
-        return self.stages[self.worst_stage].total
+        return self.stage_memory(self.worst_stage).total
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -123,7 +132,7 @@ class Estimate:
     @property
     def bottleneck(self) -> str:
         parts = {k: v for k, v in self.times.items() if k != "compute"}
-        name = max(parts, key=parts.get) if parts else "compute"
+        name = max(parts, key=lambda k: parts[k]) if parts else "compute"
         return "compute" if self.times.get("compute", 0) >= parts.get(name, 0) else name
 
     def row(self) -> dict:
@@ -136,7 +145,7 @@ class Estimate:
                 "mfu": round(self.mfu, 4), "tokens_per_s": round(self.tokens_per_s, 1),
                 "memory_gib": round(self.memory_bytes / _GIB, 3),
                 "memory_stage": self.worst_stage,
-                "memory_breakdown_gib": self.stages[self.worst_stage].gib(),
+                "memory_breakdown_gib": self.stage_memory(self.worst_stage).gib(),
                 "time_breakdown_s": {k: round(v, 6) for k, v in self.times.items()},
                 "bottleneck": self.bottleneck}
 
@@ -235,7 +244,7 @@ def peak_held_bytes(schedule: str, pp: int, m: int, v: int, stage: int,
     mixes = held_mixes(schedule, pp, m, v, stage)
     if v == 1:
         return mixes[0][0] * chunk_bytes[0]
-    return max(sum(n * b for n, b in zip(mix, chunk_bytes)) for mix in mixes)
+    return max(sum(n * b for n, b in zip(mix, chunk_bytes, strict=True)) for mix in mixes)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -266,7 +275,7 @@ def held_mixes(schedule: str, pp: int, m: int, v: int, stage: int
     mixes = {tuple(ran(warmup + k + 1, L) - ran(k, v - 1 - L) for L in range(v))
              for k in ks}
     return tuple(a for a in mixes if not any(
-        b != a and all(x <= y for x, y in zip(a, b)) for b in mixes))
+        b != a and all(x <= y for x, y in zip(a, b, strict=True)) for b in mixes))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -295,7 +304,7 @@ def _rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
 
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_batch: int,
-             options: Options = Options(), *, memory_only: bool = False,
+             options: Options = DEFAULT_OPTIONS, *, memory_only: bool = False,
              all_stages: bool = False, chunk_sizes: tuple[int, ...] | None = None
              ) -> Estimate:
     """Predicted memory of the largest stage (of every stage with ``all_stages``; the

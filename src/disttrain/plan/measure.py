@@ -9,11 +9,13 @@ call is repeated fewer times (three at least) so the whole stays within its budg
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,8 +137,8 @@ def time_attention(device: torch.device, precision: str, quick: bool,
     for batch, heads, seq, dim in _ATTENTION[(device.type, quick)]:
         q, k, v = (torch.randn(batch, heads, seq, dim, device=device,
                                dtype=MATMUL_DTYPES[precision]) for _ in range(3))
-        seconds = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                              device, effort)
+        seconds = median_time(functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                                is_causal=True), device, effort)
         points.append(AttentionPoint(batch=batch, heads=heads, seq=seq, head_dim=dim,
                                      seconds=seconds))
     return points
@@ -144,7 +146,8 @@ def time_attention(device: torch.device, precision: str, quick: bool,
 
 # A transformer layer small enough that its kernels take next to nothing: what it
 # costs is eager PyTorch's dispatch and autograd's bookkeeping (disttrain's own block)
-_TINY_LAYER = {"d_model": 32, "n_head": 4, "seq_len": 16, "vocab_size": 64, "n_layer": 1}
+_TINY_LAYER: dict[str, Any] = {"d_model": 32, "n_head": 4, "seq_len": 16, "vocab_size": 64,
+                               "n_layer": 1}
 _TINY_BATCH = 2
 _TENSORS = 64  # parameter tensors the optimizer's per-tensor cost is averaged over
 
@@ -239,10 +242,12 @@ def collective_times(sizes: list[int], effort: Effort) -> dict[str, list[list[fl
         numel = -(-size // (4 * n)) * n  # fp32 elements, a multiple of the ranks
         whole = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // n, device=device)
-        calls = {"all_reduce": lambda: dist.all_reduce(whole),
-                 "reduce_scatter": lambda: _REDUCE_SCATTER(shard, whole),
-                 "all_gather": lambda: _ALL_GATHER(whole, shard),
-                 "p2p": lambda: _ping_pong(whole, rank)}
+        # this size's buffers bound now (partial), not looked up when a call runs
+        calls: dict[str, Callable[[], object]] = {
+            "all_reduce": functools.partial(dist.all_reduce, whole),
+            "reduce_scatter": functools.partial(_REDUCE_SCATTER, shard, whole),
+            "all_gather": functools.partial(_ALL_GATHER, whole, shard),
+            "p2p": functools.partial(_ping_pong, whole, rank)}
         batch = max(1, min(8, 2**20 // size))  # small messages: several per figure
         for op, call in calls.items():
             times = _timed_calls(call, device, effort, batch)
@@ -288,9 +293,10 @@ def group_collective_times(sizes: list[int], effort: Effort, group: object, g: i
         numel = -(-size // (4 * g)) * g
         whole = torch.zeros(numel, device=device)
         shard = torch.zeros(numel // g, device=device)
-        calls = {"all_reduce": lambda: dist.all_reduce(whole, group=group),
-                 "reduce_scatter": lambda: _REDUCE_SCATTER(shard, whole, group=group),
-                 "all_gather": lambda: _ALL_GATHER(whole, shard, group=group)}
+        calls: dict[str, Callable[[], object]] = {
+            "all_reduce": functools.partial(dist.all_reduce, whole, group=group),
+            "reduce_scatter": functools.partial(_REDUCE_SCATTER, shard, whole, group=group),
+            "all_gather": functools.partial(_ALL_GATHER, whole, shard, group=group)}
         batch = max(1, min(8, 2**20 // size))
         for op, call in calls.items():
             out[op].append(_timed_calls(call, device, effort, batch))

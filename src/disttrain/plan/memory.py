@@ -42,24 +42,25 @@ _FP32, _INT64 = 4, 8
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
     """Bytes one rank holds: its (shard of) parameters, gradients and optimizer state,
-    and the peak activations of one micro-batch."""
+    and the peak activations of one micro-batch (whole numbers for a whole parameter
+    count; the planner's per-rank averages may be fractional)."""
 
-    params: int
-    grads: int
-    optimizer: int
-    activations: int = 0
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0
 
     @property
-    def model_states(self) -> int:
+    def model_states(self) -> float:
         """Parameters + gradients + optimizer state."""
         return self.params + self.grads + self.optimizer
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.model_states + self.activations
 
 
-def model_state_bytes(num_params: int, *, dp: int, zero: int, optimizer: str = "adamw",
+def model_state_bytes(num_params: float, *, dp: int, zero: int, optimizer: str = "adamw",
                       momentum: bool = True, master_copy: bool = False) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state (activations = 0)
     for ``num_params`` parameters under ZeRO stage ``zero`` over ``dp`` ranks."""
@@ -69,14 +70,14 @@ def model_state_bytes(num_params: int, *, dp: int, zero: int, optimizer: str = "
     _check("optimizer", optimizer, optimizer in _STATE_BYTES, f"one of {tuple(_STATE_BYTES)}")
     shard = -(-num_params // dp)
 
-    def held(sharded_from_stage: int) -> int:
+    def held(sharded_from_stage: int) -> float:
         return shard if zero >= sharded_from_stage else num_params
 
     state = 0 if optimizer == "sgd" and not momentum else _STATE_BYTES[optimizer]
     weight = 2 if master_copy else _FP32
     if master_copy:
         state += _FP32  # the fp32 master weights live with the optimizer state
-    extra = 0
+    extra: float = 0
     if optimizer == "onebit_adam":
         extra = _FP32 * num_params * (2 if zero else 1) + -(-_FP32 * num_params // dp)
     return MemoryEstimate(params=weight * held(3), grads=weight * held(2),

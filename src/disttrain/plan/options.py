@@ -37,3 +37,7 @@ class Options:
         and gradients, fp32 master weights with the optimizer state
         (:func:`~.memory.model_state_bytes`)."""
         return self.accounting == "mixed"
+
+
+# the default of every planner function's ``options`` (frozen: one shared instance)
+DEFAULT_OPTIONS = Options()

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import UserError
 from .cluster import Cluster
 from .estimate import Estimate, estimate
 from .layout import RECOMPUTE, PlannedLayout
-from .options import Options
+from .options import DEFAULT_OPTIONS, Options
 from .shape import ModelShape
 
 _GIB = 2**30
@@ -79,7 +80,7 @@ def layout_problem(shape: ModelShape, cluster: Cluster, lay: PlannedLayout,
 
 def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
                max_v: int = 8, max_mbs: int = 16,
-               recompute: tuple[str, ...] = RECOMPUTE) -> itertools.chain:
+               recompute: tuple[str, ...] = RECOMPUTE) -> Iterator[PlannedLayout]:
     """Every (tp, pp, dp, v, mbs, zero, recompute, sp) whose degrees multiply to the
     cluster's size: tp over the divisors up to a node, mbs over powers of two."""
     n = cluster.n_devices
@@ -99,7 +100,7 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
 
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,
-           options: Options = Options(), *, top: int = 5,
+           options: Options = DEFAULT_OPTIONS, *, top: int = 5,
            recompute: tuple[str, ...] = RECOMPUTE) -> SearchResult:
     """The ``top`` fastest layouts that fit, and why the others were dropped."""
     if global_batch < 1:

@@ -17,6 +17,7 @@ import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..config.schema import ModelConfig
 from ..errors import UserError
@@ -172,7 +173,7 @@ def _pairs(text: str) -> dict[str, str]:
 
 
 def _override(shape: ModelShape, text: str) -> ModelShape:
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     for key, value in _pairs(text).items():
         if key == "name":
             changes[key] = value
@@ -199,7 +200,7 @@ def hf_shape(path: Path) -> ModelShape:
     if not isinstance(cfg, dict):
         raise UserError(f"--model {path}: not a JSON object")
 
-    def get(*keys: str, default: object = None) -> object:
+    def get(*keys: str, default: Any = None) -> Any:  # a JSON value
         for k in keys:
             if cfg.get(k) is not None:
                 return cfg[k]

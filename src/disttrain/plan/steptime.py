@@ -85,7 +85,7 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
                     + (head if st == lay.pp - 1 else 0.0)
                     + (end if st in (0, lay.pp - 1) else 0.0) * (1 + (lay.pp == 1))
                     for st, layers in enumerate(counts)]
-    per_rank = [sum(f) + sum(b) for f, b in zip(chunk_forward_s, chunk_backward_s)]
+    per_rank = [sum(f) + sum(b) for f, b in zip(chunk_forward_s, chunk_backward_s, strict=True)]
     p2p_message_s = p2p_message_time(cluster, lay, act / (lay.tp if lay.sp else 1))
     p2p = 2 * lay.v * p2p_message_s
     slowest = max(per_rank) + p2p

@@ -10,10 +10,11 @@ soon as it exists, so an error at any point closes what was built.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sized
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -112,7 +113,7 @@ def finished_summary(inputs: RunInputs, mesh: Mesh, run_dir: Path | None
         if line is not None:
             print(f"disttrain: {line}", file=sys.stderr)
             found = rundir.read_summary(run_dir)
-    return mesh.world.broadcast_object(found)
+    return cast("dict[str, Any] | None", mesh.world.broadcast_object(found))
 
 
 def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: RunDirectory,
@@ -131,7 +132,7 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
                         inputs.spec.call_kwargs, config.data.workers,
                         in_worker=directory.forget_in_child)
     closing.callback(loader.close)
-    cursor = DataCursor(len(inputs.dataset), config.train.seed, plan.batch,
+    cursor = DataCursor(_num_samples(inputs.dataset), config.train.seed, plan.batch,
                         mesh.topology.dp_rank, config.parallel.balance == "dynamic", loader)
     model, loss_fn = _build_model(inputs, runtime, mesh, cursor, tracer)
     run_dir = directory.claim(world, config, plan, inputs.spec.config_json)
@@ -164,6 +165,12 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
         run_dir=run_dir, start_step=start_step, tally=CommTally(mesh.ledger))
 
 
+def _num_samples(dataset: Dataset) -> int:
+    """The length of a map-style dataset (the trainer's; torch's ``Dataset`` declares
+    no ``__len__``, the ones a trainer takes have one)."""
+    return len(cast(Sized, dataset))
+
+
 def _start_watchdog(config: Config, runtime: Runtime, mesh: Mesh, closing: ExitStack
                     ) -> None:
     timeout, store = config.monitor.hang_timeout, default_store()
@@ -185,7 +192,7 @@ def _build_model(inputs: RunInputs, runtime: Runtime, mesh: Mesh, cursor: DataCu
     flops = _flops_per_term(inputs, runtime, cursor)  # on the model as the user gave it
     parallel = compose(model, inputs.spec, config, mesh.topology, mesh.groups,
                        micro_batches=inputs.plan.batch.grad_accum,
-                       num_samples=len(inputs.dataset), tracer=tracer)
+                       num_samples=_num_samples(inputs.dataset), tracer=tracer)
     # a head sharded over the vocabulary: the causal-LM loss on the shards, any
     # other loss on the gathered logits (never swapped for another loss)
     loss_fn = parallel.loss_for(inputs.loss_fn, token_loss)

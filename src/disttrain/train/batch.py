@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +104,8 @@ def collate_samples(samples: Sequence[Any]) -> Any:
     through torch's ``default_collate``."""
     if samples and isinstance(samples[0], Mapping):
         return {k: _stack_entry(k, [s[k] for s in samples]) for k in samples[0]}
-    return default_collate(samples)
+    # torch declares ``batch: list``; default_collate indexes and iterates any sequence
+    return default_collate(cast(list[Any], samples))
 
 
 def _stack_entry(key: str, values: list[Any]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,6 +24,12 @@ from ..config import Config, RunPlan
 from ..errors import CheckpointSaveError, DivergenceError, UserError
 from ..names import SUMMARY_FILE
 from ..parallel.interfaces import ShardedState, StatePiece
+
+# torch's stubs type ReduceOp's members as ReduceOp.RedOpType; at run time they
+# are ReduceOp instances, what Communicator.all_reduce takes
+_MAX = cast(ReduceOp, ReduceOp.MAX)
+# a rank's outcome of one part of a save: None, or (its own write failed, one line)
+_Problem = tuple[bool, str] | None
 
 
 def finished_run(run_dir: Path, steps: int, warn: Callable[[str], None]) -> str | None:
@@ -85,11 +91,11 @@ class RunCheckpoints:
                 choice = ("load", str(found)) if found else ("none", None)
             except UserError as exc:
                 choice = ("error", str(exc))
-        kind, value = self.world.broadcast_object(choice)
+        kind, value = cast(tuple[str, "str | None"], self.world.broadcast_object(choice))
         if kind == "error":
             raise UserError(value)
         self.manager.prepare()
-        if kind == "none":
+        if kind == "none" or value is None:  # "load" always names the checkpoint
             return None
         ckpt = open_checkpoint(Path(value))
         if self.boxes is not None:
@@ -148,8 +154,8 @@ class RunCheckpoints:
                 step, tensors, owners, meta, parts, eager=frozenset(eager), commit=False)))
             if self.world.rank == 0:
                 committed = _attempt(lambda: self.manager.commit(step, meta))
-            self._agree(self.world.broadcast_object(
-                committed if self.world.rank == 0 else None))
+            self._agree(cast(_Problem, self.world.broadcast_object(
+                committed if self.world.rank == 0 else None)))
             self.saving = None
             self.completed.append(step)
         self.stall_s = time.perf_counter() - start
@@ -163,7 +169,7 @@ class RunCheckpoints:
             return
         writing = self.world.zeros(1)
         writing[0] = float(self.manager.writing)
-        self.world.all_reduce(writing, op=ReduceOp.MAX)
+        self.world.all_reduce(writing, op=_MAX)
         if not writing.item():
             self._collect()
 
@@ -180,11 +186,12 @@ class RunCheckpoints:
         done, self.completed = self.completed, []
         return done
 
-    def _agree(self, problem: tuple[bool, str] | None) -> None:
+    def _agree(self, problem: _Problem) -> None:
         """Every rank learns whether any rank's part of the save in progress failed
         (``problem``: (the rank's own write failed, one line)); if one did, rank 0
         removes the staging directory and every rank raises the failing rank's line."""
-        problems = [p for p in self.world.all_gather_object(problem) if p is not None]
+        gathered = cast(list[_Problem], self.world.all_gather_object(problem))
+        problems = [p for p in gathered if p is not None]
         if not problems:
             return
         step, self.saving = self.saving, None
@@ -203,10 +210,10 @@ class RunCheckpoints:
         bad = self.world.zeros(1)
         if flags:
             bad[0] = (~torch.stack(flags).all()).float().to(bad.device)
-        self.world.all_reduce(bad, op=ReduceOp.MAX)
+        self.world.all_reduce(bad, op=_MAX)
         if not bad.item():
             return
-        mine = next((p.name for p, ok in zip(floats, flags) if not ok), None)
+        mine = next((p.name for p, ok in zip(floats, flags, strict=True) if not ok), None)
         names = [n for n in self.world.all_gather_object(mine) if n is not None]
         raise DivergenceError(step, f"model state ({names[0]})")
 
@@ -228,7 +235,7 @@ class RunCheckpoints:
         self._collect()
 
 
-def _attempt(save: Callable[[], None]) -> tuple[bool, str] | None:
+def _attempt(save: Callable[[], None]) -> _Problem:
     """Run one part of a save: None if it worked, else (this rank's own write failed,
     the one-line message)."""
     try:

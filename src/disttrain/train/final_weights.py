@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -24,6 +25,8 @@ from ..names import WEIGHTS_FILE
 from ..parallel.interfaces import StatePiece
 
 STAGING = ".final-weights"
+# a rank's pieces: (name, global shape, offsets, piece shape, dtype) each
+_Layout = list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]]
 
 
 def write_final_weights(pieces: list[StatePiece], world: Communicator,
@@ -38,11 +41,11 @@ def write_final_weights(pieces: list[StatePiece], world: Communicator,
             staging.mkdir(parents=True)
         except OSError as exc:
             problem = f"{staging}: {exc.strerror or exc}"
-    problem = world.broadcast_object(problem)
+    problem = cast("str | None", world.broadcast_object(problem))
     if problem is not None:
         return problem
-    layout = [(p.name, tuple(p.global_shape), tuple(p.offsets), tuple(p.tensor.shape),
-               p.tensor.dtype) for p in pieces]
+    layout: _Layout = [(p.name, tuple(p.global_shape), tuple(p.offsets),
+                        tuple(p.tensor.shape), p.tensor.dtype) for p in pieces]
     try:  # piece by piece: no copy of this rank's whole share at once
         if pieces:
             write_streamed(staging / f"rank{rank:05d}.safetensors",
@@ -51,7 +54,8 @@ def write_final_weights(pieces: list[StatePiece], world: Communicator,
                            lambda key: pieces[int(key)].tensor)
     except (OSError, ValueError) as exc:
         problem = f"{staging}: {exc}"
-    everyone = world.all_gather_object((layout, problem))
+    everyone = cast(list[tuple[_Layout, "str | None"]],
+                    world.all_gather_object((layout, problem)))
     problems = [p for _, p in everyone if p is not None]
     if rank == 0 and not problems:
         try:
@@ -59,10 +63,10 @@ def write_final_weights(pieces: list[StatePiece], world: Communicator,
         except OSError as exc:
             problems.append(f"{run_dir / WEIGHTS_FILE}: {exc.strerror or exc}")
         shutil.rmtree(staging, ignore_errors=True)
-    return world.broadcast_object(problems[0] if problems else None)
+    return cast("str | None", world.broadcast_object(problems[0] if problems else None))
 
 
-def _assemble(staging: Path, layouts: list[list[tuple]], out: Path) -> None:
+def _assemble(staging: Path, layouts: list[_Layout], out: Path) -> None:
     where: dict[str, list[tuple[int, int, tuple, tuple]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for rank, layout in enumerate(layouts):
@@ -80,7 +84,7 @@ def _assemble(staging: Path, layouts: list[list[tuple]], out: Path) -> None:
             # opened per piece: a mapping kept open would keep every page read resident
             with safe_open(str(staging / f"rank{rank:05d}.safetensors"), "pt") as f:
                 piece = f.get_tensor(str(i))
-            out_t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = piece
+            out_t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))] = piece
             covered += piece.numel()
         if covered != out_t.numel():
             raise ValueError(f"final weights: the pieces of {key} cover {covered} of its "

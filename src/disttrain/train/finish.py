@@ -46,7 +46,7 @@ def finish_run(run: Run, result: LoopResult) -> dict[str, Any]:
 def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
     lay, steps = run.plan.layout, run.config.train.steps
     ran = max(steps - run.start_step, 1)
-    summary = {
+    summary: dict[str, Any] = {
         "steps": steps, "start_step": run.start_step,
         "world_size": run.runtime.world_size,
         "layout": lay.as_dict(),

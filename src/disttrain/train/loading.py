@@ -5,7 +5,7 @@ then split into what the model and the loss take and moved to the device."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ class StepLoader:
     (and for anything off the plan) loaded here."""
 
     def __init__(self, dataset: Any, collate: Callable[[list], Any], device: torch.device,
-                 call_kwargs: dict[str, Any] | None, workers: int,
+                 call_kwargs: Mapping[str, Any] | None, workers: int,
                  in_worker: Callable[[], None] | None = None) -> None:
         self.dataset, self.collate, self.device = dataset, collate, device
         self.call_kwargs = call_kwargs

@@ -48,8 +48,11 @@ def eval_interval(eval_every: int, steps: int, log_every: int) -> int:
 class LoopHost(Protocol):
     """What a loop uses of the run it drives."""
 
-    train: TrainConfig
     start_step: int
+
+    @property
+    def train(self) -> TrainConfig:
+        """The run's training settings (read-only: a loop never replaces them)."""
 
     def evaluate(self, step: int) -> float | None:
         """The held-out loss (None without held-out data), told to the callbacks as

@@ -10,9 +10,14 @@ where replicas share the step's totals they see the same values; where they step
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from ..comm import Communicator, ReduceOp
 from ..errors import DivergenceError
+
+# torch's stubs type ReduceOp's members as ReduceOp.RedOpType; at run time they
+# are ReduceOp instances, what Communicator.all_reduce takes
+_MAX = cast(ReduceOp, ReduceOp.MAX)
 
 
 class NonFinitePolicy:
@@ -40,7 +45,7 @@ class NonFinitePolicy:
         flags = self.world.zeros(2)
         flags[0] = float(mine is not None and "loss" in mine)
         flags[1] = float(mine is not None and "gradients" in mine)
-        self.world.all_reduce(flags, op=ReduceOp.MAX)
+        self.world.all_reduce(flags, op=_MAX)
         loss, grads = flags.tolist()
         return ("loss and gradients" if loss and grads else "loss" if loss
                 else "gradients" if grads else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from ..comm import Communicator
 from ..config import Config, RunPlan
@@ -31,9 +32,9 @@ def on_main(world: Communicator, work: Callable[[], None], failed: str,
             problem = str(exc)
         except OSError as exc:
             problem = f"{failed}: {exc.strerror or exc}"
-    problem = world.broadcast_object(problem)
-    if problem is not None:
-        raise error(problem)
+    agreed = cast("str | None", world.broadcast_object(problem))
+    if agreed is not None:
+        raise error(agreed)
 
 
 class RunDirectory:
@@ -49,7 +50,8 @@ class RunDirectory:
         """Agree on the directory, lock it and write the config (rank 0); every rank
         returns the path."""
         chosen = self.path or (rundir.new_run_dir_name() if world.rank == 0 else None)
-        self.path = Path(world.broadcast_object(str(chosen) if chosen else None))
+        # rank 0 always has a name (given or new): every rank receives a str
+        self.path = Path(cast(str, world.broadcast_object(str(chosen) if chosen else None)))
         path = self.path
 
         def own() -> None:

@@ -63,7 +63,9 @@ class RunDirLock:
 def owned_by_launcher(run_dir: Path) -> bool:
     """True in a worker whose launcher already holds ``run_dir``'s lock."""
     owned = os.environ.get(RUN_DIR_OWNED_ENV)
-    return bool(owned) and Path(owned).resolve() == run_dir.resolve()
+    if not owned:
+        return False
+    return Path(owned).resolve() == run_dir.resolve()
 
 
 @contextmanager

@@ -14,12 +14,17 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 
 from ..comm import Communicator, ReduceOp
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# torch's stubs type ReduceOp's members as ReduceOp.RedOpType; at run time they
+# are ReduceOp instances, what Communicator.all_reduce takes
+_MAX = cast(ReduceOp, ReduceOp.MAX)
 
 
 class SignalStop:
@@ -54,5 +59,5 @@ class SignalStop:
             return self.received
         flag = self.world.zeros(1, dtype=torch.int32)
         flag.fill_(self.received)
-        self.world.all_reduce(flag, op=ReduceOp.MAX)
+        self.world.all_reduce(flag, op=_MAX)
         return int(flag.item())

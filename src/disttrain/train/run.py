@@ -241,7 +241,8 @@ class Run:
 
     def _own_loop_record(self, record: MetricsRecord) -> None:
         """A record of such a loop (no per-step point: on_step_end gets it too)."""
-        self.reporter.bar.update(record.step, record.loss, lr=record.lr)
+        if record.loss is not None:  # always set: the loop's own figure
+            self.reporter.bar.update(record.step, record.loss, lr=record.lr)
         self.reporter.write(record)
 
     def own_loop_done(self, samples: int, skipped: int) -> None:

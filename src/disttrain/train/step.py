@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -59,7 +59,9 @@ class StepRunner:
         loss_sum, count, samples = loss_sum_and_terms(self.loss_fn, outputs, batch,
                                                       self.token_loss)
         self.terms_are_samples = samples
-        return loss_sum, count
+        # a count may stay a tensor (see loss_sum_and_terms): the passes only add it
+        # to ``totals``; LossOf (parallel.interfaces) declares it int
+        return loss_sum, cast(int, count)
 
     def run(self, micro_batches: list[list[int]]) -> StepStats:
         stats = StepStats(samples=sum(len(m) for m in micro_batches))

@@ -9,6 +9,7 @@ source of global tensors by name, read piece by piece: the seeded initialiser
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from torch import nn
 
@@ -26,7 +27,8 @@ def model_init_fn(model: nn.Module) -> InitFn | None:
     if isinstance(model, GPT):
         return model.init_module
     if type(model).__module__.startswith("transformers.") and hasattr(model, "_init_weights"):
-        return model._init_weights
+        # PreTrainedModel._init_weights(module): nn.Module types it Tensor | Module
+        return cast(InitFn, model._init_weights)
     return None
 
 

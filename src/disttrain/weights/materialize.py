@@ -10,6 +10,8 @@ which knows where each rank's piece lies).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -35,9 +37,10 @@ def allocate(module: nn.Module, device: torch.device, *, params: bool = True) ->
     every meta parameter (the values are undefined until filled)."""
     done: set[int] = set()
     for m in module.modules():
-        tables = [m._buffers, *([m._parameters] if params else [])]
+        tables: list[Mapping[str, torch.Tensor | None]] = [
+            m._buffers, *([m._parameters] if params else [])]
         for table in tables:
-            for key, t in table.items():
+            for t in table.values():
                 if t is None or not t.is_meta or id(t) in done:
                     continue
                 done.add(id(t))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def read_directory(directory: str | Path) -> dict[str, FileTensor]:
     if not root.is_dir():
         raise _refuse(root, "no such directory (give a transformers model directory: "
                             "config.json and model.safetensors)")
+    files: Mapping[str, list[str] | None]  # file -> the tensors the index puts in it
     if (root / INDEX_FILE).is_file():
         files = _index_files(root)
     elif (root / SINGLE_FILE).is_file():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -82,7 +83,10 @@ class SeededInit:
         """The whole initial tensor ``name`` (on the CPU, in the model's dtype)."""
         mname, attr, is_param = self._where[name]
         owner = self.model.get_submodule(mname)
-        table = owner._parameters if is_param else owner._buffers
+        # torch types the tables' values Parameter | None and Tensor | None: the names
+        # listed hold tensors, and a Parameter goes back into the parameter table
+        table = cast("dict[str, torch.Tensor]",
+                     owner._parameters if is_param else owner._buffers)
         meta = table[attr]
         real = torch.full(meta.shape, float("nan"), dtype=meta.dtype, device="cpu") \
             if meta.is_floating_point() else torch.zeros(meta.shape, dtype=meta.dtype)

@@ -271,7 +271,7 @@ def ranks_table(records: list[Record]) -> str:
     cols = [c for c in _RANK_COLUMNS if any(_first_number(e, c[0]) is not None for e in ranks)]
     slow = straggler_counts(records)
     shown = _ranks_shown(ranks, slow)
-    rows = "".join(_rank_row(e, cols, slow.get(e.get(RANK), 0), len(records)) for e in shown)
+    rows = "".join(_rank_row(e, cols, slow.get(e[RANK], 0), len(records)) for e in shown)
     more = (f" Showing the {len(shown)} of {len(ranks)} ranks most often flagged as "
             "stragglers, then slowest." if len(shown) < len(ranks) else "")
     head = "".join(f"<th>{label}</th>" for _, label, _ in cols)

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from disttrain.testing import DistributedTestError, distributed, run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 
 def _sum_of_ranks(scale: float) -> float:
     t = torch.tensor([float(dist.get_rank()) * scale])

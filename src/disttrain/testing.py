@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -84,8 +85,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                          args=(target, rank, world_size, port, args, kwargs or {}, queue,
                                timeout, backend))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
+    _start(procs, forked=start_method == "fork")
     try:
         return _collect(procs, queue, world_size, timeout)
     finally:
@@ -104,6 +104,22 @@ def default_start_method(backend: str) -> str:
     if backend != "gloo" or dist.is_initialized() or torch.cuda.is_initialized():
         return "spawn"
     return os.environ.get(START_METHOD_ENV) or "spawn"
+
+
+def _start(procs: list, forked: bool) -> None:
+    """Start the ranks. Forked ones inherit the parent's objects: frozen first
+    (``gc.freeze``), so a rank's garbage collector never finalises the parent's garbage
+    (a thread pool, a logger's client, whose finalisers hang or abort in a forked
+    process); the parent unfreezes its own once they are started."""
+    if forked:
+        gc.collect()
+        gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if forked:
+            gc.unfreeze()
 
 
 def _collect(procs: list, queue: Any, world_size: int, timeout: float) -> list[Any]:

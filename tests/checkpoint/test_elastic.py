@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 ARGS = ["--nproc", "2", "--quiet", "--set", "model.n_layer=1", "--set", "model.d_model=32",
         "--set", "model.n_head=2", "--set", "model.seq_len=32", "--set", "train.global_batch=8",

@@ -20,6 +20,8 @@ from disttrain.errors import UserError
 from disttrain.models import GPT
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 
 

@@ -13,6 +13,8 @@ from disttrain.checkpoint import find_checkpoint, open_checkpoint
 from disttrain.faults import FAULT_ENV, FAULT_EXIT_CODE
 from disttrain.testing import DistributedTestError, run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 CKPT = {"every": 5, "keep": 2, "async": True}
 SYNC = {**CKPT, "async": False}
 STEPS = 20

@@ -15,6 +15,8 @@ from disttrain.checkpoint.format import shard_file_name
 from disttrain.errors import CheckpointSaveError
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 
 def _fit_with_full_disk(run_dir: str, async_save: bool, full_at: int, on_rank: int):
     """fit_tiny, saving every 2 steps, where ``on_rank``'s shard write of step

@@ -37,6 +37,8 @@ from disttrain.cli import main as cli_main
 from disttrain.errors import UserError
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 SHARD = "shard-r00000.safetensors"
 _opened: list[str] | None = None  # paths opened while a test records them

@@ -20,6 +20,8 @@ from disttrain.data import collate_token_batch
 from disttrain.models import GPT, token_loss
 from disttrain.train import build_default_job
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
         "--set", "model.seq_len=32", "--set", "train.eval_samples=16",

@@ -15,6 +15,8 @@ from disttrain.checkpoint import find_checkpoint, open_checkpoint
 from disttrain.cli import main
 from disttrain.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE, CheckpointSaveError
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 
 @pytest.fixture
 def cache_env(tmp_path_factory):

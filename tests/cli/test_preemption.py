@@ -11,8 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",

@@ -14,6 +14,8 @@ from disttrain.data import TokenWindowDataset, corpus_from_config
 from disttrain.data.check import check_corpus_vocab
 from disttrain.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 pytest.importorskip("tokenizers")
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 40 + "\n",

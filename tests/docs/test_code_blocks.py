@@ -17,6 +17,8 @@ from doc_blocks import ROOT, all_blocks, commands, marked
 import disttrain.launch.agent
 from disttrain import cli
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 STEPS_DIVISOR = 5  # a `disttrain train` in a run block trains train.steps / 5 steps
 DEFAULT_STEPS = 4  # or this many, where it sets none
 RUN_TIMEOUT_S = 180

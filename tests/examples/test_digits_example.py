@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 pytest.importorskip("sklearn")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.py"

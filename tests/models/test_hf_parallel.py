@@ -22,6 +22,8 @@ from hf_support import padded_rows, plain_loop
 
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, N, STEPS, BATCH, LAYERS = 64, 12, 48, 8, 8, 4

@@ -24,6 +24,8 @@ from disttrain.errors import UserError
 from disttrain.monitor import report
 from disttrain.monitor.report import cards, plots
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ["loss", "throughput", "mfu", "time", "memory"]
 TODAY_PLOTS = ["loss", "throughput", "time"]

@@ -11,6 +11,8 @@ from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.monitor.watchdog import HANG_EXIT_CODE, HangWatchdog, default_store, diagnose
 from disttrain.testing import DistributedTestError, run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 HANG_TIMEOUT = 4.0
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from netns import Host, HostPair, NetnsUnavailable, netns_unavailable
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 PORT = 29500  # free: the namespaces are new

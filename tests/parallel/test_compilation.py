@@ -21,6 +21,8 @@ from disttrain.run_checks import resolve
 from disttrain.spec import generic_spec
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 # layouts of a world of 2: the two (dp=2 plain and ZeRO-1), plus ZeRO-3 with
 # activation checkpointing (gathers and frees in hooks around each compiled block) and
 # a 2-stage pipeline; compiled code is cached in the process, so the later runs of the

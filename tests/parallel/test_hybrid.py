@@ -32,6 +32,8 @@ from disttrain.errors import ConfigError
 from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 STEPS = 10
 MODEL = {**TINY_MODEL, "n_layer": 4, "n_head": 4}
 # (dp, pp, tp) -> schedules to run (None: no pipeline)

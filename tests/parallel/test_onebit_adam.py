@@ -40,6 +40,8 @@ from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 from disttrain.train.optim import lr_at
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 STEPS, FREEZE = 8, 3
 # Gradients reach the parameters through different summation orders (one process
 # against all-reduces and pipeline stages): ~1e-7 relative. Adam divides by sqrt(v), so

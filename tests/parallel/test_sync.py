@@ -34,6 +34,8 @@ from disttrain.parallel.sync import (
 from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 VOCAB, SEQ = 64, 16
 
 

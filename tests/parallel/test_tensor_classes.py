@@ -37,6 +37,8 @@ from disttrain.spec import (
 )
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 transformers = pytest.importorskip("transformers")
 
 MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "d_model": 32}

@@ -9,6 +9,8 @@ from test_data_parallel import assert_states_close, reference_train
 
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 VARIANTS = [{"grad_accum": 1, "grad_clip": 1.0}, {"grad_accum": 2, "grad_clip": 0.0}]
 
 

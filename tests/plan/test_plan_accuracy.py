@@ -40,6 +40,8 @@ from disttrain.plan import PRESETS, Options, PlannedLayout, estimate, gpt_shape,
 from disttrain.plan.estimate import peak_held_bytes
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 MODEL = {**TINY_MODEL, "n_layer": 4, "n_head": 4}
 STATES_TOLERANCE = 0.03
 ACTIVATIONS_TOLERANCE = 0.10

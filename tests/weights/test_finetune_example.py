@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 pytest.importorskip("transformers")
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "finetune.md"

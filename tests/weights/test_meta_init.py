@@ -23,6 +23,8 @@ from support import SyntheticTokens
 from disttrain import Callback
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 FAMILIES = ("gpt", "gpt2", "llama")
 MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32}
 # name -> (dp, pp, tp), zero

@@ -29,6 +29,8 @@ from support import SyntheticTokens
 from disttrain import Callback
 from disttrain.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 64, 16

@@ -111,8 +111,7 @@ def _start(procs: list, forked: bool) -> None:
     (``gc.freeze``), so a rank's garbage collector never finalises the parent's garbage
     (a thread pool, a logger's client, whose finalisers hang or abort in a forked
     process); the parent unfreezes its own once they are started."""
-    if forked:
-        gc.collect()
+    if forked:  # (the parent's garbage too: frozen, a rank never finalises it)
         gc.freeze()
     try:
         for p in procs:

@@ -22,7 +22,6 @@ from torch.utils.data import Dataset
 
 from ..comm import CollectiveLedger, Communicator, control_beside
 from ..config import Config, RunPlan
-from ..data.samples import fetch_samples
 from ..errors import UserError
 from ..models import token_loss
 from ..monitor import MetricsWriter, ProgressBar
@@ -43,7 +42,7 @@ from ..parallel.topology import Topology, build_topology
 from ..spec import ModelSpec
 from ..weights import on_meta, stream_seed
 from . import rundir
-from .batch import LossFn, split_batch, to_device
+from .batch import LossFn
 from .cadence import CheckpointCadence
 from .checkpointing import RunCheckpoints, finished_run
 from .cursor import DataCursor
@@ -210,8 +209,7 @@ def _flops_per_term(inputs: RunInputs, runtime: Runtime, cursor: DataCursor) -> 
     known = inputs.flops_per_token or inputs.spec.flops_per_token
     if known:
         return known
-    batch = inputs.collate_fn(fetch_samples(inputs.dataset, cursor.first_micro_batch()))
-    batch = split_batch(to_device(batch, runtime.device), inputs.spec.call_kwargs)
+    batch = cursor.loader.load(cursor.first_micro_batch())  # before any plan: loaded here
     if on_meta(inputs.model):  # no values to run: from the shapes, where known
         return shape_flops_per_token(inputs.model, batch)
     return count_flops_per_term(inputs.model, batch, inputs.loss_fn,

@@ -121,6 +121,50 @@ def _check_linear_layers(comm: Communicator, sequence_parallel: bool) -> None:
     assert row.partial_grad_params() == ([row.bias] if sequence_parallel else [])
 
 
+def _unfused_column(x, weight, bias, comm, *, sequence_parallel, transposed):
+    """The pair column_parallel_linear fuses: the region's entry Function, then F.linear."""
+    x = (tpl.gather_from_sequence_region if sequence_parallel else tpl.copy_to_tp_region)(
+        x, comm)
+    return F.linear(x, weight.t() if transposed else weight, bias)
+
+
+def _check_fused_column_linear(comm: Communicator) -> None:
+    """column_parallel_linear (its input gradient's collective overlapping the weight
+    gradient) = the unfused pair: output and every gradient, fp32 and under bf16
+    autocast, sequence parallelism on and off, a transposed weight, a frozen weight; and
+    the collectives it issues."""
+    size, rank = comm.size, comm.rank
+    g = torch.Generator().manual_seed(8)
+    x_full, up = torch.randn(2, 4 * size, 8, generator=g), torch.randn(2, 4 * size, 6, generator=g)
+    got = []
+    for sp, transposed, frozen, cast in [(False, False, False, False), (True, False, False, False),
+                                         (False, True, False, False), (True, True, True, False),
+                                         (False, False, False, True), (True, False, False, True)]:
+        weight = torch.randn((8, 6) if transposed else (6, 8), generator=g)
+        bias = torch.randn(6, generator=g)
+        x_in = _seq(x_full, rank, size) if sp else x_full
+        out = []
+        for fn in (tpl.column_parallel_linear, _unfused_column):
+            x = x_in.clone().requires_grad_()
+            w, b = weight.clone().requires_grad_(not frozen), bias.clone().requires_grad_()
+            start = comm.ledger.seq
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+                y = fn(x, w, b, comm, sequence_parallel=sp, transposed=transposed)
+            (y.float() * up).sum().backward()
+            out.append((y.detach().float(), x.grad, w.grad, b.grad, _ops_since(comm, start)))
+        got.append(((sp, transposed, frozen, cast), out))
+    for case, (fused, plain) in got:
+        tol = {"atol": 5e-2, "rtol": 2e-2} if case[3] else TOL
+        for what, a, e in zip(("output", "input grad", "weight grad", "bias grad"),
+                              fused[:4], plain[:4], strict=True):
+            if e is None:
+                assert a is None, (case, what)
+                continue
+            assert a.dtype == e.dtype, (case, what, a.dtype, e.dtype)
+            torch.testing.assert_close(a, e, **tol, msg=lambda m, c=case, w=what: f"{c} {w}: {m}")
+        assert fused[4] == plain[4], (case, fused[4], plain[4])
+
+
 def _qkv_rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Rows of this rank's heads in each of the q, k, v thirds of dim 0, stacked."""
     return torch.cat([part.chunk(size, 0)[rank] for part in t.chunk(3, 0)])
@@ -274,6 +318,7 @@ CHECKS = {
     "primitives": _check_primitives,
     "column_row_linear": functools.partial(_check_linear_layers, sequence_parallel=False),
     "column_row_linear_sp": functools.partial(_check_linear_layers, sequence_parallel=True),
+    "fused_column_linear": _check_fused_column_linear,
     "qkv_embedding_head": _check_qkv_embedding_head,
     "vocab_parallel_loss": _check_loss,
     "gpt": functools.partial(_check_gpt, sequence_parallel=False),

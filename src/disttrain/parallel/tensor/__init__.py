@@ -13,6 +13,7 @@ from .apply import (
     check_divisible,
 )
 from .functions import (
+    column_parallel_linear,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,
@@ -33,7 +34,8 @@ from .layers import (
 __all__ = [
     "STYLES", "Box", "ColumnParallelLinear", "RowParallelLinear",
     "TensorParallel", "TensorParallelLayoutError", "VocabParallelEmbedding",
-    "VocabParallelHead", "apply_tensor_parallel", "check_divisible", "copy_to_tp_region",
+    "VocabParallelHead", "apply_tensor_parallel", "check_divisible", "column_parallel_linear",
+    "copy_to_tp_region",
     "gather_from_sequence_region", "gather_from_tp_region", "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
     "scatter_to_tp_region", "vocab_parallel_token_loss",

@@ -12,11 +12,13 @@ vocabulary and never gathers them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from ...comm.collectives import Communicator, ReduceOp
+from ...comm.collectives import Communicator, ReduceOp, TrackedWork
 from ...targets import IGNORE_INDEX
 
 SEQ_DIM = 1
@@ -165,6 +167,122 @@ class SplitSeqFwdAllGatherBwd(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_gather(grad, ctx.comm, SEQ_DIM), None
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """The caller's autocast state on ``device_type``, for a backward to run under."""
+    return (device_type, torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type))
+
+
+def _linear_grads(ctx: Any, grad: torch.Tensor, x: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) gradients of y = x @ W^T + b, as much as autograd asks for: W
+    stored [out, in], or [in, out] when ``ctx.transposed``; grad [..., out]."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_w = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
+    grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_w, grad_b
+
+
+class _OverlappedColumnLinear(torch.autograd.Function):
+    """Shared by the column-parallel linear Functions: forward y = x_full @ W^T + b
+    (``_input`` makes x_full from the given input), backward the input gradient's
+    collective (``_start_input_grad``) started before the weight and bias gradients
+    are computed and waited for after them, so the two overlap."""
+
+    @staticmethod
+    def _input(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _start_input_grad(grad_x: torch.Tensor, comm: Communicator
+                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
+        raise NotImplementedError
+
+    @classmethod
+    def forward(cls, ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, comm: Communicator,
+                transposed: bool) -> torch.Tensor:
+        full = cls._input(x, comm)
+        ctx.comm, ctx.transposed, ctx.has_bias = comm, transposed, bias is not None
+        ctx.autocast, ctx.x_dtype = _autocast_state(x.device.type), x.dtype
+        ctx.save_for_backward(full, weight)
+        return F.linear(full, weight.t() if transposed else weight, bias)
+
+    @classmethod
+    def backward(cls, ctx: Any, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
+        full, weight = ctx.saved_tensors
+        device_type, enabled, dtype = ctx.autocast
+        pending = None
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            if ctx.needs_input_grad[0]:  # summed in the input's dtype, as unfused
+                w = weight.t() if ctx.transposed else weight
+                pending = cls._start_input_grad(grad.matmul(w).to(ctx.x_dtype), ctx.comm)
+            grad_w, grad_b = _linear_grads(ctx, grad, full)
+        if pending is None:
+            return None, grad_w, grad_b, None, None
+        work, finish = pending
+        work.wait()
+        return finish(), grad_w, grad_b, None, None
+
+
+class LinearFwdAllReduceInputGradBwd(_OverlappedColumnLinear):
+    """A column-parallel linear on a replicated input, :func:`copy_to_tp_region` fused
+    in. Forward: y = x @ W^T + b, no communication (x [..., in], W [out/tp, in]).
+    Backward: the input gradient grad_y @ W [..., in] all-reduced over tp, the
+    all-reduce overlapping the weight and bias gradients' matmuls."""
+
+    @staticmethod
+    def _input(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def _start_input_grad(grad_x: torch.Tensor, comm: Communicator
+                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
+        grad_x = grad_x.contiguous()
+        return comm.all_reduce(grad_x, async_op=True), lambda: grad_x
+
+
+class AllGatherSeqLinearFwdReduceScatterBwd(_OverlappedColumnLinear):
+    """A column-parallel linear on a sequence-sharded input,
+    :func:`gather_from_sequence_region` fused in. Forward: x [B, T/tp, in] all-gathered
+    along the sequence, then y = x @ W^T + b [B, T, out/tp]. Backward: the input
+    gradient [B, T, in] reduce-scattered along the sequence to [B, T/tp, in], the
+    reduce-scatter overlapping the weight and bias gradients' matmuls."""
+
+    @staticmethod
+    def _input(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return _all_gather(x, comm, SEQ_DIM)
+
+    @staticmethod
+    def _start_input_grad(grad_x: torch.Tensor, comm: Communicator
+                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
+        if grad_x.shape[SEQ_DIM] % comm.size:
+            raise ValueError(f"cannot reduce-scatter a sequence of {grad_x.shape[SEQ_DIM]} "
+                             f"over tp={comm.size} ranks: make it a multiple of {comm.size}")
+        front = grad_x.movedim(SEQ_DIM, 0).contiguous()
+        out = front.new_empty((front.shape[0] // comm.size, *front.shape[1:]))
+        work = comm.reduce_scatter(out, front, async_op=True)
+        return work, lambda: out.movedim(0, SEQ_DIM).contiguous()
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           comm: Communicator, *, sequence_parallel: bool = False,
+                           transposed: bool = False) -> torch.Tensor:
+    """x @ W^T + b for a column-parallel W [out/tp, in] ([in, out/tp] when
+    ``transposed``): x replicated [..., in] (the input gradient all-reduced in
+    backward), or [B, T/tp, in] under sequence parallelism (all-gathered along T in
+    forward, its gradient reduce-scattered in backward); output [..., out/tp]. The
+    same as :func:`copy_to_tp_region` (or :func:`gather_from_sequence_region`) then
+    ``F.linear``, with the backward's collective overlapping the weight gradient."""
+    fn = AllGatherSeqLinearFwdReduceScatterBwd if sequence_parallel else \
+        LinearFwdAllReduceInputGradBwd
+    return fn.apply(x, weight, bias, comm, transposed)
 
 
 def copy_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:

@@ -18,8 +18,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from .functions import (
-    copy_to_tp_region,
-    gather_from_sequence_region,
+    column_parallel_linear,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
@@ -149,11 +148,9 @@ class ColumnParallelLinear(ShardedModule):
         self.bias = _shard_optional(bias, self._boxes.get("bias", []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.comm)
-        else:
-            x = copy_to_tp_region(x, self.comm)
-        return F.linear(x, _as_linear(self.weight, self.transposed), self.bias)
+        return column_parallel_linear(x, self.weight, self.bias, self.comm,
+                                      sequence_parallel=self.sequence_parallel,
+                                      transposed=self.transposed)
 
     def param_boxes(self) -> dict[str, list[Box]]:
         return dict(self._boxes)

@@ -2,7 +2,7 @@
 
     python bench/tp_vs_dtensor.py [--tp 2 4] [--models gpt llama] [--d-model 512]
                                   [--n-layer 2] [--seq-len 128] [--micro-batch 4]
-                                  [--warmup 2] [--reps 3] [--steps 2]
+                                  [--warmup 2] [--reps 6] [--steps 1]
 
 For each tp size one world of ``tp`` Gloo ranks (one thread each) runs every case: the
 built-in GPT with sequence parallelism off and on, and a transformers Llama of the same
@@ -25,6 +25,9 @@ What the DTensor baseline cannot do here, and so does not:
   ``enable_async_tensor_parallel``) is an Inductor pass over ``torch.compile`` d
   graphs that fuses all-gather / reduce-scatter with matmuls through CUDA symmetric
   memory: it needs CUDA (and NCCL), so neither side uses it on CPU; both run eager.
+- ``torch.compile`` (torchtitan compiles each block): neither side compiles, since
+  Inductor's CPU code generation of both models would take longer than the whole
+  bench's budget here; both run eager.
 - the GPT's fused q|k|v projection has no DTensor style: its rows are reordered once
   (``[q_0; k_0; v_0; q_1; ...]``) so that ColwiseParallel's contiguous shard holds
   each rank's heads; the function is unchanged (the parity test checks the losses).
@@ -129,8 +132,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (128)")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per step (4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
-    p.add_argument("--reps", type=int, default=3, help="alternating rounds (default 3)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per round (2)")
+    p.add_argument("--reps", type=int, default=6, help="alternating rounds (default 6)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per round (1)")
     return p.parse_args()
 
 
@@ -144,6 +147,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "tp_vs_dtensor", "backend": "gloo", "ratios": ratios,
         "max_ratio": max(ratios.values()), "target_ratio": TARGET_RATIO,
+        "target_met": max(ratios.values()) <= TARGET_RATIO,
         "max_abs_loss_diff": max(abs(c["loss_diff"]) for c in results),
         "cases": results, "d_model": args.d_model, "n_layer": args.n_layer,
         "n_head": args.n_head, "seq_len": args.seq_len, "micro_batch": args.micro_batch,

@@ -19,8 +19,8 @@ the bench measures.
 
 A step is: zero the gradients, forward, summed token cross-entropy / token count,
 backward, (disttrain: the partial gradients' tp sum), AdamW. Both use the same AdamW
-(foreach) over the same parameters in the same two groups (DTensor's sharded and
-replicated parameters apart, as foreach kernels take one tensor type per list).
+(foreach, lr :data:`LR`); on the DTensor side its DTensor and plain parameters (those no
+style touched) go in two groups, as a foreach kernel takes one tensor type per list.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ class ColumnParallelLinear(ShardedModule):
     output is ``parts`` equal blocks (q | k | v) each sharded on its own, so the local
     rows are [q_r; k_r; v_r]. Input [B, T, in] replicated (identity forward,
     all-reduce backward), or [B, T/tp, in] under sequence parallelism (all-gathered
-    along T forward, reduce-scattered backward). Output [B, T, out/tp].
+    along T forward, reduce-scattered backward). Output [B, T, out/tp]. The backward's
+    collective overlaps the weight-gradient matmul (:func:`column_parallel_linear`).
 
     ``transposed``: the full module stores its weight as [in, out] and computes
     x @ W + b (GPT-2's ``Conv1D``); the shard keeps that layout ([in, out/tp], sharded

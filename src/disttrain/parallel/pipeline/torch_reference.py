@@ -125,18 +125,21 @@ def loss_terms(batches: MicroBatches) -> int:
 
 
 class DisttrainRunner:
-    """:func:`run_pipeline` over the chunks."""
+    """:func:`run_pipeline` over the chunks (as the trainer runs it after its first
+    step: without counting the activation bytes)."""
 
     def __init__(self, chunks: Sequence[PipelineChunk], comm: Communicator, schedule: str,
-                 *, m: int, v: int, activation_shape: Sequence[int],
-                 loss_fn: LossFn) -> None:
+                 *, m: int, v: int, activation_shape: Sequence[int], loss_fn: LossFn,
+                 measure_activations: bool = False) -> None:
         self.chunks, self.comm, self.loss_fn = list(chunks), comm, loss_fn
+        self.measure_activations = measure_activations
         self.schedule = build_schedule(schedule, pp=comm.size, m=m, v=v)
         self.activation_shape = tuple(activation_shape)
 
     def __call__(self, batches: MicroBatches, loss_scale: float) -> ScheduleRun:
         result = run_pipeline(self.chunks, batches, self.loss_fn, self.comm, self.schedule,
-                              activation_shape=self.activation_shape, loss_scale=loss_scale)
+                              activation_shape=self.activation_shape, loss_scale=loss_scale,
+                              measure_activations=self.measure_activations)
         return ScheduleRun(result.loss_sum, result.count,
                            sum(t.end - t.start for t in result.timings))
 

@@ -20,7 +20,10 @@ steps, torch first on odd ones), each after a barrier.
 
 Per case and system: ``step_s``, the median over steps of the step's wall time (first
 rank's start to last rank's end); ``pipeline_s``, the same up to the schedule's return
-(``span``); ``ratio`` = disttrain's step_s / torch's (``pipeline_ratio`` likewise).
+(``span``); ``ratio`` = disttrain's step_s / torch's (``pipeline_ratio`` likewise);
+``cpu_s``, the median over steps of the CPU seconds all ranks used in the step
+(``time.process_time``, every thread; other work on a shared machine slows the wall
+clock but hardly this), ``cpu_ratio`` likewise.
 ``bubble``: measured bubble fraction, defined identically for both systems as
 1 - busy_r / span averaged over the p ranks, median over steps, where busy_r is rank
 r's compute seconds in the step (every forward, the loss included, and every backward
@@ -69,7 +72,7 @@ def _batches(cfg: ModelConfig, m: int, micro_batch: int, step: int
 
 
 def _timed(trainer: PipelineTrainer, batches: list) -> torch.Tensor:
-    """Every rank's [loss_sum, count, start, pipeline_end, end, busy] for one step."""
+    """Every rank's :meth:`StepStats.as_tensor` row for one step."""
     dist.barrier()
     mine = trainer.step(batches).as_tensor()
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -78,12 +81,15 @@ def _timed(trainer: PipelineTrainer, batches: list) -> torch.Tensor:
 
 
 def _summary(rows: list[torch.Tensor]) -> dict:
-    """Median step, schedule span and bubble over steps; each step's mean token loss."""
+    """Median step, schedule span, CPU seconds (all ranks) and bubble over steps; each
+    step's mean token loss."""
     steps = [float(r[:, 4].max() - r[:, 2].min()) for r in rows]
+    cpu = [float(r[:, 6].sum()) for r in rows]
     spans = [float(r[:, 3].max() - r[:, 2].min()) for r in rows]
     bubbles = [float((1 - r[:, 5] / span).mean()) for r, span in zip(rows, spans, strict=True)]
     losses = [float(r[:, 0].sum() / r[:, 1].sum()) for r in rows]
     return {"step_s": statistics.median(steps), "pipeline_s": statistics.median(spans),
+            "cpu_s": statistics.median(cpu),
             "bubble": statistics.median(bubbles), "losses": losses}
 
 
@@ -120,6 +126,8 @@ def _case(cfg: ModelConfig, comm: Communicator, name: str, m: int, v: int,
             "disttrain_pipeline_s": round(ours["pipeline_s"], 5),
             "torch_pipeline_s": round(theirs["pipeline_s"], 5),
             "pipeline_ratio": round(ours["pipeline_s"] / theirs["pipeline_s"], 4),
+            "disttrain_cpu_s": round(ours["cpu_s"], 5), "torch_cpu_s": round(theirs["cpu_s"], 5),
+            "cpu_ratio": round(ours["cpu_s"] / theirs["cpu_s"], 4),
             "bubble_disttrain": round(ours["bubble"], 4),
             "bubble_torch": round(theirs["bubble"], 4),
             "bubble_theory": round(analytic_bubble(name, pp, m, v), 4),
@@ -149,7 +157,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--m-per-pp", type=ints, default=[2, 4],
                    help="micro-batches per step as multiples of p (default 2,4)")
     p.add_argument("--v", type=int, default=2, help="chunks per rank, interleaved")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per system and case")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per system and case")
     p.add_argument("--d-model", type=int, default=128, help="GPT width (default 128)")
     p.add_argument("--n-layer", type=int, default=8,
                    help="GPT blocks, a multiple of every p x v (default 8)")
@@ -177,6 +185,7 @@ def main() -> None:
         "max_ratio": max(ratios.values()), "ratios": ratios,
         "missed": sorted(k for k, r in ratios.items() if r > TARGET_RATIO),
         "max_pipeline_ratio": max(c["pipeline_ratio"] for c in cases),
+        "max_cpu_ratio": max(c["cpu_ratio"] for c in cases),
         "max_loss_rel_diff": max(c["loss_rel_diff"] for c in cases),
         "cases": cases, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
         "d_model": args.d_model, "n_layer": args.n_layer, "seq_len": args.seq_len,

@@ -66,7 +66,10 @@ class StepStats:
     ``loss_sum``: its micro-batches' summed (unscaled) loss, 0 unless it holds the last
     chunk; ``count``: their loss terms (0 likewise); ``start``: the step's start;
     ``pipeline_end``: when the schedule returned (before the tied-gradient sum);
-    ``end``: after the optimizer step; ``busy``: compute seconds (module docstring).
+    ``end``: after the optimizer step; ``busy``: compute seconds (module docstring);
+    ``cpu``: the CPU seconds this process used in the step, all its threads
+    (``time.process_time``: unlike wall time, hardly changed by other work on the
+    machine, so it compares the two systems' costs on a loaded machine).
     """
 
     loss_sum: float
@@ -75,11 +78,13 @@ class StepStats:
     pipeline_end: float
     end: float
     busy: float
+    cpu: float
 
     def as_tensor(self) -> torch.Tensor:
-        """[loss_sum, count, start, pipeline_end, end, busy] in float64 (to gather)."""
+        """[loss_sum, count, start, pipeline_end, end, busy, cpu] in float64 (to
+        gather)."""
         return torch.tensor([self.loss_sum, self.count, self.start, self.pipeline_end,
-                             self.end, self.busy], dtype=torch.float64)
+                             self.end, self.busy, self.cpu], dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -109,14 +114,15 @@ class PipelineTrainer:
 
     def step(self, batches: MicroBatches) -> StepStats:
         """zero_grad, the schedule, the tied-gradient sum, the optimizer step."""
-        start = _clock()
+        start, cpu = _clock(), time.process_time()
         self.optimizer.zero_grad(set_to_none=True)
         run = self.runner(batches, 1.0 / loss_terms(batches))
         pipeline_end = _clock()
         sync_tied_grads(self.chunks, self.comm)
         self.optimizer.step()
-        return StepStats(float(run.loss_sum), run.count, start, pipeline_end, _clock(),
-                         run.busy)
+        end = _clock()
+        return StepStats(float(run.loss_sum), run.count, start, pipeline_end, end, run.busy,
+                         time.process_time() - cpu)
 
 
 def loss_terms(batches: MicroBatches) -> int:

@@ -50,6 +50,7 @@ from torch.distributed.pipelining import (
 from ...comm.collectives import Communicator
 from ...names import SCHEDULE_1F1B, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
 from ...spec import ModelSpec
+from ...targets import IGNORE_INDEX
 from .runner import LossFn, run_pipeline
 from .schedules import build_schedule
 from .stages import PipelineChunk, build_chunks, plan_stages, sync_tied_grads
@@ -126,8 +127,8 @@ class PipelineTrainer:
 
 
 def loss_terms(batches: MicroBatches) -> int:
-    """The step's loss terms: targets that are not ignored (IGNORE_INDEX is negative)."""
-    return max(1, sum(int((targets >= 0).sum()) for _, targets in batches))
+    """The step's loss terms: targets that are not ``IGNORE_INDEX``."""
+    return max(1, sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches))
 
 
 class DisttrainRunner:

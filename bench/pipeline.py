@@ -133,10 +133,11 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
         dist.barrier()
         result = run_pipeline(chunks, batches, token_loss, comm, schedule,
                               activation_shape=(args.micro_batch, cfg.seq_len, cfg.d_model),
-                              loss_scale=1.0 / (m * args.micro_batch * cfg.seq_len))
+                              loss_scale=1.0 / (m * args.micro_batch * cfg.seq_len),
+                              measure_activations=True)
         sync_tied_grads(chunks, comm)
         spans = _step_spans(comm, result.timings)
-        peak = max(peak, result.peak_activation_bytes)
+        peak = max(peak, result.peak_activation_bytes or 0)
         if rep:
             span = max(s[2] for s in spans) - min(s[1] for s in spans)
             bubbles.append([1 - busy / span for busy, _, _ in spans])

@@ -43,7 +43,7 @@ class PipelinePass:
             result = run_pipeline(self.mp.chunks, [(m, m) for m in loaded], loss,
                                   self.mp.pp_comm, schedule, activation_shape=shape,
                                   loss_scale=loss_scale, grad_sync=self.grads.backward,
-                                  clock=time.time)
+                                  clock=time.time, measure_activations=measure)
         self._trace(result.timings)
         totals[0] += float(result.loss_sum)
         totals[1] += float(result.count)

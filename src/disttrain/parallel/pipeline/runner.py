@@ -56,13 +56,13 @@ class PipelineStepResult:
     ``loss_sum``: summed (unscaled) loss of its micro-batches, 0-dim, zero unless it
     holds the last chunk; ``count``: their loss terms; ``timings``: one per action in
     schedule order; ``peak_activation_bytes``: most bytes saved for backward held at
-    once (parameters excluded).
+    once (parameters excluded), None unless the run measured them.
     """
 
     loss_sum: torch.Tensor
     count: int
     timings: list[ActionTiming] = field(default_factory=list)
-    peak_activation_bytes: int = 0
+    peak_activation_bytes: int | None = None
 
 
 def run_pipeline(chunks: Sequence[PipelineChunk],
@@ -71,7 +71,8 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
                  activation_shape: Sequence[int],
                  activation_dtype: torch.dtype = torch.float32, loss_scale: float = 1.0,
                  grad_sync: GradSync | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> PipelineStepResult:
+                 clock: Callable[[], float] = time.perf_counter,
+                 measure_activations: bool = False) -> PipelineStepResult:
     """Run pp rank ``comm.rank``'s actions of ``schedule`` over ``chunks`` (the chunks
     :func:`~.stages.build_chunks` gave this rank).
 
@@ -82,6 +83,8 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
     [b, T, d], the shape of every message. ``grad_sync(chunk, last)`` returns the
     context each backward runs in; ``last`` is True for the chunk's final backward of
     the step (data parallelism runs the others under ``no_sync()``).
+    ``measure_activations``: count the bytes saved for backward
+    (``peak_activation_bytes``); a hook on every saved tensor, so only when asked.
     """
     if len(micro_batches) != schedule.m:
         raise ValueError(f"the schedule runs m={schedule.m} micro-batches but "
@@ -97,7 +100,7 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
                          "this rank from a plan with the schedule's pp and v")
     runner = _Runner(chunks, micro_batches, loss_fn, comm, schedule,
                      tuple(activation_shape), activation_dtype, loss_scale,
-                     grad_sync, clock)
+                     grad_sync, clock, measure_activations)
     return runner.run(want)
 
 
@@ -105,13 +108,15 @@ class _Runner:
     def __init__(self, chunks: Sequence[PipelineChunk], micro_batches: Sequence,
                  loss_fn: LossFn, comm: Communicator, schedule: Schedule,
                  shape: tuple[int, ...], dtype: torch.dtype, loss_scale: float,
-                 grad_sync: GradSync | None, clock: Callable[[], float]) -> None:
+                 grad_sync: GradSync | None, clock: Callable[[], float],
+                 measure_activations: bool) -> None:
         self.chunks = {ch.index: ch for ch in chunks}
         self.micro_batches, self.loss_fn, self.comm = micro_batches, loss_fn, comm
         self.schedule, self.shape, self.dtype = schedule, shape, dtype
         self.loss_scale, self.clock = loss_scale, clock
         self.grad_sync = grad_sync or (lambda chunk, last: contextlib.nullcontext())
-        self.meter = SavedActivationMeter(p for ch in chunks for p in ch.parameters())
+        self.meter = (SavedActivationMeter(p for ch in chunks for p in ch.parameters())
+                      if measure_activations else None)
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.recvs: dict[tuple[int, int], tuple[torch.Tensor, TrackedWork]] = {}
@@ -142,7 +147,7 @@ class _Runner:
         for _, work in self.sends:
             work.wait()
         return PipelineStepResult(self.loss_sum, self.count, timings,
-                                  self.meter.peak_bytes)
+                                  self.meter.peak_bytes if self.meter else None)
 
     # messages -------------------------------------------------------------------
 
@@ -183,7 +188,7 @@ class _Runner:
     def _forward(self, action: Action, x: torch.Tensor | None) -> None:
         chunk, key = self.chunks[action.chunk], (action.chunk, action.micro)
         self.inputs[key] = x
-        with self.meter:
+        with self.meter or contextlib.nullcontext():
             y = chunk(x, self.micro_batches[action.micro][0])
             if chunk.is_last:
                 loss, count = self.loss_fn(y, self.micro_batches[action.micro][1])

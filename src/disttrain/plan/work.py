@@ -8,6 +8,7 @@ the framework's host time beside them. :mod:`.steptime` assembles a step from th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from .cluster import Cluster
@@ -51,8 +52,8 @@ class Work:
                 "memory_bound": self.memory, "overhead": self.launch + exposed}
 
 
-def _matmuls(cluster: Cluster, shapes: list[tuple[float, float, float]], precision: str
-             ) -> Work:
+def _matmuls(cluster: Cluster, shapes: Sequence[tuple[float, float, float]],
+             precision: str) -> Work:
     kernel = overhead = 0.0
     for m, n, k in shapes:
         t, o = matmul_parts(cluster, m, n, k, precision, ACT_BYTES[precision])
@@ -80,11 +81,13 @@ def layer_elementwise(shape: ModelShape, tp: int, sp: bool, tokens: int, a: int
 
 def layer_work(shape: ModelShape, cluster: Cluster, tp: int, b: int, precision: str,
                sp: bool = False) -> tuple[Work, Work, Work]:
-    """(forward, backward, the attention kernel's forward) of one layer on one tp rank
-    for a micro-batch of ``b`` sequences. Weight [in, out] split by columns (qkv, gate,
+    """(forward, backward, attention's forward) of one layer on one tp rank for a
+    micro-batch of ``b`` sequences. Weight [in, out] split by columns (qkv, gate,
     up) or rows (out, down); forward [tokens, in/tp or in] x [.., out/tp or out]; the
-    backward's input gradient and weight gradient are their own shapes. Fused
-    attention's backward takes ``attention_backward_ratio`` times its forward;
+    backward's input gradient and weight gradient are their own shapes. Attention:
+    fused (:func:`~.costs.attention_time`; its backward takes
+    ``attention_backward_ratio`` times its forward) or not
+    (:func:`unfused_attention`, backward twice the forward);
     memory-bound work twice the forward's bytes and kernels (each reads the forward's
     input and the gradient and writes a gradient, and the norms reduce their weights'
     gradients). Host time: ``layer_overhead_s``, a third forward."""
@@ -94,18 +97,39 @@ def layer_work(shape: ModelShape, cluster: Cluster, tp: int, b: int, precision: 
         n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
         forward.append((tokens, n, k))
         backward += [(tokens, k, n), (k, n, tokens)]  # input grad, weight grad
-    attn = attention_time(cluster, b, shape.seq, shape.hidden / tp, precision)
+    if shape.flash:
+        attn = Work(attention=attention_time(cluster, b, shape.seq, shape.hidden / tp,
+                                             precision),
+                    launch=cluster.elementwise_overhead_s)
+    else:
+        attn = unfused_attention(shape, cluster, tp, b, precision)
     nbytes, kernels = layer_elementwise(shape, tp, sp, tokens, a)
     memory = elementwise_time(cluster, nbytes, kernels)
     host = cluster.layer_overhead_s
-    fwd = _matmuls(cluster, forward, precision) + Work(
-        attention=attn, memory=memory - kernels * cluster.elementwise_overhead_s,
-        launch=(kernels + 1) * cluster.elementwise_overhead_s, host=host / 3)
-    bwd = _matmuls(cluster, backward, precision) + Work(
-        attention=attn * cluster.attention_backward_ratio,
-        memory=2 * (memory - kernels * cluster.elementwise_overhead_s),
-        launch=(2 * kernels + 1) * cluster.elementwise_overhead_s, host=host * 2 / 3)
-    return fwd, bwd, Work(attention=attn, launch=cluster.elementwise_overhead_s)
+    launch = kernels * cluster.elementwise_overhead_s
+    ratio = cluster.attention_backward_ratio if shape.flash else 2.0
+    fwd = _matmuls(cluster, forward, precision) + attn + Work(
+        memory=memory - launch, launch=launch, host=host / 3)
+    bwd = _matmuls(cluster, backward, precision) + attn.scaled(ratio) + Work(
+        memory=2 * (memory - launch), launch=2 * launch, host=host * 2 / 3)
+    return fwd, bwd, attn
+
+
+def unfused_attention(shape: ModelShape, cluster: Cluster, tp: int, b: int,
+                      precision: str) -> Work:
+    """Attention without a fused kernel, forward, on one tp rank: per sequence and
+    head, the scores [s, d] x [d, s] and the weighted sum [s, s] x [s, d] as batched
+    matmuls, and between them the memory-bound passes over the s x s scores: the
+    scores' write, the softmax's read and write, and with dropout its read, write and
+    byte of mask."""
+    s, d, a = shape.seq, shape.head_dim, ACT_BYTES[precision]
+    batch = b * shape.heads / tp
+    mm = _matmuls(cluster, [(s, s, d), (s, d, s)], precision).scaled(batch)
+    passes = 3 * a + (2 * a + 1 if shape.dropout else 0)
+    kernels = 2 + int(shape.dropout)
+    memory = elementwise_time(cluster, passes * batch * s * s, kernels)
+    launch = kernels * cluster.elementwise_overhead_s
+    return Work(attention=mm.matmul + memory - launch, launch=mm.launch + launch)
 
 
 def head_work(shape: ModelShape, cluster: Cluster, b: int, precision: str, tp: int = 1

@@ -120,7 +120,7 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
             + (head_w if top == lay.pp - 1 else Work()))
     split = {k: m * share * v for k, v in work.split(async_).items()}
     split["overhead"] += compute_only - sum(split.values())  # the ends' framework time
-    split |= {"tp_comm": m * (slowest - p2p) - compute_only, "pp_p2p": m * p2p,
+    split |= {"tp_comm": max(0.0, m * (slowest - p2p) - compute_only), "pp_p2p": m * p2p,
               "pp_bubble": bubble, **{f"dp_{k}": v for k, v in dp.items()},
               "step_sync": sync, "optimizer": optimizer}
     return StepTime(step_time_s=pipeline + dp_exposed + sync + optimizer, times=times,

@@ -17,12 +17,14 @@ from disttrain.plan.costs import (
     attention_time,
     collective_time,
     gemm_shape_efficiency,
+    matmul_time,
     ring_bytes_factor,
     ring_latency_steps,
 )
 from disttrain.plan.published import LLM_FOUNDRY_A100, MPT_DIMS
 from disttrain.plan.search import layout_problem
 from disttrain.plan.steptime import SPLIT, _prefetched
+from disttrain.plan.work import kernel_time_of_layer, layer_work
 
 A100 = PRESETS["a100-80gb"]
 LLAMA_7B = ModelShape(name="7b", layers=32, hidden=4096, heads=32, seq=4096,
@@ -167,3 +169,22 @@ def test_bad_shape_terms_are_one_line_and_exit_2(capsys, spec, message):
     code = main(["plan", "--model", "gpt", "--cluster", spec, "--global-batch", "8"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_without_shape_terms_a_layer_is_the_roofline_calibration_fits():
+    """A calibrated CPU file has no SMs, tiles or attention terms: a layer's kernels
+    are its matmuls at the roofline, attention and the forward's bytes, the backward
+    twice the forward, as ``plan calibrate`` subtracts them from a measured layer."""
+    cpu = replace(PRESETS["a100-80gb"], sm_count=0, elementwise_efficiency=1.0,
+                  elementwise_overhead_s=0.0, attention_seq_half=0.0, attention_block=0,
+                  attention_backward_ratio=2.0)
+    shape = ModelShape(layers=2, hidden=64, heads=4, seq=32, vocab=128)
+    fwd, bwd, _ = layer_work(shape, cpu, 1, 2, "fp32")
+    tokens, h = 2 * 32, 64
+    matmuls = sum(matmul_time(cpu, tokens, o, i, "fp32", 4)
+                  for _, i, o in shape.matmul_shapes())
+    attention = attention_time(cpu, 2, 32, h, "fp32")
+    memory = (12 * h + 2 * 4 * h) * tokens * 4 / (cpu.memory_gbps * 1e9)
+    assert fwd.device == pytest.approx(matmuls + attention + memory, rel=1e-12)
+    assert bwd.device == pytest.approx(2 * fwd.device, rel=1e-12)
+    assert kernel_time_of_layer(shape, cpu, 2, "fp32") == pytest.approx(3 * fwd.device)

@@ -1,6 +1,7 @@
-"""What pieces of a training step cost on a cluster: one matmul, fused attention, a
-ring collective, one transformer layer's kernels, and framework time next to them.
-The planner's :mod:`~.estimate` assembles a step from these; ``plan calibrate`` fits
+"""What pieces of a training step cost on a cluster: one matmul by its shape, fused
+attention, memory-bound kernels, a ring collective inside a node or over nodes, and
+framework time next to kernels. :mod:`.work` builds a layer and the head from these
+and :mod:`.steptime` a step; ``plan calibrate`` fits
 the cluster's figures with the same functions, so measurement and prediction agree on
 what each figure means.
 """

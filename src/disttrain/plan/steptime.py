@@ -1,4 +1,5 @@
-"""A layout's step time, from the costs of its pieces (:mod:`.costs`).
+"""A layout's step time, from the costs of its pieces (:mod:`.work` for a layer and
+the head by kind of work, :mod:`.costs` for collectives).
 
 Per micro-batch and pipeline rank: each layer's kernels and framework time (slowed
 in proportion when a CPU's ranks share fewer cores than they compute with), its tensor
@@ -12,12 +13,14 @@ After the pipeline: the data-parallel reduction the backward does not hide (none
 a CPU whose cores the ranks' compute threads fill; plain:
 one all-reduce per bucket; ZeRO: one reduce-scatter per flat buffer (:func:`~.shape.
 zero_flats`), once (stage 1) or per micro-batch (2, 3), then one all-gather per flat
-of the updated parameters; stage 3 also gathers every flat before each forward and
-backward, prefetched a unit ahead), the per-step synchronisation every disttrain step
+of the updated parameters; stage 3, as FSDP runs it, gathers each unit before its
+forward and its backward, prefetched a unit ahead, and reduce-scatters behind the
+next unit's backward: :func:`_prefetched`), the per-step synchronisation every disttrain step
 makes (the loss and token counts, the stop flag, telemetry on logged steps, the
 gradient norm of sharded gradients, the tied embedding's gradient between the first
 and last stage), and the optimizer step (memory-bound, plus framework time per
-parameter tensor).
+parameter tensor). ``StepTime.split`` gives the same step by kind of work (matmul,
+attention, memory-bound, overhead, each communication, bubble, optimizer).
 """
 
 from __future__ import annotations

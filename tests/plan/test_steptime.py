@@ -27,7 +27,8 @@ def _latency_cluster(ranks: int) -> Cluster:
     a group of ``ranks`` costs CALL_S: a step's communication is then its calls."""
     ops = {op: [CALL_S, 1e9] for op in ("all_reduce", "reduce_scatter", "all_gather")}
     return replace(PRESETS["h100"], gpus_per_node=ranks, kernel_overhead_s=0.0,
-                   layer_overhead_s=0.0, tensor_overhead_s=0.0,
+                   elementwise_overhead_s=0.0, sm_count=0, layer_overhead_s=0.0,
+                   tensor_overhead_s=0.0,
                    group_links={f"{ranks}/{ranks}": ops})
 
 

@@ -50,13 +50,7 @@ from ..launch.agent import worker_threads
 from ..monitor.peaks import matmul_precision
 from ..testing import run_distributed
 from .cluster import GROUP_LINK_OPS, Cluster, group_link_key
-from .costs import (
-    attention_time,
-    head_kernel_time,
-    kernel_time_of_layer,
-    ring_bytes_factor,
-    ring_latency_steps,
-)
+from .costs import attention_time, ring_bytes_factor, ring_latency_steps
 from .fit import MatmulFit, MatmulPoint, fit_line, fit_matmul
 from .measure import (
     COLLECTIVES,
@@ -75,6 +69,7 @@ from .measure import (
     time_tiny_model,
 )
 from .shape import ModelShape
+from .work import head_kernel_time, kernel_time_of_layer
 
 # one call after one warm-up: a 16-bit probe on a CPU may be emulated, and slow
 _PROBE_EFFORT = Effort(repeats=1, warmup=1, seconds=0.0)

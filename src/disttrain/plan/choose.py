@@ -158,6 +158,23 @@ _WORDS = {"compute": "compute", "recompute": "recomputation", "tp_comm":
           "embedding)", "optimizer":
           "the optimizer step"}
 
+# StepTime.split's parts, as --explain names them
+_SPLIT_WORDS = {"matmul": "matmul", "attention": "attention", "memory_bound":
+                "memory-bound ops", "overhead": "framework and launch overhead",
+                "tp_comm": "tp communication", "pp_p2p": "pp messages", "pp_bubble":
+                "pipeline bubble", "dp_all_reduce": "exposed dp all-reduce",
+                "dp_reduce_scatter": "exposed reduce-scatter", "dp_all_gather":
+                "exposed all-gather", "step_sync": "per-step sync", "optimizer":
+                "optimizer"}
+
+
+def split_line(est: Estimate) -> str:
+    """The step by kind of work, in seconds and shares: every part that is not zero
+    (all of them sum to the step time)."""
+    total = est.step_time_s
+    return "; ".join(f"{_SPLIT_WORDS[k]} {v:.4g} s ({100 * v / total:.1f}%)"
+                     for k, v in est.split.items() if v)
+
 
 def explain(rows: list[Estimate], shape: ModelShape, cluster: Cluster) -> str:
     """A few lines: what the best layout spends its step on, and where the runner-up
@@ -171,6 +188,7 @@ def explain(rows: list[Estimate], shape: ModelShape, cluster: Cluster) -> str:
     lines = [f"best: {best.layout.label()}: {total:.3f} s/step, MFU "
              f"{100 * best.mfu:.1f}%, bottleneck {_WORDS[best.bottleneck]}",
              f"  its step: {spent}",
+             f"  by kind: {split_line(best)}",
              f"  memory {best.memory_bytes / _GIB:.1f} of {cluster.memory_gib:.0f} GiB on "
              f"stage {best.worst_stage}: model states {mem.model_states / _GIB:.1f}, "
              f"activations {mem.activations / _GIB:.1f}, buffers and reserve "

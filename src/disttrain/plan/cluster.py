@@ -1,12 +1,11 @@
 """The machines a plan is for: per-device compute, memory and links.
 
 Presets are set from published hardware figures (vendor datasheets: dense peak
-FLOP/s, HBM capacity and bandwidth, NVLink and per-GPU network bandwidth of the DGX /
-HGX systems) and from what large runs are known to reach: a large matmul reaches about
-80% of the bf16 peak on an A100 and about 75% on an H100 (cuBLAS), fused attention
-about half of it, NCCL's bus bandwidth about 80% of the NVLink figure inside a node
-and about 90% of the NIC line rate across nodes. They are not fitted to any published
-training run. ``disttrain plan calibrate`` measures these figures on the machine it
+FLOP/s, SMs, HBM capacity and bandwidth, NVLink and per-GPU network bandwidth of the
+DGX / HGX systems) and from public microbenchmarks of what kernels and collectives
+reach (the best matmul, FlashAttention by sequence length, streaming kernels, NCCL
+inside and between nodes); each constant's source is beside the presets. They are not
+fitted to any training run. ``disttrain plan calibrate`` measures these figures on the machine it
 runs on and writes them in the same JSON form (:meth:`Cluster.to_json`).
 """
 
@@ -53,6 +52,17 @@ class Cluster:
     parameter tensor per optimizer step (clipping, the update, zeroing). With
     ``async_dispatch`` (a GPU) the host's work overlaps the device's and a layer takes
     the longer of the two; on a CPU they add.
+    Shape terms (a GPU preset sets them; their defaults turn them off, as on a CPU,
+    where ``plan calibrate`` measures the figures above directly): ``sm_count``
+    streaming multiprocessors and the ``gemm_tile`` (rows, columns) of the output one
+    computes at a time, for matmuls' tile and wave quantisation;
+    ``elementwise_efficiency``: the share of ``memory_gbps`` that memory-bound kernels
+    (norms, activations, residual adds, the loss, the optimizer) reach, and
+    ``elementwise_overhead_s`` the device time each of them adds beyond its bytes;
+    ``attention_seq_half``: the sequence length at which fused attention reaches half
+    of ``attention_efficiency``; ``attention_block``: its tile of keys, which lets a
+    causal kernel skip the blocks above the diagonal; ``attention_backward_ratio``:
+    its backward's time over its forward's.
     ``host_cores``: on a CPU, the cores a node's ranks share, each computing with
     ``threads_per_rank`` threads, so that more threads than cores slow every rank's
     compute in proportion (0: every device computes on its own, a GPU).
@@ -80,6 +90,13 @@ class Cluster:
     layer_overhead_s: float = 0.0
     microbatch_overhead_s: float = 0.0
     tensor_overhead_s: float = 0.0
+    sm_count: int = 0  # 0: no tile / wave quantisation (a CPU)
+    gemm_tile: tuple[int, int] = (256, 128)
+    elementwise_efficiency: float = 1.0
+    elementwise_overhead_s: float = 0.0
+    attention_seq_half: float = 0.0  # 0: attention's efficiency does not depend on s
+    attention_block: int = 0  # 0: fused attention computes the whole s x s square
+    attention_backward_ratio: float = 2.0
     async_dispatch: bool = True
     host_cores: int = 0
     threads_per_rank: int = 1
@@ -106,6 +123,8 @@ class Cluster:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        if isinstance(data.get("gemm_tile"), list):
+            data = data | {"gemm_tile": tuple(data["gemm_tile"])}
         try:
             cluster = Cluster(**data)
         except TypeError as exc:
@@ -123,8 +142,18 @@ def _validate(c: Cluster, where: str) -> None:
             raise UserError(f"{where}: {name}={value!r} must be a positive number")
     if c.matmul_efficiency > 1 or c.attention_efficiency > 1:
         raise UserError(f"{where}: efficiencies are fractions of the peak, at most 1")
+    if not 0 < c.elementwise_efficiency <= 1:
+        raise UserError(f"{where}: elementwise_efficiency={c.elementwise_efficiency!r} "
+                        "must be a fraction of memory_gbps in (0, 1]")
+    if c.attention_backward_ratio <= 0:
+        raise UserError(f"{where}: attention_backward_ratio must be > 0")
+    tile = c.gemm_tile
+    if (not isinstance(tile, (tuple, list)) or len(tile) != 2
+            or not all(isinstance(x, int) and x > 0 for x in tile)):
+        raise UserError(f"{where}: gemm_tile={tile!r} must be two positive integers")
     for name in ("layer_overhead_s", "tensor_overhead_s", "kernel_overhead_s",
-                 "microbatch_overhead_s",
+                 "microbatch_overhead_s", "elementwise_overhead_s", "attention_seq_half",
+                 "attention_block", "sm_count",
                  "p2p_latency_s", "host_cores"):
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -173,22 +202,59 @@ def _peaks(name: str) -> dict[str, float]:
     return {k: table[name][k] for k in ("bf16", "fp16", "fp32")}
 
 
-# Host time per layer on a GPU: eager PyTorch launches roughly 60 kernels for a
-# transformer layer's forward and backward, about 5 us each; it overlaps the device's
-# work (async_dispatch), so it only shows for tiny layers. Fused AdamW: no per-tensor
-# loop.
+# GPU presets. Every constant is a vendor figure or a public measurement, none is
+# fitted to a training run (the runs the planner is checked against, in bench/plan.py
+# and tests/plan, are never used to set them):
+#
+# - peak_tflops: dense bf16/fp16/fp32 from the datasheets (monitor.peaks).
+# - matmul_efficiency: the Maximum Achievable Matmul FLOPS that Bekman's mamf-finder
+#   measured over a sweep of shapes (github.com/stas00/ml-engineering,
+#   compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"):
+#   A100 SXM 271.2 of 312 TFLOPS bf16 (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is
+#   the same"). Smaller and oddly shaped matmuls get less through gemm_tile / sm_count.
+# - sm_count: 108 SMs on an A100, 132 on an H100 / H200 SXM (the architecture
+#   whitepapers). gemm_tile 256 x 128: the tile NVIDIA's "Matrix Multiplication
+#   Background User's Guide" (DU-09799-001, section 2.3, "Typical tile dimensions in
+#   cuBLAS") names as cuBLAS's most efficient; its chapter 3 is the tile and wave
+#   quantisation that costs.gemm_shape_efficiency prices.
+# - memory_gbps: HBM bandwidth from the datasheets (A100 40GB 1555, 80GB 2039, H100
+#   SXM 3350, H200 4800 GB/s); elementwise_efficiency 0.9: STREAM-style copy and triad
+#   kernels reach about 90% of it (a public H100 SXM log: triad 3089 of 3350 GB/s, 92%;
+#   the same share assumed for the A100).
+# - attention: FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on
+#   A100" (Dao 2023, arXiv 2307.08691, abstract), forward at the top of that range,
+#   backward at the bottom: 0.6 for both together on the FLOPs it executes. Its
+#   backward runs 5 matmuls to the forward's 2 (attention_backward_ratio 2.5), its
+#   tiles are 128 keys wide (attention_block 128, what a causal kernel skips), and a
+#   short sequence reaches less: the sweep of pytorch/benchmark (commit ff65cb67, H100,
+#   head dim 128, B x S = 16k) gives 329, 390, 434, 458, 471, 477 TFLOPS for s = 512
+#   ... 16384, which is 477 x s / (s + 256) within 4% (attention_seq_half 256). On an
+#   H100 FlashAttention-2 reaches 477 of 989 TFLOPS there (0.45 with the backward).
+# - links, as NCCL bus bandwidth per GPU: NVLink 300 GB/s each way on an A100, 450 on
+#   an H100 / H200; Bekman measured an all-reduce at 234.89 GB/s on an A100 node (78%)
+#   and 367.61 on an H200 node with NVLS off (82%) (network/README.md). Between nodes
+#   each GPU has its own NIC: DGX A100 8 x 200 Gb/s HDR (25 GB/s per GPU), DGX H100 /
+#   H200 8 x 400 Gb/s NDR (50 GB/s per GPU); a 4-node ring reached 377 of the node's
+#   8 x 50 GB/s (94%, B200) and 365 of 400 (91%, H200) in the same chapter: 0.9 of the
+#   NIC per GPU (costs.collective_time charges a ring over nodes to all the node's NICs
+#   that the group uses).
+# - launch: a CUDA kernel launch costs about 5 us of device-side gap per kernel;
+#   eager PyTorch spends roughly 60 kernels' host time per transformer layer (forward
+#   and backward, ~5 us each), which the host overlaps with the device (async
+#   dispatch), so it only shows for tiny layers; fused AdamW: no per-tensor loop.
 _GPU_HOST: dict[str, Any] = {"layer_overhead_s": 3e-4, "tensor_overhead_s": 0.0,
-                             "async_dispatch": True}
-
-# Datasheet figures: HBM bandwidth (GB/s); NVLink per GPU (A100: 600 GB/s, H100/H200:
-# 900 GB/s, both directions, so 300 / 450 each way); DGX A100: 8 x 200 Gb/s HDR
-# (25 GB/s per GPU), DGX H100/H200: 8 x 400 Gb/s NDR (50 GB/s per GPU).
+                             "async_dispatch": True, "elementwise_efficiency": 0.9,
+                             "elementwise_overhead_s": 5e-6, "gemm_tile": (256, 128),
+                             "attention_seq_half": 256.0, "attention_block": 128,
+                             "attention_backward_ratio": 2.5}
 _A100 = Cluster(name="a100-40gb", gpus_per_node=8, peak_tflops=_peaks("A100-SXM"),
-                matmul_efficiency=0.8, attention_efficiency=0.5, memory_gib=40 * 1e9 / _GIB,
-                memory_gbps=1555.0, intra_gbps=0.8 * 300, inter_gbps=0.9 * 25, **_GPU_HOST)
+                matmul_efficiency=271.2 / 312, attention_efficiency=0.6, sm_count=108,
+                memory_gib=40 * 1e9 / _GIB, memory_gbps=1555.0, intra_gbps=234.89,
+                inter_gbps=0.9 * 25, **_GPU_HOST)
 _H100 = Cluster(name="h100-80gb", gpus_per_node=8, peak_tflops=_peaks("H100-SXM"),
-                matmul_efficiency=0.75, attention_efficiency=0.45, memory_gib=80 * 1e9 / _GIB,
-                memory_gbps=3350.0, intra_gbps=0.8 * 450, inter_gbps=0.9 * 50, **_GPU_HOST)
+                matmul_efficiency=794.5 / 989, attention_efficiency=0.45, sm_count=132,
+                memory_gib=80 * 1e9 / _GIB, memory_gbps=3350.0, intra_gbps=367.61,
+                inter_gbps=0.9 * 50, **_GPU_HOST)
 # the 80 GB A100 and the H200 differ from their siblings in memory only
 PRESETS: dict[str, Cluster] = {
     "a100-40gb": _A100,
@@ -244,12 +310,14 @@ def parse_cluster(text: str) -> Cluster:
     types = {f.name: f.type for f in fields(Cluster)}
     for key, value in items.items():
         if key not in types or key in ("name", "peak_tflops", "measured", "source",
-                                       "op_gbps", "async_dispatch", "group_links"):
+                                       "op_gbps", "async_dispatch", "group_links",
+                                       "gemm_tile"):
             raise UserError(f"--cluster {key}=...: not a cluster field; use gpu, "
                             "gpus_per_node, nodes, memory_gib, ...")
         try:
             changes[key] = int(value) if key in ("gpus_per_node", "nodes", "host_cores",
-                                                 "threads_per_rank") else float(value)
+                                                 "threads_per_rank", "sm_count",
+                                                 "attention_block") else float(value)
         except ValueError:
             raise UserError(f"--cluster {key}={value!r} is not a number") from None
     cluster = replace(base, **changes)

@@ -1,6 +1,7 @@
-"""What pieces of a training step cost on a cluster: one matmul, fused attention, a
-ring collective, one transformer layer's kernels, and framework time next to them.
-The planner's :mod:`~.estimate` assembles a step from these; ``plan calibrate`` fits
+"""What pieces of a training step cost on a cluster: one matmul by its shape, fused
+attention, memory-bound kernels, a ring collective inside a node or over nodes, and
+framework time next to kernels. :mod:`.work` builds a layer and the head from these
+and :mod:`.steptime` a step; ``plan calibrate`` fits
 the cluster's figures with the same functions, so measurement and prediction agree on
 what each figure means.
 """
@@ -10,28 +11,82 @@ from __future__ import annotations
 import math
 
 from .cluster import Cluster, group_link_key
-from .shape import ModelShape
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def gemm_shape_efficiency(cluster: Cluster, m: float, n: float, k: float) -> float:
+    """The share of the matmul ceiling an [m, k] x [k, n] matmul keeps after tile and
+    wave quantisation (NVIDIA's *Matrix Multiplication Background* guide): the [m, n]
+    output is cut into ``gemm_tile`` tiles, one SM each at a time, so a partial tile
+    and a partial last wave cost as much as full ones. When the tiles leave SMs idle
+    the contraction is split (split-K) into up to ``sm_count / tiles`` parts at least
+    a tile deep. 1 without ``sm_count`` (a CPU)."""
+    sms = cluster.sm_count
+    if not sms:
+        return 1.0
+    tm, tn = cluster.gemm_tile
+    tiles = math.ceil(m / tm) * math.ceil(n / tn)
+    split = max(1, min(sms // tiles, int(k // tm))) if tiles < sms else 1
+    waves = math.ceil(tiles * split / sms)
+    return (m * n * k) / (waves * sms * tm * tn * (k / split))
+
+
+def matmul_parts(cluster: Cluster, m: float, n: float, k: float, precision: str,
+                 bytes_per: int) -> tuple[float, float]:
+    """(kernel seconds, launch overhead) of one [m, k] x [k, n] matmul.
+
+    Without ``sm_count`` (a CPU, a calibrated file): the slower of its FLOPs at the
+    matmul efficiency and its three operands through memory. With it (a GPU preset):
+    its FLOPs at the efficiency times :func:`gemm_shape_efficiency`, or the inputs'
+    reads if slower, plus the write of the output, which a tile issues only after its
+    whole contraction (a thin contraction pays it in full)."""
+    flops = 2 * m * n * k
+    peak = cluster.peak_flops(precision) * cluster.matmul_efficiency
+    bandwidth = cluster.memory_gbps * 1e9
+    if not cluster.sm_count:
+        memory = (m * k + k * n + m * n) * bytes_per / bandwidth
+        return max(flops / peak, memory), cluster.kernel_overhead_s
+    compute = flops / (peak * gemm_shape_efficiency(cluster, m, n, k))
+    reads = (m * k + k * n) * bytes_per / bandwidth
+    return max(compute, reads) + m * n * bytes_per / bandwidth, cluster.kernel_overhead_s
+
+
 def matmul_time(cluster: Cluster, m: float, n: float, k: float, precision: str,
                 bytes_per: int) -> float:
-    """One [m, k] x [k, n] matmul: the slower of its FLOPs at the cluster's matmul
-    efficiency and its operands through memory, plus the per-kernel overhead."""
-    flops = 2 * m * n * k
-    compute = flops / (cluster.peak_flops(precision) * cluster.matmul_efficiency)
-    memory = (m * k + k * n + m * n) * bytes_per / (cluster.memory_gbps * 1e9)
-    return max(compute, memory) + cluster.kernel_overhead_s
+    """One [m, k] x [k, n] matmul, kernel and overhead (:func:`matmul_parts`)."""
+    kernel, overhead = matmul_parts(cluster, m, n, k, precision, bytes_per)
+    return kernel + overhead
+
+
+def attention_flops(cluster: Cluster, b: float, s: float, width: float) -> float:
+    """FLOPs fused attention's forward executes over ``b`` sequences of ``s`` tokens,
+    ``width`` = heads x head_dim: q.k and the weighted sum of v, 2 x 2bs^2 x width,
+    less the blocks above a causal mask's diagonal that a kernel with tiles of
+    ``attention_block`` keys skips ((1 + block / s) / 2 of the square is left)."""
+    full = 2 * 2 * b * s * s * width
+    block = cluster.attention_block
+    return full * min(1.0, (1 + block / s) / 2) if block else full
 
 
 def attention_time(cluster: Cluster, b: float, s: float, width: float,
                    precision: str) -> float:
     """Fused attention's forward over ``b`` sequences of ``s`` tokens, ``width`` =
-    heads x head_dim (on one tp rank): q.k and the weighted sum of v, 2 x 2bs^2 x width
-    FLOPs (causal masking not subtracted), at the cluster's attention efficiency."""
-    flops = 2 * 2 * b * s * s * width
-    return flops / (cluster.peak_flops(precision) * cluster.attention_efficiency)
+    heads x head_dim (on one tp rank): :func:`attention_flops` at the attention
+    efficiency, of which a sequence of s reaches s / (s + ``attention_seq_half``) (each
+    block of queries loops over the keys; a short loop does not amortise its start and
+    end)."""
+    half = cluster.attention_seq_half
+    efficiency = cluster.attention_efficiency * (s / (s + half) if half else 1.0)
+    return attention_flops(cluster, b, s, width) / (cluster.peak_flops(precision)
+                                                    * efficiency)
+
+
+def elementwise_time(cluster: Cluster, nbytes: float, kernels: int = 0) -> float:
+    """Memory-bound kernels moving ``nbytes`` in all (reads + writes): at the share of
+    the memory bandwidth they reach, plus each kernel's device overhead."""
+    return (nbytes / (cluster.memory_gbps * 1e9 * cluster.elementwise_efficiency)
+            + kernels * cluster.elementwise_overhead_s)
 
 
 def ring_bytes_factor(ranks: int, kind: str = "all_reduce") -> float:
@@ -61,39 +116,6 @@ def tier(cluster: Cluster, span: int) -> tuple[float, float]:
     if span <= cluster.gpus_per_node:
         return cluster.intra_gbps, cluster.intra_latency_s
     return cluster.inter_gbps, cluster.inter_latency_s
-
-
-def layer_kernels(shape: ModelShape, cluster: Cluster, tp: int, b: int,
-                   precision: str) -> tuple[float, float]:
-    """(every kernel, the attention kernel alone) of one layer's forward on one tp
-    rank for a micro-batch of ``b``: each matmul from its shape, fused attention,
-    elementwise work through memory (norms, residuals, activation)."""
-    tokens, h, a = b * shape.seq, shape.hidden, ACT_BYTES[precision]
-    total = 0.0
-    for name, i, out in shape.matmul_shapes():
-        n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
-        total += matmul_time(cluster, tokens, n, k, precision, a)
-    attn = attention_time(cluster, b, shape.seq, h / tp, precision)
-    elementwise = (12 * h + (4 if shape.gated else 2) * shape.ffn_width / tp) * tokens * a
-    return total + attn + elementwise / (cluster.memory_gbps * 1e9), attn
-
-
-def head_kernel_time(shape: ModelShape, cluster: Cluster, b: int, precision: str,
-                     tp: int = 1) -> float:
-    """Kernel seconds of the head and loss's forward and backward for a micro-batch of
-    ``b`` on one tp rank: three matmuls of the head's shape, three passes over the
-    fp32 logits."""
-    tokens = b * shape.seq
-    return (3 * matmul_time(cluster, tokens, shape.vocab / tp, shape.hidden, precision,
-                            ACT_BYTES[precision])
-            + 3 * 4 * tokens * shape.vocab / tp / (cluster.memory_gbps * 1e9))
-
-
-def kernel_time_of_layer(shape: ModelShape, cluster: Cluster, b: int,
-                         precision: str) -> float:
-    """Kernel seconds of one layer's forward and backward (backward = 2 x forward) on
-    one device, without framework time."""
-    return 3 * layer_kernels(shape, cluster, 1, b, precision)[0]
 
 
 def with_host(cluster: Cluster, device_s: float, host_s: float) -> float:
@@ -137,8 +159,8 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, ranks: int, busy: 
     moving ``nbytes`` in all (counted as each call's whole tensor) over a group of
     ``ranks`` spanning ``span`` consecutive devices (default ``ranks``), while ``busy``
     ranks of each node run: the cluster's measured fit for that group
-    (``group_links``) inside a node, else the ring (:func:`ring_time`) on the tier the
-    group spans."""
+    (``group_links``) inside a node, else the ring (:func:`ring_time`) inside a node,
+    or across nodes :func:`two_level_time`."""
     if ranks <= 1 or calls <= 0 or nbytes < 0:
         return 0.0
     span = ranks if span is None else span
@@ -146,7 +168,27 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, ranks: int, busy: 
     if fit and span <= cluster.gpus_per_node:
         latency, gbps = fit
         return calls * latency + nbytes / (gbps * 1e9)
+    if span > cluster.gpus_per_node:
+        return calls * two_level_time(cluster, op, nbytes / calls, ranks, span)
     gbps, latency = tier(cluster, span)
     if op != "all_reduce":
         gbps = op_gbps(cluster, op, span, gbps)
     return calls * ring_time(nbytes / calls, ranks, gbps, latency, kind=op)
+
+
+def two_level_time(cluster: Cluster, op: str, nbytes: float, ranks: int,
+                   span: int) -> float:
+    """One call of ``op`` on ``nbytes`` over ``ranks`` spread evenly over the nodes of
+    ``span`` consecutive devices, g of them on each node: NCCL's ring visits each
+    node's g members over NVLink and leaves the node once, and with one channel per
+    member the node's crossings share out over the g members' own NICs. So each rank
+    moves the ring's share of the buffer (:func:`ring_bytes_factor`), (g - 1) / g of it
+    over NVLink (``intra_gbps``) and the node's crossings 1 / g over its NIC
+    (``inter_gbps`` per GPU); the slower link paces the ring."""
+    nodes = math.ceil(span / cluster.gpus_per_node)
+    g = max(1, ranks // nodes)
+    moved = nbytes * ring_bytes_factor(ranks, op)
+    nic = moved / g / (cluster.inter_gbps * 1e9)
+    intra = op_gbps(cluster, op, cluster.gpus_per_node, cluster.intra_gbps)
+    nvlink = moved * (g - 1) / g / (intra * 1e9)
+    return max(nic, nvlink) + ring_latency_steps(ranks) * cluster.inter_latency_s

@@ -79,6 +79,7 @@ class Estimate:
     worst_stage: int
     step_time_s: float = 0.0
     times: dict[str, float] = field(default_factory=dict)
+    split: dict[str, float] = field(default_factory=dict)  # StepTime.split
     model_flops: float = 0.0
     hardware_flops: float = 0.0
     tokens: int = 0
@@ -147,6 +148,7 @@ class Estimate:
                 "memory_stage": self.worst_stage,
                 "memory_breakdown_gib": self.stage_memory(self.worst_stage).gib(),
                 "time_breakdown_s": {k: round(v, 6) for k, v in self.times.items()},
+                "time_split_s": {k: round(v, 6) for k, v in self.split.items()},
                 "bottleneck": self.bottleneck}
 
 
@@ -365,7 +367,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                     worst_stage=worst, n_devices=lay.ranks,
                     peak_flops=cluster.peak_flops(o.precision),
                     fits=stages[worst].total <= cluster.memory_gib * _GIB,
-                    step_time_s=time.step_time_s, times=time.times,
+                    step_time_s=time.step_time_s, times=time.times, split=time.split,
                     chunk_forward_s=time.chunk_forward_s,
                     chunk_backward_s=time.chunk_backward_s,
                     p2p_message_s=time.p2p_message_s, tokens=tokens,

@@ -1,4 +1,5 @@
-"""A layout's step time, from the costs of its pieces (:mod:`.costs`).
+"""A layout's step time, from the costs of its pieces (:mod:`.work` for a layer and
+the head by kind of work, :mod:`.costs` for collectives).
 
 Per micro-batch and pipeline rank: each layer's kernels and framework time (slowed
 in proportion when a CPU's ranks share fewer cores than they compute with), its tensor
@@ -12,12 +13,14 @@ After the pipeline: the data-parallel reduction the backward does not hide (none
 a CPU whose cores the ranks' compute threads fill; plain:
 one all-reduce per bucket; ZeRO: one reduce-scatter per flat buffer (:func:`~.shape.
 zero_flats`), once (stage 1) or per micro-batch (2, 3), then one all-gather per flat
-of the updated parameters; stage 3 also gathers every flat before each forward and
-backward, prefetched a unit ahead), the per-step synchronisation every disttrain step
+of the updated parameters; stage 3, as FSDP runs it, gathers each unit before its
+forward and its backward, prefetched a unit ahead, and reduce-scatters behind the
+next unit's backward: :func:`_prefetched`), the per-step synchronisation every disttrain step
 makes (the loss and token counts, the stop flag, telemetry on logged steps, the
 gradient norm of sharded gradients, the tied embedding's gradient between the first
 and last stage), and the optimizer step (memory-bound, plus framework time per
-parameter tensor).
+parameter tensor). ``StepTime.split`` gives the same step by kind of work (matmul,
+attention, memory-bound, overhead, each communication, bubble, optimizer).
 """
 
 from __future__ import annotations
@@ -29,32 +32,40 @@ from .cluster import Cluster
 from .costs import (
     collective_time,
     compute_share,
-    head_kernel_time,
-    layer_kernels,
+    elementwise_time,
     node_ranks,
     overlaps_compute,
-    with_host,
 )
 from .layout import PlannedLayout
 from .options import Options
 from .shape import ModelShape, rank_params, rank_tensors, zero_flats
+from .work import SPLIT_KEYS, Work, head_work, layer_work
 
+_OPTIMIZER_BYTES = 28 + 8
 _CONTROL_BYTES = 16  # a few counters: the size of disttrain's per-step small collectives
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
     """One step's predicted seconds and its parts (``times``: compute, recompute,
-    tp_comm, pp_bubble, pp_p2p, dp_comm_exposed, step_sync, optimizer), and what a
-    trace replays: one micro-batch on pp rank r's j-th chunk (global chunk j * pp + r),
+    tp_comm, pp_bubble, pp_p2p, dp_comm_exposed, step_sync, optimizer; ``split``: the
+    same step by kind of work, :data:`SPLIT`, summing to it), and what a trace
+    replays: one micro-batch on pp rank r's j-th chunk (global chunk j * pp + r),
     compute and its tp communication, the backward including recomputation; p2p: one
     activation or gradient message between neighbouring stages."""
 
     step_time_s: float = 0.0
     times: dict[str, float] = field(default_factory=dict)
+    split: dict[str, float] = field(default_factory=dict)
     chunk_forward_s: tuple[tuple[float, ...], ...] = ()
     chunk_backward_s: tuple[tuple[float, ...], ...] = ()
     p2p_message_s: float = 0.0
+
+
+# the step by kind of work (StepTime.split); the dp_* keys: collectives of data
+# parallelism and ZeRO that the backward (or ZeRO-3's prefetch) does not hide
+SPLIT = (*SPLIT_KEYS, "tp_comm", "pp_p2p", "pp_bubble", "dp_all_reduce",
+         "dp_reduce_scatter", "dp_all_gather", "step_sync", "optimizer")
 
 
 def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Options,
@@ -63,13 +74,15 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     each global chunk; ``counts``: layers on each pp rank."""
     busy = node_ranks(cluster, lay.ranks)
     share = compute_share(cluster, busy)
+    async_ = cluster.async_dispatch
     m = lay.micro_batches(global_batch)
     tokens, a = lay.mbs * shape.seq, o.act_bytes
     act = tokens * shape.hidden * a
-    kernels, attn = layer_kernels(shape, cluster, lay.tp, lay.mbs, o.precision)
-    layer_fwd = share * with_host(cluster, kernels, cluster.layer_overhead_s / 3)
-    layer_bwd = share * with_host(cluster, 2 * kernels, cluster.layer_overhead_s * 2 / 3)
-    recompute = {"none": 0.0, "selective": share * attn, "full": layer_fwd}[lay.recompute]
+    fwd, bwd, attn = layer_work(shape, cluster, lay.tp, lay.mbs, o.precision, lay.sp)
+    rework = {"none": Work(), "selective": attn, "full": fwd}[lay.recompute]
+    layer_fwd = share * fwd.seconds(async_)
+    layer_bwd = share * bwd.seconds(async_)
+    recompute = share * rework.seconds(async_)
     one = collective_time(cluster, "all_reduce", act, lay.tp, busy)
     tp_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
     small = collective_time(cluster, "all_reduce", 4 * tokens, lay.tp, busy)
@@ -77,7 +90,8 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     end = share * cluster.microbatch_overhead_s / 2
     ends_fwd = (one + end / 3, 2 * small + end / 3)  # (first chunk, last chunk)
     ends_bwd = (end * 2 / 3, one + end * 2 / 3)
-    head = share * head_kernel_time(shape, cluster, lay.mbs, o.precision, lay.tp)
+    head_w = head_work(shape, cluster, lay.mbs, o.precision, lay.tp)
+    head = share * head_w.device
     chunk_forward_s, chunk_backward_s = chunk_times(
         lay, sizes, layer_fwd + 2 * one, layer_bwd + recompute + tp_layer - 2 * one, head,
         ends_fwd, ends_bwd)
@@ -93,19 +107,28 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     bubble = pipeline - m * slowest
     params = max(rank_params(shape, lay.tp, layers, st == 0, st == lay.pp - 1, lay.pp)
                  for st, layers in enumerate(counts))
-    dp_exposed = _dp_exposed(shape, cluster, o, lay, m, busy, params, counts,
-                             max(compute_rank))
+    top = max(range(lay.pp), key=lambda st: compute_rank[st])
+    passes = (layer_fwd * counts[top], (layer_bwd + recompute) * counts[top])
+    dp = _dp_exposed(shape, cluster, o, lay, m, busy, params, counts, passes)
     sync = _step_sync(shape, cluster, o, lay, busy)
     optimizer = share * _optimizer_time(shape, cluster, lay, params, counts)
-    compute_only = m * max(compute_rank)
+    compute_only = m * compute_rank[top]
     recomputed = m * recompute * max(counts)
+    dp_exposed = sum(dp.values())
     times = {"compute": compute_only - recomputed, "recompute": recomputed,
              "tp_comm": m * (slowest - p2p) - compute_only if lay.tp > 1 else 0.0,
              "pp_bubble": bubble, "pp_p2p": m * p2p, "dp_comm_exposed": dp_exposed,
              "step_sync": sync, "optimizer": optimizer}
+    work = ((fwd + bwd + rework).scaled(counts[top])
+            + (head_w if top == lay.pp - 1 else Work()))
+    split = {k: m * share * v for k, v in work.split(async_).items()}
+    split["overhead"] += compute_only - sum(split.values())  # the ends' framework time
+    split |= {"tp_comm": max(0.0, m * (slowest - p2p) - compute_only), "pp_p2p": m * p2p,
+              "pp_bubble": bubble, **{f"dp_{k}": v for k, v in dp.items()},
+              "step_sync": sync, "optimizer": optimizer}
     return StepTime(step_time_s=pipeline + dp_exposed + sync + optimizer, times=times,
-                    chunk_forward_s=chunk_forward_s, chunk_backward_s=chunk_backward_s,
-                    p2p_message_s=p2p_message_s)
+                    split=split, chunk_forward_s=chunk_forward_s,
+                    chunk_backward_s=chunk_backward_s, p2p_message_s=p2p_message_s)
 
 
 def chunk_times(lay: PlannedLayout, sizes: tuple[int, ...], layer_fwd: float,
@@ -146,32 +169,55 @@ def p2p_message_time(cluster: Cluster, lay: PlannedLayout, nbytes: float) -> flo
 
 
 def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
-                m: int, busy: int, params: float, counts: list[int], compute: float) -> float:
-    """The data-parallel communication of one step that the backward does not hide;
-    ``compute``: the slowest pp rank's compute per micro-batch."""
+                m: int, busy: int, params: float, counts: list[int],
+                passes: tuple[float, float]) -> dict[str, float]:
+    """The data-parallel communication of one step that compute does not hide, per
+    collective (all_reduce, reduce_scatter, all_gather); ``passes``: the slowest pp
+    rank's layers' (forward, backward with recomputation) per micro-batch."""
+    none = dict.fromkeys(("all_reduce", "reduce_scatter", "all_gather"), 0.0)
     if lay.dp == 1:
-        return 0.0
+        return none
     span = lay.dp * lay.tp
     grads = params * o.grad_bytes
     hides = overlaps_compute(cluster, busy)
-    backward, forward = (compute * 2 / 3, compute / 3) if hides else (0.0, 0.0)
+    forward, backward = passes if hides else (0.0, 0.0)
     if lay.zero == 0:
         buckets = max(1, math.ceil(grads / (o.bucket_mb * 2**20)))
         total = collective_time(cluster, "all_reduce", grads, lay.dp, busy, calls=buckets,
                                 span=span)
-        return _hidden_behind(total, backward, buckets)
+        return none | {"all_reduce": _hidden_behind(total, backward, buckets)}
     flats = max(zero_flats(layers, st == 0, st == lay.pp - 1)
                 for st, layers in enumerate(counts))
     reduce = collective_time(cluster, "reduce_scatter", grads, lay.dp, busy,
                              calls=flats, span=span)
     gather = collective_time(cluster, "all_gather", params * o.grad_bytes, lay.dp, busy,
                              calls=flats, span=span)
-    rounds = m if lay.zero >= 2 else 1  # stage 1 reduces in the last backward only
-    exposed = rounds * _hidden_behind(reduce, backward, flats)
-    if lay.zero < 3:  # the updated shards, gathered after the step
-        return exposed + gather
-    # stage 3: each forward and backward gathers, prefetching a unit ahead
-    return exposed + 2 * m * _hidden_behind(gather, forward, flats)
+    if lay.zero < 3:  # stage 1 reduces in the last backward only; the shards after
+        rounds = m if lay.zero == 2 else 1
+        return none | {"reduce_scatter": rounds * _hidden_behind(reduce, backward, flats),
+                       "all_gather": gather}
+    gathered, reduced = _prefetched(gather, reduce, forward, backward, max(1, flats // 2))
+    return none | {"all_gather": m * gathered, "reduce_scatter": m * reduced}
+
+
+def _prefetched(gather: float, reduce: float, forward: float, backward: float,
+                units: int) -> tuple[float, float]:
+    """ZeRO-3 as FSDP runs it, per micro-batch: (all-gather, reduce-scatter) seconds
+    exposed. Each of ``units`` units (a block's two flat buffers, or the rest of the
+    stage) is gathered before its forward and again before its backward, the next
+    unit's gather prefetched while this one computes; each backward reduce-scatters
+    its unit's gradients, behind the next unit's backward. So the first gather of each
+    pass is exposed, then a unit's collectives beyond its compute, then the last
+    reduce-scatter. The unit's share of ``gather`` / ``reduce`` (every unit's
+    collectives) and of ``forward`` / ``backward`` (compute) is an even one."""
+    g, r = gather / units, reduce / units
+    f, b = forward / units, backward / units
+    over_f = max(0.0, g - f)
+    over_b = max(0.0, g + r - b)
+    share = g / (g + r) if g + r > 0 else 0.5
+    gathered = 2 * g + (units - 1) * (over_f + share * over_b)
+    reduced = r + (units - 1) * (1 - share) * over_b
+    return gathered, reduced
 
 
 def _hidden_behind(total: float, window: float, calls: int) -> float:
@@ -197,10 +243,13 @@ def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayo
 
 def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: PlannedLayout, params: float,
                     counts: list[int]) -> float:
-    """The optimizer step on one rank's shard: AdamW reads and writes 28 bytes per
-    parameter, a few kernels, and framework time per parameter tensor."""
+    """The optimizer step on one rank's shard, memory-bound: AdamW reads the
+    gradient and reads and writes the parameter and both moments (28 bytes per fp32
+    parameter); clipping reads the gradient for its norm and zeroing writes it (8
+    more); a few kernels, and framework time per parameter tensor."""
     shard = params / (lay.dp if lay.zero >= 1 else 1)
-    seconds = shard * 28 / (cluster.memory_gbps * 1e9) + cluster.kernel_overhead_s * 4
+    seconds = elementwise_time(cluster, shard * _OPTIMIZER_BYTES, 4)
+    seconds += cluster.kernel_overhead_s * 4
     if cluster.tensor_overhead_s:
         tensors = max(rank_tensors(shape, layers, st == 0, st == lay.pp - 1, lay.pp,
                                    lay.zero) for st, layers in enumerate(counts))

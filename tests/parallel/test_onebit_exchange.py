@@ -22,8 +22,10 @@ from disttrain.testing import run_distributed
 
 pytestmark = pytest.mark.slow  # spawns a world
 
-# odd sizes: runs with a tail, ranks that serve nothing of a tensor, a single element
-NUMELS = [1, 10, 37, 64, 129, 1000, 4096, 203]
+# odd sizes: runs with a tail, ranks that serve nothing of a tensor, a single element;
+# the second bucket has no padding at all (its blocks are its flat concatenation)
+NUMELS = [1, 10, 37, 64, 4096, 129, 1000, 203]
+CUTS = [(0, 3), (3, 5), (5, len(NUMELS))]
 ROUNDS = 3
 
 
@@ -118,11 +120,12 @@ def _compare(zero: bool) -> dict:
     ref_s = [torch.zeros(_layout(n, size, s)[1]) for n, s in zip(NUMELS, strides,
                                                                  strict=True)]
     ex = MomentumExchange(comm)
-    cuts = [(0, 3), (3, 6), (6, len(NUMELS))]
+    cuts = CUTS
     layouts = [ex.layout(NUMELS[a:b], strides[a:b]) for a, b in cuts]
     carries = [torch.zeros(lay.numel) for lay in layouts]
     servers = [torch.zeros(lay.columns) for lay in layouts]
-    report = {"rounds": 0, "unequal": [], "wire": []}
+    report = {"rounds": 0, "unequal": [], "wire": [],
+              "unpadded": [lay.unpadded for lay in layouts]}
     for _ in range(ROUNDS):
         xs = [torch.randn(n, generator=gen) * (1 + i) for i, n in enumerate(NUMELS)]
         expected, wire = per_tensor_average(comm, [x.clone() for x in xs], ref_w, ref_s,
@@ -166,7 +169,7 @@ def reports():
 def test_bucketed_rounds_equal_the_per_tensor_rounds_bitwise(reports, zero):
     for rank in reports:
         report = rank[zero]
-        assert report["rounds"] == ROUNDS
+        assert report["rounds"] == ROUNDS and report["unpadded"] == [False, True, False]
         assert report["unequal"] == []
 
 
@@ -178,10 +181,23 @@ def test_bucketed_rounds_send_the_same_wire_bytes(reports, zero):
 
 
 # ------------------------------------------------------------------ one process
-def test_rows_and_flat_are_inverse_and_pad_with_zeros():
-    lay = BucketLayout(NUMELS, 4, 1)
+@pytest.mark.parametrize("strides", [None, [-(-n // 4) for n in NUMELS]],
+                         ids=["even-runs", "zero1-runs"])
+def test_blocks_and_flat_are_inverse_and_pad_with_zeros(strides):
+    lay = BucketLayout(NUMELS, 4, 1, strides)
     flat = torch.arange(1, lay.numel + 1, dtype=torch.float32)
-    rows = lay.rows(flat)
-    assert rows.shape == (4, lay.columns) and lay.columns % 8 == 0
-    assert int((rows != 0).sum()) == lay.numel  # every element once, the rest zeros
-    assert torch.equal(lay.flat_into(rows, torch.empty(lay.numel)), flat)
+    blocks = lay.blocks(flat)
+    assert blocks.shape == (lay.padded,) and lay.columns % 8 == 0
+    assert int((blocks != 0).sum()) == lay.numel  # every element once, the rest zeros
+    for i, n in enumerate(NUMELS):  # tensor i's run j is row j of its block
+        stride, start = lay.layouts[i].stride, lay.starts[i]
+        for j in range(4):
+            run = flat[start + min(n, j * stride):start + min(n, (j + 1) * stride)]
+            assert torch.equal(lay.block(blocks, i)[j, :run.numel()], run)
+    assert torch.equal(lay.flat(blocks), flat)
+
+
+def test_a_bucket_without_padding_is_its_own_blocks():
+    lay = BucketLayout([64, 32 * 7, 4096], 4, 2)
+    flat = torch.randn(lay.numel)
+    assert lay.unpadded and lay.blocks(flat) is flat and lay.flat(flat) is flat

@@ -183,23 +183,26 @@ class OnebitAdam(torch.optim.Optimizer):
         ZeRO-1 to its whole copy of the shard's buffer (a few multi-tensor operations
         per group)."""
         for group in self.param_groups:
-            beta1 = group["betas"][0]
+            params = group["params"]
+            steps = [self._state(p)["step"] for p in params]
+            if not steps:
+                continue
+            torch._foreach_add_(steps, 1)
             wholes: list[torch.Tensor] = []
             moves: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            for p in group["params"]:
-                state = self._state(p)
-                state["step"] += 1
+            for p, step in zip(params, steps, strict=True):
                 flat = self.flats.get(p)
                 wholes.append(p if flat is None else flat.full)
                 moved = p if flat is None else flat.full[:flat.numel]
-                targets, steps = moves.setdefault(1 - beta1 ** int(state["step"]), ([], []))
+                bc1 = 1 - group["betas"][0] ** int(step)
+                targets, us = moves.setdefault(bc1, ([], []))
                 targets.append(moved)
-                steps.append(directions[p].view_as(moved))
+                us.append(directions[p].view_as(moved))
             decay = 1 - group["lr"] * group["weight_decay"]
-            if wholes and decay != 1.0:
+            if decay != 1.0:
                 torch._foreach_mul_(wholes, decay)
-            for bc1, (targets, steps) in moves.items():
-                torch._foreach_add_(targets, steps, alpha=-group["lr"] / bc1)
+            for bc1, (targets, us) in moves.items():
+                torch._foreach_add_(targets, us, alpha=-group["lr"] / bc1)
 
     def _exchange(self) -> dict[torch.Tensor, torch.Tensor]:
         """One compressed round (module docstring), bucket by bucket: each parameter's
@@ -220,6 +223,7 @@ class OnebitAdam(torch.optim.Optimizer):
             u = self.exchange.finish(pending, b.server)
             b.carry.add_(u, alpha=b.beta1)  # b1 u goes into the next round
             m_all = u * d
+            replicas, copies = [], []
             for i, p in enumerate(b.params):
                 lo, n = b.layout.starts[i], b.layout.layouts[i].numel
                 m = self.state[p]["exp_avg"]
@@ -227,8 +231,11 @@ class OnebitAdam(torch.optim.Optimizer):
                     a, z = b.layout.served(i)
                     m[:z - a].copy_(m_all[lo + a:lo + z])
                 else:
-                    m.copy_(m_all[lo:lo + n].view(p.shape))
+                    replicas.append(m)
+                    copies.append(m_all[lo:lo + n].view(p.shape))
                 out[p] = u[lo:lo + n]
+            if replicas:
+                torch._foreach_copy_(replicas, copies)
         return out
 
     def _make_buckets(self) -> list[_Bucket]:

@@ -39,8 +39,6 @@ import torch
 from ...comm.collectives import Communicator, TrackedWork, wire_bytes
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
-# byte -> the signs of its eight bits (bit i: element i; 1 is +1, 0 is -1)
-_BYTE_SIGNS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float() * 2 - 1
 
 
 @dataclass(frozen=True)
@@ -179,12 +177,16 @@ class BucketLayout:
         """Sums over each tensor's chunks of ``blocks`` [padded]: [P, parts]."""
         return torch.stack([self.block(blocks, i).sum(1) for i in range(len(self))])
 
-    def scale_blocks(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Multiply each chunk of ``blocks`` [padded] by its scale (``scales`` [P,
-        parts]), in place."""
+    def signed_blocks(self, bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Each chunk's scale times its signs: ``bits`` [padded] (bool or 0 / 1; 1 is
+        +), ``scales`` [P, parts] -> fp32 [padded], ``2 s b - s`` (exactly +-s)."""
+        out = torch.empty(self.padded, device=scales.device)
+        if bits.dtype == torch.bool:  # the same bytes, on a faster path
+            bits = bits.view(torch.uint8)
         for i in range(len(self)):
-            self.block(blocks, i).mul_(scales[i].unsqueeze(1))
-        return blocks
+            s = scales[i].unsqueeze(1)
+            torch.mul(self.block(bits, i), s * 2, out=self.block(out, i)).sub_(s)
+        return out
 
     def to_wire(self, packed: torch.Tensor) -> list[torch.Tensor]:
         """Packed signs of blocks [padded / 8] -> each tensor's [parts, chunk_i / 8]
@@ -204,12 +206,15 @@ class BucketLayout:
         return torch.stack([row[o:o + lay.chunk].sum()
                             for o, lay in zip(self.offsets, self.layouts, strict=True)])
 
-    def scale_row(self, row: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Multiply each tensor's chunk of one wire row ``row`` [columns] by its scale
-        (``scales`` [P]), in place."""
+    def signed_row(self, bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """:meth:`signed_blocks` for one wire row: ``bits`` [columns], ``scales`` [P]."""
+        out = torch.empty(self.columns, device=scales.device)
+        if bits.dtype == torch.bool:
+            bits = bits.view(torch.uint8)
         for i, (o, lay) in enumerate(zip(self.offsets, self.layouts, strict=True)):
-            row[o:o + lay.chunk].mul_(scales[i])
-        return row
+            s = scales[i]
+            torch.mul(bits[o:o + lay.chunk], s * 2, out=out[o:o + lay.chunk]).sub_(s)
+        return out
 
 
 def _pack(nonneg: torch.Tensor) -> torch.Tensor:
@@ -223,15 +228,11 @@ def _pack(nonneg: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_pack`, as signs: uint8 [b] -> fp32 [8 b] of +1 / -1 (each
-    byte looked up in a table of its eight signs: one pass over the output)."""
-    return _BYTE_SIGNS.to(packed.device).index_select(0, packed.long()).view(-1)
-
-
-def _plus_minus(nonneg: torch.Tensor) -> torch.Tensor:
-    """+1 where ``nonneg`` (bool or 0 / 1), else -1, in fp32: the sign of 0 is +. (Times
-    a scale this is exact, and on a CPU several times faster than ``torch.where``.)"""
-    return nonneg.to(torch.float32).mul_(2).sub_(1)
+    """The inverse of :func:`_pack`: uint8 [b] -> uint8 [8 b] of 0 / 1 (on the CPU
+    through numpy's unpackbits)."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little"))
+    return ((packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 1).view(-1)
 
 
 @dataclass
@@ -294,10 +295,14 @@ class MomentumExchange:
         y = layout.blocks(x.add_(worker_error))
         scales = layout.chunk_sums(y.abs()).div_(layout.real.to(y.device))  # [P, parts]
         nonneg = y >= 0
-        y.sub_(layout.scale_blocks(_plus_minus(nonneg), scales))
-        layout.flat_into(y, worker_error)
-        send = torch.cat([scales.t().contiguous().view(torch.uint8),
-                          *layout.to_wire(_pack(nonneg))], dim=1)
+        packed = _pack(nonneg)
+        decoded = layout.signed_blocks(nonneg, scales)
+        if layout.unpadded:  # y is x: the residual straight into worker_error
+            torch.sub(y, decoded, out=worker_error)
+        else:
+            layout.flat_into(y.sub_(decoded), worker_error)
+        send = torch.cat([scales.t().contiguous().view(torch.uint8), *layout.to_wire(packed)],
+                         dim=1)
         recv = torch.empty_like(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), async_op=True)
         return PendingBucket(layout, recv, work, send.numel())
@@ -310,21 +315,22 @@ class MomentumExchange:
         p = len(lay)
         pending.work.wait()
         got = pending.recv[:, :4 * p].contiguous().view(torch.float32)  # [size, P]
-        mine = lay.scale_blocks(_unpack(lay.from_wire(pending.recv[:, 4 * p:])), got.t())
+        mine = lay.signed_blocks(_unpack(lay.from_wire(pending.recv[:, 4 * p:])), got.t())
         a = torch.cat([lay.block(mine, i).mean(0) for i in range(p)]).add_(server_error)
         for lo, hi in lay.padding:
             a[lo:hi] = 0
         t = lay.row_sums(a.abs()).div_(lay.real[:, lay.rank].to(a.device))  # [P]
         nonneg = a >= 0
-        server_error.copy_(a.sub_(lay.scale_row(_plus_minus(nonneg), t)))
+        packed = _pack(nonneg)
+        torch.sub(a, lay.signed_row(nonneg, t), out=server_error)
         for lo, hi in lay.padding:
             server_error[lo:hi] = 0
-        payload = torch.cat([t.view(torch.uint8), _pack(nonneg)])
+        payload = torch.cat([t.view(torch.uint8), packed])
         gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=a.device)
         self.comm.all_gather_into(gathered, payload)
         rows = gathered.view(size, -1)
         every = rows[:, :4 * p].contiguous().view(torch.float32)  # [size, P]
-        out = lay.flat(lay.scale_blocks(_unpack(lay.from_wire(rows[:, 4 * p:])), every.t()))
+        out = lay.flat(lay.signed_blocks(_unpack(lay.from_wire(rows[:, 4 * p:])), every.t()))
         dense = lay.numel * 4
         self.stats = self.stats.add(ExchangeStats(
             payload=pending.sent + payload.numel(), dense_payload=dense,

@@ -93,9 +93,9 @@ class BucketLayout:
             self.offsets.append(column)
             start, base, column = start + lay.numel, base + parts * lay.chunk, column + lay.chunk
         self.numel, self.padded, self.columns = start, base, column
-        real = torch.tensor([[lay.real(j) for j in range(parts)] for lay in self.layouts],
+        real = torch.tensor([[lay.real(j) for lay in self.layouts] for j in range(parts)],
                             dtype=torch.float32)
-        self.real = real.clamp(min=1)  # [P, parts]: what each chunk's scale divides by
+        self.real = real.clamp(min=1)  # [parts, P]: what each chunk's scale divides by
         self.unpadded = self.padded == self.numel  # blocks and flat coincide
         # the padding of row ``rank`` (what this rank serves), as column ranges
         self.padding = [(o + lay.real(rank), o + lay.chunk)
@@ -174,17 +174,17 @@ class BucketLayout:
             in_block.copy_(flat[s:s + tail])
 
     def chunk_sums(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Sums over each tensor's chunks of ``blocks`` [padded]: [P, parts]."""
-        return torch.stack([self.block(blocks, i).sum(1) for i in range(len(self))])
+        """Sums over each tensor's chunks of ``blocks`` [padded]: [parts, P]."""
+        return torch.stack([self.block(blocks, i).sum(1) for i in range(len(self))], dim=1)
 
     def signed_blocks(self, bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Each chunk's scale times its signs: ``bits`` [padded] (bool or 0 / 1; 1 is
-        +), ``scales`` [P, parts] -> fp32 [padded], ``2 s b - s`` (exactly +-s)."""
+        +), ``scales`` [parts, P] -> fp32 [padded], ``2 s b - s`` (exactly +-s)."""
         out = torch.empty(self.padded, device=scales.device)
         if bits.dtype == torch.bool:  # the same bytes, on a faster path
             bits = bits.view(torch.uint8)
         for i in range(len(self)):
-            s = scales[i].unsqueeze(1)
+            s = scales[:, i:i + 1]
             torch.mul(self.block(bits, i), s * 2, out=self.block(out, i)).sub_(s)
         return out
 
@@ -293,7 +293,7 @@ class MomentumExchange:
         consumed), compressed per tensor and chunk, ``worker_error`` [numel] set to
         what was not sent, and the all-to-all started."""
         y = layout.blocks(x.add_(worker_error))
-        scales = layout.chunk_sums(y.abs()).div_(layout.real.to(y.device))  # [P, parts]
+        scales = layout.chunk_sums(y.abs()).div_(layout.real.to(y.device))  # [parts, P]
         nonneg = y >= 0
         packed = _pack(nonneg)
         decoded = layout.signed_blocks(nonneg, scales)
@@ -301,8 +301,7 @@ class MomentumExchange:
             torch.sub(y, decoded, out=worker_error)
         else:
             layout.flat_into(y.sub_(decoded), worker_error)
-        send = torch.cat([scales.t().contiguous().view(torch.uint8), *layout.to_wire(packed)],
-                         dim=1)
+        send = torch.cat([scales.view(torch.uint8), *layout.to_wire(packed)], dim=1)
         recv = torch.empty_like(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), async_op=True)
         return PendingBucket(layout, recv, work, send.numel())
@@ -315,11 +314,11 @@ class MomentumExchange:
         p = len(lay)
         pending.work.wait()
         got = pending.recv[:, :4 * p].contiguous().view(torch.float32)  # [size, P]
-        mine = lay.signed_blocks(_unpack(lay.from_wire(pending.recv[:, 4 * p:])), got.t())
+        mine = lay.signed_blocks(_unpack(lay.from_wire(pending.recv[:, 4 * p:])), got)
         a = torch.cat([lay.block(mine, i).mean(0) for i in range(p)]).add_(server_error)
         for lo, hi in lay.padding:
             a[lo:hi] = 0
-        t = lay.row_sums(a.abs()).div_(lay.real[:, lay.rank].to(a.device))  # [P]
+        t = lay.row_sums(a.abs()).div_(lay.real[lay.rank].to(a.device))  # [P]
         nonneg = a >= 0
         packed = _pack(nonneg)
         torch.sub(a, lay.signed_row(nonneg, t), out=server_error)
@@ -330,7 +329,7 @@ class MomentumExchange:
         self.comm.all_gather_into(gathered, payload)
         rows = gathered.view(size, -1)
         every = rows[:, :4 * p].contiguous().view(torch.float32)  # [size, P]
-        out = lay.flat(lay.signed_blocks(_unpack(lay.from_wire(rows[:, 4 * p:])), every.t()))
+        out = lay.flat(lay.signed_blocks(_unpack(lay.from_wire(rows[:, 4 * p:])), every))
         dense = lay.numel * 4
         self.stats = self.stats.add(ExchangeStats(
             payload=pending.sent + payload.numel(), dense_payload=dense,

@@ -206,7 +206,8 @@ def test_a_bucket_without_padding_is_its_own_blocks():
 # ------------------------------------------------------------------ the optimizer
 def _optimizer_runs() -> dict:
     """The same compressed steps (gradients different on every rank) through one
-    bucket and through buckets of at most 1 KiB (three: each matrix alone, the vectors together): the parameters and residuals after."""
+    bucket and through buckets of at most 1 KiB (three: each matrix alone, the vectors
+    together): the parameters and residuals after."""
     from disttrain.parallel.onebit import OnebitAdam
 
     comm = Communicator(None, CollectiveLedger())

@@ -13,7 +13,9 @@ only delays it. The phases, counted in optimizer steps taken:
   gradient stays local (:class:`~.grads.OnebitGrads` skips the all-reduce; ``.grad``
   holds this rank's estimate of the global gradient, dp x its share), and the momentum
   is averaged by the :class:`~.exchange.MomentumExchange` (compress, all-to-all,
-  average, compress again, all-gather; error feedback on both sides).
+  average, compress again, all-gather; error feedback on both sides), bucket by bucket
+  (``bucket_bytes`` of fp32 each, in group order; a bucket's residuals are flat buffers
+  the per-parameter entries view).
 
 Everything after the freeze is in units of the frozen step size ``d = sqrt(v_hat) +
 eps`` (the same on every rank): the momentum is kept as ``u = m / d``, the update

@@ -13,7 +13,9 @@ only delays it. The phases, counted in optimizer steps taken:
   gradient stays local (:class:`~.grads.OnebitGrads` skips the all-reduce; ``.grad``
   holds this rank's estimate of the global gradient, dp x its share), and the momentum
   is averaged by the :class:`~.exchange.MomentumExchange` (compress, all-to-all,
-  average, compress again, all-gather; error feedback on both sides).
+  average, compress again, all-gather; error feedback on both sides), bucket by bucket
+  (``bucket_bytes`` of fp32 each, in group order; a bucket's residuals are flat buffers
+  the per-parameter entries view).
 
 Everything after the freeze is in units of the frozen step size ``d = sqrt(v_hat) +
 eps`` (the same on every rank): the momentum is kept as ``u = m / d``, the update
@@ -60,7 +62,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ...comm.collectives import Communicator
-from .exchange import MomentumExchange
+from .exchange import BucketLayout, MomentumExchange
 
 WORKER_ERROR, SERVER_ERROR = "worker_error", "server_error"
 
@@ -73,6 +75,23 @@ class FlatShard:
     full: torch.Tensor  # [padded] the whole buffer, held by every dp rank
     grad: torch.Tensor  # [padded] this rank's whole local gradient
     numel: int  # real elements (the rest of ``full`` is padding)
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose momentum travels together (one set of betas and eps), in group
+    order; their layout in the exchange, and their residuals, which the per-parameter
+    entries of ``worker_error`` / ``server_error`` (``optimizer.state`` under ZeRO-1)
+    view: ``carry`` [layout.numel] as the parameters concatenate, ``server``
+    [layout.columns] this rank's row of each one's chunk."""
+
+    params: list[torch.Tensor]
+    beta1: float
+    beta2: float
+    eps: float
+    layout: BucketLayout
+    carry: torch.Tensor
+    server: torch.Tensor
 
 
 def freeze_step_for(freeze_step: int, steps: int) -> int:
@@ -90,18 +109,19 @@ class OnebitAdam(torch.optim.Optimizer):
 
     def __init__(self, params: ParamsT, comm: Communicator, *, freeze_step: int, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, bucket_bytes: int = 25 * 2**20) -> None:
         if freeze_step < 1:
             raise ValueError(f"freeze_step must be >= 1, got {freeze_step}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
-        self.comm, self.freeze_step = comm, freeze_step
+        self.comm, self.freeze_step, self.bucket_bytes = comm, freeze_step, bucket_bytes
         self.exchange = MomentumExchange(comm)
         self.worker_error: dict[torch.Tensor, torch.Tensor] = {}
         self.server_error: dict[torch.Tensor, torch.Tensor] = {}
         self.flats: dict[torch.Tensor, FlatShard] = {}  # ZeRO-1: shard -> its buffer
         # ZeRO-1: shard -> (the exp_avg_sq it was built from, the whole frozen d)
         self._denoms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buckets: list[_Bucket] = []  # cut at the first compressed step
 
     def shard_over(self, flats: dict[torch.Tensor, FlatShard]) -> None:
         """ZeRO-1: every parameter is a shard of one of ``flats`` (see the module
@@ -141,91 +161,178 @@ class OnebitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None if closure is None else closure()
-        compress = self.compressing
-        directions = self._exchange() if compress else {}
+        if self.compressing:
+            self._apply(self._exchange())
+            return loss
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if not compress and p.grad is None:
+                if p.grad is None:
                     continue
                 state = self._state(p)
                 state["step"] += 1
                 t = int(state["step"])
-                bc1 = 1 - beta1 ** t
-                if compress:  # every rank applies the same decoded direction to the
-                    # parameter, or under ZeRO-1 to its whole copy of the shard's buffer
-                    flat = self.flats.get(p)
-                    whole = p if flat is None else flat.full
-                    whole.mul_(1 - group["lr"] * group["weight_decay"])
-                    moved = p if flat is None else flat.full[:flat.numel]
-                    moved.add_(directions[p].view_as(moved), alpha=-group["lr"] / bc1)
-                    continue
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
-                p.addcdiv_(m, denom, value=-group["lr"] / bc1)
+                p.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** t))
         return loss
 
-    def _exchange(self) -> dict[torch.Tensor, torch.Tensor]:
-        """One compressed round (module docstring): each parameter's decoded direction
-        ``u`` [n] (a ZeRO-1 shard's: over its whole buffer); the worker carries, server
-        residuals and ``exp_avg`` (= u d) updated."""
-        params, xs, denoms, strides, carries, betas = [], [], [], [], [], []
+    def _apply(self, directions: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Every rank applies the same decoded ``directions`` to each parameter, or under
+        ZeRO-1 to its whole copy of the shard's buffer (a few multi-tensor operations
+        per group)."""
         for group in self.param_groups:
-            beta1 = group["betas"][0]
-            for p in group["params"]:
+            params = group["params"]
+            steps = [self._state(p)["step"] for p in params]
+            if not steps:
+                continue
+            torch._foreach_add_(steps, 1)
+            wholes: list[torch.Tensor] = []
+            moves: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for p, step in zip(params, steps, strict=True):
                 flat = self.flats.get(p)
-                d = self._denominator(p, group)
-                if flat is not None:
-                    g = flat.grad[:flat.numel]
+                wholes.append(p if flat is None else flat.full)
+                moved = p if flat is None else flat.full[:flat.numel]
+                bc1 = 1 - group["betas"][0] ** int(step)
+                targets, us = moves.setdefault(bc1, ([], []))
+                targets.append(moved)
+                us.append(directions[p].view_as(moved))
+            decay = 1 - group["lr"] * group["weight_decay"]
+            if decay != 1.0:
+                torch._foreach_mul_(wholes, decay)
+            for bc1, (targets, us) in moves.items():
+                torch._foreach_add_(targets, us, alpha=-group["lr"] / bc1)
+
+    def _exchange(self) -> dict[torch.Tensor, torch.Tensor]:
+        """One compressed round (module docstring), bucket by bucket: each parameter's
+        decoded direction ``u`` [n] (a ZeRO-1 shard's: over its whole buffer); the
+        worker carries, server residuals and ``exp_avg`` (= u d) updated. Every
+        bucket's all-to-all is started before the first one is finished."""
+        self.exchange.new_round()
+        if not self._buckets:
+            self._buckets = self._make_buckets()
+        started = []
+        for b in self._buckets:
+            d = self._bucket_denominator(b)
+            self._adopt_residuals(b, d)
+            started.append((d, self.exchange.start(b.layout, self._bucket_input(b, d),
+                                                   b.carry)))
+        out: dict[torch.Tensor, torch.Tensor] = {}
+        for b, (d, pending) in zip(self._buckets, started, strict=True):
+            u = self.exchange.finish(pending, b.server)
+            b.carry.add_(u, alpha=b.beta1)  # b1 u goes into the next round
+            m_all = u * d
+            replicas, copies = [], []
+            for i, p in enumerate(b.params):
+                lo, n = b.layout.starts[i], b.layout.layouts[i].numel
+                m = self.state[p]["exp_avg"]
+                if p in self.flats:  # this rank's shard of m = u d
+                    a, z = b.layout.served(i)
+                    m[:z - a].copy_(m_all[lo + a:lo + z])
                 else:
-                    g = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(d)
-                params.append(p)
-                denoms.append(d)
-                strides.append(p.numel() if flat is not None else None)
-                xs.append(g.to(d.dtype).mul(1 - beta1).div_(d))
-                carries.append(self._carry(p, d, beta1))
-                betas.append(beta1)
-        servers = [self._server(p) for p in params]
-        directions = self.exchange.average(xs, carries, servers, strides=strides)
-        out = {}
-        for p, u, d, carry, beta1 in zip(params, directions, denoms, carries, betas, strict=True):
-            carry.add_(u, alpha=beta1)  # b1 u goes into the next round
-            m = self.state[p]["exp_avg"]
-            if p in self.flats:  # this rank's shard of m = u d
-                lo, hi = self.exchange.chunk(self.flats[p].numel, p.numel())
-                m[:hi - lo].copy_(u[lo:hi] * d[lo:hi])
-            else:
-                m.copy_((u * d).view(p.shape))
-            out[p] = u
+                    replicas.append(m)
+                    copies.append(m_all[lo:lo + n].view(p.shape))
+                out[p] = u[lo:lo + n]
+            if replicas:
+                torch._foreach_copy_(replicas, copies)
         return out
 
-    def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """The frozen step size ``sqrt(v_hat) + eps`` of ``p``, flat [n]; under ZeRO-1
-        over the shard's whole buffer [n], all-gathered from the shards once (again
-        after a checkpoint replaced the variance)."""
+    def _make_buckets(self) -> list[_Bucket]:
+        """The parameters in group order, cut into buckets of at most ``bucket_bytes``
+        of fp32 (a bigger parameter gets its own), never mixing betas or eps."""
+        cuts: list[tuple[tuple, list[torch.Tensor], list[int]]] = []
+        size = 0
+        for group in self.param_groups:
+            key = (*group["betas"], group["eps"])
+            for p in group["params"]:
+                n = self.flats[p].numel if p in self.flats else p.numel()
+                if not cuts or cuts[-1][0] != key or size + 4 * n > self.bucket_bytes:
+                    cuts.append((key, [], []))
+                    size = 0
+                cuts[-1][1].append(p)
+                cuts[-1][2].append(n)
+                size += 4 * n
+        buckets = []
+        for (beta1, beta2, eps), params, numels in cuts:
+            strides = [p.numel() if p in self.flats else None for p in params]
+            layout = self.exchange.layout(numels, strides)
+            device = params[0].device
+            buckets.append(_Bucket(params, beta1, beta2, eps, layout,
+                                   torch.zeros(layout.numel, device=device),
+                                   torch.zeros(layout.columns, device=device)))
+        return buckets
+
+    def _bucket_denominator(self, b: _Bucket) -> torch.Tensor:
+        """The frozen step sizes ``sqrt(v_hat) + eps`` of the bucket's parameters
+        concatenated [numel] (ZeRO-1: over each shard's whole buffer)."""
+        if b.params[0] in self.flats:
+            return torch.cat([self._denominator(p, b.eps, b.beta2) for p in b.params])
+        v = torch.cat([self.state[p]["exp_avg_sq"].reshape(-1) for p in b.params])
+        bc2_sqrt = math.sqrt(1 - b.beta2 ** self.freeze_step)
+        return v.sqrt_().div_(bc2_sqrt).add_(b.eps)
+
+    def _bucket_input(self, b: _Bucket, d: torch.Tensor) -> torch.Tensor:
+        """``(1 - b1) g / d`` of the bucket's parameters, concatenated [numel] (a
+        parameter without a gradient contributes zeros)."""
+        grads = []
+        for p in b.params:
+            flat = self.flats.get(p)
+            if flat is not None:
+                grads.append(flat.grad[:flat.numel])
+            elif p.grad is not None:
+                grads.append(p.grad.reshape(-1))
+            else:
+                grads.append(torch.zeros(p.numel(), device=d.device))
+        return torch.cat(grads).to(d.dtype).mul_(1 - b.beta1).div_(d)
+
+    def _adopt_residuals(self, b: _Bucket, d: torch.Tensor) -> None:
+        """Make each parameter's worker carry and server residual the bucket's views,
+        copying in what a checkpoint loaded since (or the carry the freeze creates)."""
+        for i, p in enumerate(b.params):
+            lo, n = b.layout.starts[i], b.layout.layouts[i].numel
+            view = b.carry[lo:lo + n]
+            carry = self.worker_error.get(p)
+            if carry is None:
+                carry = self._carry(p, d[lo:lo + n], b.beta1)
+            if carry.data_ptr() != view.data_ptr():
+                view.copy_(carry.reshape(-1))
+                self.worker_error[p] = view
+            col = b.layout.offsets[i]
+            if p in self.flats:  # beside exp_avg in optimizer.state, shard-shaped
+                state = self.state[p]
+                server = b.server[col:col + p.numel()].view(p.shape)
+                held = state.get(SERVER_ERROR)
+                if held is None or held.data_ptr() != server.data_ptr():
+                    server.copy_(held) if held is not None else server.zero_()
+                    state[SERVER_ERROR] = server
+            else:
+                server = b.server[col:col + b.layout.layouts[i].chunk]
+                held = self._server(p)
+                if held.data_ptr() != server.data_ptr():
+                    server.copy_(held)
+                    self.server_error[p] = server
+
+    def _denominator(self, p: torch.Tensor, eps: float, beta2: float) -> torch.Tensor:
+        """ZeRO-1: the frozen step size ``sqrt(v_hat) + eps`` over the shard's whole
+        buffer [n], all-gathered from the shards once (again after a checkpoint replaced
+        the variance)."""
         v = self.state[p]["exp_avg_sq"]
-        bc2_sqrt = math.sqrt(1 - group["betas"][1] ** self.freeze_step)
-        flat = self.flats.get(p)
-        if flat is None:
-            return (v.sqrt() / bc2_sqrt).add_(group["eps"]).reshape(-1)
+        flat = self.flats[p]
         cached = self._denoms.get(p)
         if cached is None or cached[0] is not v:
-            d = (v.sqrt() / bc2_sqrt).add_(group["eps"])
+            d = (v.sqrt() / math.sqrt(1 - beta2 ** self.freeze_step)).add_(eps)
             full = torch.empty(self.comm.size * d.numel(), dtype=d.dtype, device=d.device)
             self.comm.all_gather_into(full, d)
             self._denoms[p] = cached = (v, full[:flat.numel])
         return cached[1]
 
     def _carry(self, p: torch.Tensor, d: torch.Tensor, beta1: float) -> torch.Tensor:
-        """``p``'s worker carry (flat, [n] of its buffer under ZeRO-1); created at the
-        first compressed step as ``b1 m / d`` from the warmup's momentum (under ZeRO-1
-        the shards of ``m / d`` all-gathered)."""
-        carry = self.worker_error.get(p)
-        if carry is not None:
-            return carry
+        """``p``'s worker carry at the first compressed step (flat, [n] of its buffer
+        under ZeRO-1): ``b1 m / d`` from the warmup's momentum (under ZeRO-1 the shards
+        of ``m / d`` all-gathered)."""
         m, flat = self.state[p]["exp_avg"], self.flats.get(p)
         if flat is None:
             carry = m.reshape(-1) / d
@@ -236,8 +343,7 @@ class OnebitAdam(torch.optim.Optimizer):
             carry = torch.empty(self.comm.size * m.numel(), dtype=m.dtype, device=m.device)
             self.comm.all_gather_into(carry, mine)
             carry = carry[:flat.numel].clone()
-        self.worker_error[p] = carry.mul_(beta1)
-        return carry
+        return carry.mul_(beta1)
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

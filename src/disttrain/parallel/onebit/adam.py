@@ -92,6 +92,10 @@ class _Bucket:
     layout: BucketLayout
     carry: torch.Tensor
     server: torch.Tensor
+    # the frozen step sizes [layout.numel] and the variances they came from (computed
+    # again only when a checkpoint replaced one)
+    denom: torch.Tensor | None = None
+    denom_of: tuple[torch.Tensor, ...] = ()
 
 
 def freeze_step_for(freeze_step: int, steps: int) -> int:
@@ -270,9 +274,12 @@ class OnebitAdam(torch.optim.Optimizer):
         concatenated [numel] (ZeRO-1: over each shard's whole buffer)."""
         if b.params[0] in self.flats:
             return torch.cat([self._denominator(p, b.eps, b.beta2) for p in b.params])
-        v = torch.cat([self.state[p]["exp_avg_sq"].reshape(-1) for p in b.params])
-        bc2_sqrt = math.sqrt(1 - b.beta2 ** self.freeze_step)
-        return v.sqrt_().div_(bc2_sqrt).add_(b.eps)
+        vs = tuple(self.state[p]["exp_avg_sq"] for p in b.params)
+        if b.denom is None or any(v is not w for v, w in zip(vs, b.denom_of, strict=True)):
+            v = torch.cat([v.reshape(-1) for v in vs])
+            bc2_sqrt = math.sqrt(1 - b.beta2 ** self.freeze_step)
+            b.denom, b.denom_of = v.sqrt_().div_(bc2_sqrt).add_(b.eps), vs
+        return b.denom
 
     def _bucket_input(self, b: _Bucket, d: torch.Tensor) -> torch.Tensor:
         """``(1 - b1) g / d`` of the bucket's parameters, concatenated [numel] (a

@@ -33,8 +33,9 @@ blocked on a receive is not busy.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,19 +158,21 @@ class _TimedStage(PipelineStage):
 
     busy = 0.0
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
         t0 = _clock()
         try:
-            return super().forward_one_chunk(*args, **kwargs)
+            yield
         finally:
             self.busy += _clock() - t0
 
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._timed():
+            return super().forward_one_chunk(*args, **kwargs)
+
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = _clock()
-        try:
+        with self._timed():
             return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy += _clock() - t0
 
 
 class _ScaledLoss:

@@ -47,15 +47,24 @@ def _all_gather(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
-    """Sum ``x`` over ranks; keep this rank's block along ``dim``."""
+def _start_reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int
+                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
+    """Start summing ``x`` over ranks, keeping this rank's block along ``dim``; returns
+    the work and what gives the block once it is done."""
     if x.shape[dim] % comm.size:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over "
                          f"tp={comm.size} ranks: make it a multiple of {comm.size}")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // comm.size, *front.shape[1:]))
-    comm.reduce_scatter(out, front)
-    return out.movedim(0, dim).contiguous()
+    work = comm.reduce_scatter(out, front, async_op=True)
+    return work, lambda: out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    """Sum ``x`` over ranks; keep this rank's block along ``dim``."""
+    work, block = _start_reduce_scatter(x, comm, dim)
+    work.wait()
+    return block()
 
 
 class IdentityFwdAllReduceBwd(torch.autograd.Function):
@@ -188,87 +197,49 @@ def _linear_grads(ctx: Any, grad: torch.Tensor, x: torch.Tensor
     return grad_w, grad_b
 
 
-class _OverlappedColumnLinear(torch.autograd.Function):
-    """Shared by the column-parallel linear Functions: forward y = x_full @ W^T + b
-    (``_input`` makes x_full from the given input), backward the input gradient's
-    collective (``_start_input_grad``) started before the weight and bias gradients
-    are computed and waited for after them, so the two overlap."""
+class ColumnParallelLinearFn(torch.autograd.Function):
+    """A column-parallel linear with its region's entry fused in, so that the backward
+    starts the input gradient's collective before computing the weight and bias
+    gradients and waits for it after them: the two overlap.
+
+    Replicated input (``sequence_parallel`` False): forward y = x @ W^T + b with no
+    communication (x [..., in], W [out/tp, in]); backward the input gradient
+    grad_y @ W [..., in] all-reduced over tp (:func:`copy_to_tp_region`'s backward).
+    Sequence-sharded input: forward x [B, T/tp, in] all-gathered along the sequence
+    first (:func:`gather_from_sequence_region`); backward the input gradient [B, T, in]
+    reduce-scattered back to [B, T/tp, in]."""
 
     @staticmethod
-    def _input(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        raise NotImplementedError
-
-    @staticmethod
-    def _start_input_grad(grad_x: torch.Tensor, comm: Communicator
-                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
-        raise NotImplementedError
-
-    @classmethod
-    def forward(cls, ctx: Any, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None, comm: Communicator,
-                transposed: bool) -> torch.Tensor:
-        full = cls._input(x, comm)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, comm: Communicator, transposed: bool,
+                sequence_parallel: bool) -> torch.Tensor:
+        full = _all_gather(x, comm, SEQ_DIM) if sequence_parallel else x
         ctx.comm, ctx.transposed, ctx.has_bias = comm, transposed, bias is not None
+        ctx.sequence_parallel = sequence_parallel
         ctx.autocast, ctx.x_dtype = _autocast_state(x.device.type), x.dtype
         ctx.save_for_backward(full, weight)
         return F.linear(full, weight.t() if transposed else weight, bias)
 
-    @classmethod
-    def backward(cls, ctx: Any, grad: torch.Tensor
-                 ) -> tuple[torch.Tensor | None, ...]:
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         full, weight = ctx.saved_tensors
         device_type, enabled, dtype = ctx.autocast
         pending = None
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             if ctx.needs_input_grad[0]:  # summed in the input's dtype, as unfused
                 w = weight.t() if ctx.transposed else weight
-                pending = cls._start_input_grad(grad.matmul(w).to(ctx.x_dtype), ctx.comm)
+                grad_x = grad.matmul(w).to(ctx.x_dtype).contiguous()
+                if ctx.sequence_parallel:
+                    pending = _start_reduce_scatter(grad_x, ctx.comm, SEQ_DIM)
+                else:
+                    pending = (ctx.comm.all_reduce(grad_x, async_op=True),
+                               lambda: grad_x)
             grad_w, grad_b = _linear_grads(ctx, grad, full)
         if pending is None:
-            return None, grad_w, grad_b, None, None
+            return None, grad_w, grad_b, None, None, None
         work, finish = pending
         work.wait()
-        return finish(), grad_w, grad_b, None, None
-
-
-class LinearFwdAllReduceInputGradBwd(_OverlappedColumnLinear):
-    """A column-parallel linear on a replicated input, :func:`copy_to_tp_region` fused
-    in. Forward: y = x @ W^T + b, no communication (x [..., in], W [out/tp, in]).
-    Backward: the input gradient grad_y @ W [..., in] all-reduced over tp, the
-    all-reduce overlapping the weight and bias gradients' matmuls."""
-
-    @staticmethod
-    def _input(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def _start_input_grad(grad_x: torch.Tensor, comm: Communicator
-                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
-        grad_x = grad_x.contiguous()
-        return comm.all_reduce(grad_x, async_op=True), lambda: grad_x
-
-
-class AllGatherSeqLinearFwdReduceScatterBwd(_OverlappedColumnLinear):
-    """A column-parallel linear on a sequence-sharded input,
-    :func:`gather_from_sequence_region` fused in. Forward: x [B, T/tp, in] all-gathered
-    along the sequence, then y = x @ W^T + b [B, T, out/tp]. Backward: the input
-    gradient [B, T, in] reduce-scattered along the sequence to [B, T/tp, in], the
-    reduce-scatter overlapping the weight and bias gradients' matmuls."""
-
-    @staticmethod
-    def _input(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return _all_gather(x, comm, SEQ_DIM)
-
-    @staticmethod
-    def _start_input_grad(grad_x: torch.Tensor, comm: Communicator
-                          ) -> tuple[TrackedWork, Callable[[], torch.Tensor]]:
-        if grad_x.shape[SEQ_DIM] % comm.size:
-            raise ValueError(f"cannot reduce-scatter a sequence of {grad_x.shape[SEQ_DIM]} "
-                             f"over tp={comm.size} ranks: make it a multiple of {comm.size}")
-        front = grad_x.movedim(SEQ_DIM, 0).contiguous()
-        out = front.new_empty((front.shape[0] // comm.size, *front.shape[1:]))
-        work = comm.reduce_scatter(out, front, async_op=True)
-        return work, lambda: out.movedim(0, SEQ_DIM).contiguous()
+        return finish(), grad_w, grad_b, None, None, None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -280,9 +251,8 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     forward, its gradient reduce-scattered in backward); output [..., out/tp]. The
     same as :func:`copy_to_tp_region` (or :func:`gather_from_sequence_region`) then
     ``F.linear``, with the backward's collective overlapping the weight gradient."""
-    fn = AllGatherSeqLinearFwdReduceScatterBwd if sequence_parallel else \
-        LinearFwdAllReduceInputGradBwd
-    return fn.apply(x, weight, bias, comm, transposed)
+    return ColumnParallelLinearFn.apply(x, weight, bias, comm, transposed,
+                                        sequence_parallel)
 
 
 def copy_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:

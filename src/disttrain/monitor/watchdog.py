@@ -85,7 +85,12 @@ class HangWatchdog:
         return self
 
     def stop(self) -> None:
+        """End the thread and wait for it: a daemon thread still inside a store call
+        when the interpreter exits is torn down mid-call, which aborts the process
+        ("terminate called without an active exception") after a finished run."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
 
     def _loop(self) -> None:
         poll = min(1.0, self.timeout_s / 4)

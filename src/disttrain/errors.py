@@ -18,7 +18,6 @@ Exit codes of ``disttrain train`` (and of a worker):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -142,14 +141,13 @@ class CheckpointSaveError(TrainingStopped):
     exit_code = EXIT_SAVE_FAILED
 
 
-def nonfinite_part(loss_sum: float, grad_norm: float, loss_scaled: bool) -> str | None:
-    """Which of the step's loss / gradients is nan or inf (None: neither). Both are
-    values every rank already agrees on: the loss total is summed over the ranks whose
-    gradients are summed together (a nan or inf anywhere makes the sum non-finite) and
-    the norm is global, so no extra collective is needed (in a training step). With fp16
-    loss scaling a gradient overflow is the scaler's to skip, not a divergence."""
-    bad_loss = not math.isfinite(loss_sum)
-    bad_grads = not loss_scaled and not math.isfinite(grad_norm)
+def nonfinite_what(bad_loss: bool, bad_grads: bool, loss_scaled: bool) -> str | None:
+    """What went nan / inf in a step (None: nothing), from its two flags: the loss total
+    (summed over the ranks whose gradients are summed together, so a nan or inf
+    anywhere makes it non-finite) and the global gradient norm. Every rank that shares
+    gradients holds the same flags. With fp16 loss scaling a gradient overflow is the
+    scaler's to skip, not a divergence."""
+    bad_grads = bad_grads and not loss_scaled
     if bad_loss and bad_grads:
         return "loss and gradients"
     return "loss" if bad_loss else "gradients" if bad_grads else None

@@ -135,11 +135,40 @@ class Trained:
     records: list[dict[str, Any]]
 
 
+def train_without_syncs(case: Case, run_dir: str) -> dict[str, Any]:
+    """:func:`_train_on_rank`, with every step after the first under
+    ``torch.cuda.set_sync_debug_mode("error")``: a host read of a device value inside a
+    steady-state step raises (the first step may read: the tensor-parallel proof). The
+    suite's NCCL message-order header, which each receiver reads back, is off: a real
+    NCCL run has none."""
+    from disttrain.train import step
+
+    os.environ["DISTTRAIN_NCCL_RULES"] = "0"
+    inner = step.train_step
+
+    def strict(run: Any, index: int) -> Any:
+        if index == 0 or run.device.type != "cuda":
+            return inner(run, index)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return inner(run, index)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    step.train_step = strict
+    try:
+        return _train_on_rank(case, run_dir)
+    finally:
+        step.train_step = inner
+
+
 def train_case(case: Case, run_dir: Path, backend: str = BACKEND,
-               timeout: float = 300) -> Trained:
+               timeout: float = 300, body: Any = _train_on_rank) -> Trained:
     """Run ``case`` on ``case.world`` spawned ranks: NCCL (Gloo on the dry run), or
-    ``backend="gloo"``, under which train.device = auto keeps the run on the CPU."""
-    ranks = run_distributed(_train_on_rank, case.world, args=(case, str(run_dir)),
+    ``backend="gloo"``, under which train.device = auto keeps the run on the CPU;
+    ``body``: what each rank runs (:func:`_train_on_rank`, or
+    :func:`train_without_syncs`)."""
+    ranks = run_distributed(body, case.world, args=(case, str(run_dir)),
                             timeout=timeout, backend=backend)
     records = [json.loads(line) for line in
                (run_dir / "metrics.jsonl").read_text().splitlines()]

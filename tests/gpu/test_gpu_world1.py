@@ -22,6 +22,7 @@ from gpu_training import (
     assert_ran_on_the_device,
     assert_weights_close,
     train_case,
+    train_without_syncs,
 )
 
 pytestmark = GPU_SET
@@ -90,3 +91,17 @@ def test_async_checkpoint_snapshots_gpu_tensors_before_the_update(tmp_path):
             torch.testing.assert_close(ckpt.reader.tensor(name), tensor, rtol=0, atol=0)
         want = {"w": weight.cpu(), "m": moment.cpu()}
     assert all(buf.is_pinned() for buf in manager._host.values())
+
+
+
+STEADY_CASES = [Case("ddp-fp32"),
+                Case("zero3-bf16-accum2", zero=3, precision="bf16", grad_accum=2),
+                Case("ddp-fp16", precision="fp16")]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in STEADY_CASES])
+def test_steady_state_steps_never_wait_for_the_gpu(case, plain_oracle, tmp_path):
+    """No step after the first synchronises the host with the GPU (issue 38), and the
+    run still ends on the plain loop's weights."""
+    got = train_case(case, tmp_path, body=train_without_syncs)
+    assert_follows_plain_loop(case, got, plain_oracle(case.precision, case.parts))

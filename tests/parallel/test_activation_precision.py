@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from support import SyntheticTokens, fit_tiny, tiny_config
@@ -50,10 +48,20 @@ def test_checkpointed_blocks_are_recomputed_not_stored():
 
 def test_loss_scaler_skips_overflow_and_grows():
     scaler = LossScaler(True, init_scale=8.0, growth_interval=2)
-    assert not scaler.update(math.inf) and scaler.scale == 4.0 and scaler.skipped == 1
-    assert scaler.update(1.0) and scaler.scale == 4.0
-    assert scaler.update(1.0) and scaler.scale == 8.0
-    assert LossScaler(False).update(math.nan)  # disabled: never skips
+    yes, no = torch.tensor(True), torch.tensor(False)
+    scaler.update(overflow=yes, counted=yes)  # an overflow halves the scale
+    scaler.count_skipped(True)
+    assert float(scaler.scale) == 4.0 and scaler.skipped == 1
+    scaler.update(overflow=no, counted=yes)
+    assert float(scaler.scale) == 4.0
+    scaler.update(overflow=no, counted=yes)  # growth_interval good steps: doubled
+    assert float(scaler.scale) == 8.0
+    scaler.update(overflow=yes, counted=no)  # a non-finite loss: not the scaler's
+    assert float(scaler.scale) == 8.0
+    off = LossScaler(False)  # disabled: no scale, never skips
+    off.update(overflow=yes, counted=yes)
+    off.count_skipped(True)
+    assert off.scale is None and off.skipped == 0
 
 
 def test_bf16_training_and_bf16_gradient_reduction_stay_close_to_fp32(tmp_path):

@@ -194,7 +194,10 @@ def test_powersgd_forgets_a_warm_start_a_nan_reached():
     codec.q = {(0, 0): torch.tensor([[math.nan], [1.0]]), (0, 1): torch.ones(2, 1)}
     codec.drop_nonfinite_state()
     assert codec.residuals[0].tolist() == [1.0, 0.0, 0.0]  # the finite part is still owed
-    assert list(codec.q) == [(0, 1)]
+    # the poisoned warm start is forgotten: back to the seed's draw, as a fresh Q would be
+    drawn = torch.randn(2, 1, generator=codec._generator(torch.device("cpu"), 0, 0))
+    assert torch.equal(codec.q[(0, 0)], drawn)
+    assert torch.equal(codec.q[(0, 1)], torch.ones(2, 1))  # a finite one is kept
 
 
 @pytest.mark.parametrize("key", ["train.lr", "train.weight_decay", "train.grad_clip"])
@@ -247,10 +250,11 @@ def test_model_parallel_ranks_stop_together(tmp_path, layout):
 
 
 def test_fp16_gradient_overflow_stays_the_loss_scalers_to_skip():
-    from disttrain.train.step import nonfinite_part
+    from disttrain.errors import nonfinite_what
 
-    assert nonfinite_part(1.0, math.inf, loss_scaled=True) is None  # the scaler skips
-    assert nonfinite_part(1.0, math.inf, loss_scaled=False) == "gradients"
-    assert nonfinite_part(math.nan, 1.0, loss_scaled=True) == "loss"
-    assert nonfinite_part(-math.inf, math.nan, loss_scaled=False) == "loss and gradients"
-    assert nonfinite_part(2.0, 3.0, loss_scaled=False) is None
+    # (bad loss, bad gradients, loss scaled) -> what the run calls non-finite
+    assert nonfinite_what(False, True, loss_scaled=True) is None  # the scaler skips
+    assert nonfinite_what(False, True, loss_scaled=False) == "gradients"
+    assert nonfinite_what(True, False, loss_scaled=True) == "loss"
+    assert nonfinite_what(True, True, loss_scaled=False) == "loss and gradients"
+    assert nonfinite_what(False, False, loss_scaled=False) is None

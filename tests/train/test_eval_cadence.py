@@ -9,7 +9,7 @@ import pytest
 import torch
 from support import SyntheticTokens, tiny_config
 
-from disttrain.train.loops import eval_interval
+from disttrain.train.step import eval_interval
 
 
 @pytest.mark.parametrize("eval_every, steps, log_every, interval", [

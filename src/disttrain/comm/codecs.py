@@ -131,8 +131,9 @@ class GradientCodec(ABC):
         own wire format."""
 
     def drop_nonfinite_state(self) -> None:
-        """Zero the nan / inf entries of the kept state, after a step whose gradients
-        were not finite was skipped: the rest of the residual is still owed."""
+        """Zero the nan / inf entries of the kept state (after a step whose gradients
+        were not finite was skipped: the rest of the residual is still owed). Called
+        after every step, on the device: on a finite state it changes nothing."""
         for residual in self.residuals.values():
             residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -398,10 +399,13 @@ class PowerSGDCodec(GradientCodec):
         return mats, rest
 
     def drop_nonfinite_state(self) -> None:
-        """Also forget a warm-start Q that a non-finite gradient reached: it is drawn
-        again from the seed."""
+        """Also forget a warm-start Q that a non-finite gradient reached: it becomes the
+        draw from the seed it started from (chosen on the device, no host read)."""
         super().drop_nonfinite_state()
-        self.q = {k: q for k, q in self.q.items() if bool(torch.isfinite(q).all())}
+        for (key, j), q in self.q.items():
+            fresh = torch.randn(q.shape, generator=self._generator(q.device, key, j),
+                                device=q.device, dtype=q.dtype)
+            q.copy_(torch.where(torch.isfinite(q).all(), q, fresh))
 
     def _q(self, key: Hashable, j: int, step: int, cols: int, r: int,
            device: torch.device) -> torch.Tensor:

@@ -3,6 +3,10 @@
 Each weight matrix's step is rescaled by a layer-wise trust ratio ||w|| / ||update||, so
 every layer moves by a similar fraction of its norm whatever its gradient scale.
 Parameters with dim < 2 (biases, norm gains) get no trust ratio.
+
+Both take the step's non-finite flag on the device as torch's fused optimizers do
+(``optimizer.found_inf``, a float tensor, nonzero: skip): a skipped step changes no
+parameter and no state, and nothing is read on the host to decide it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,15 @@ def trust_ratio(weight: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     zero-initialised layer, or nothing to do)."""
     w, u = torch.linalg.vector_norm(weight), torch.linalg.vector_norm(update)
     return torch.where((w > 0) & (u > 0), w / u.clamp(min=1e-30), torch.ones_like(w))
+
+
+def _keep(found_inf: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor
+          ) -> torch.Tensor:
+    """``new``, or ``old`` where the step is skipped (``found_inf`` nonzero): chosen on
+    the device, bit for bit ``new`` when it is not."""
+    if found_inf is None:
+        return new
+    return torch.where(found_inf.to(old.device).reshape(()) != 0, old, new)
 
 
 class LARS(torch.optim.Optimizer):
@@ -30,10 +43,12 @@ class LARS(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum,
                                   "weight_decay": weight_decay,
                                   "trust_coefficient": trust_coefficient})
+        self._step_supports_amp_scaling = True  # takes ``found_inf`` (torch's convention)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
         loss = None if closure is None else closure()
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -44,8 +59,10 @@ class LARS(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"].mul_(group["momentum"]).add_(update)
-                p.sub_(buf, alpha=group["lr"])
+                old = state["momentum_buffer"]
+                buf = old.mul(group["momentum"]).add_(update)
+                p.copy_(_keep(found_inf, p, p.sub(buf, alpha=group["lr"])))
+                old.copy_(_keep(found_inf, old, buf))
         return loss
 
 
@@ -58,26 +75,32 @@ class LAMB(torch.optim.Optimizer):
                  eps: float = 1e-6, weight_decay: float = 0.0) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
+        self._step_supports_amp_scaling = True  # takes ``found_inf`` (torch's convention)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
         loss = None if closure is None else closure()
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-                t = float(state["step"])
-                m = state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                v = state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = (v / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                update = (m / (1 - beta1 ** t)).div_(denom).add_(p, alpha=group["weight_decay"])
+                if not state:  # the step count on the parameter's device: no host read
+                    state.update(step=torch.zeros((), dtype=torch.float64, device=p.device),
+                                 exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                step = state["step"].add(1)
+                m = state["exp_avg"].lerp(p.grad, 1 - beta1)
+                v = state["exp_avg_sq"].mul(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                # bias corrections 1 - beta^t in float64, then in the moments' dtype
+                bc1 = (1 - torch.pow(beta1, step)).to(m.dtype)
+                bc2 = (1 - torch.pow(beta2, step)).to(v.dtype)
+                denom = (v / bc2).sqrt_().add_(group["eps"])
+                update = (m / bc1).div_(denom).add_(p, alpha=group["weight_decay"])
                 if p.dim() >= 2:
                     update.mul_(trust_ratio(p, update))
-                p.sub_(update, alpha=group["lr"])
+                p.copy_(_keep(found_inf, p, p.sub(update, alpha=group["lr"])))
+                for key, new in (("step", step), ("exp_avg", m), ("exp_avg_sq", v)):
+                    state[key].copy_(_keep(found_inf, state[key], new))
         return loss

@@ -31,7 +31,7 @@ from ..config.schema import ParallelConfig
 from ..errors import TensorParallelGradientError
 from ..spec import IDENTICAL, ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
-from .clipping import clip_to_global_norm
+from .clipping import clip_to_global_norm, squared_norm
 from .interfaces import GradSync, Work
 from .pipeline import (
     PipelineChunk,
@@ -195,7 +195,7 @@ class ModelParallelGrads:
             totals.zero_()
         return self.world.all_reduce(totals, async_op=True)
 
-    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         self.inner.finish_gradient_sync(scale)
         pieces = self.inner.gradient_pieces()
         self.mp.fix_gradients({id(p): g for p, g in pieces})
@@ -206,21 +206,17 @@ class ModelParallelGrads:
     def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return self.inner.gradient_pieces()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm over every stage, tp shard and dp rank; clip the pieces
-        this rank holds if ``max_norm > 0``."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every stage, tp shard and dp rank (a 0-dim tensor on
+        the device); clip the pieces this rank holds if ``max_norm > 0``."""
         pieces = self.inner.gradient_pieces()
-        sq = self.world.zeros(1, dtype=torch.float64)
         weight = self.mp.placement.norm_weight
-        for p, g in pieces:
-            sq += weight(p) / self.grad_replicas * g.detach().double().pow(2).sum()
+        sq = squared_norm([g for _, g in pieces], self.world.device,
+                          [weight(p) / self.grad_replicas for p, _ in pieces])
         return clip_to_global_norm([g for _, g in pieces], sq, self.world, max_norm)
 
     def after_optimizer_step(self) -> None:
         self.inner.after_optimizer_step()
-
-    def after_skipped_step(self) -> None:
-        self.inner.after_skipped_step()
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.inner.model_state_bytes(optimizer)

@@ -57,21 +57,22 @@ class GradSync(Protocol):
         """Start summing ``totals`` ([summed loss, loss terms], float64) over the ranks
         whose gradients are summed with this one's; None if none are."""
 
-    def finish_gradient_sync(self, scale: float) -> None:
-        """Complete the reductions; gradients become ``scale`` x their global sum."""
+    def finish_gradient_sync(self, scale: float | torch.Tensor) -> None:
+        """Complete the reductions; gradients become ``scale`` x their global sum
+        (``scale``: a number, or a 0-dim tensor on the device, never read on the host)."""
 
     def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, the gradient data this rank holds for it) after the sync."""
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """The global gradient norm; gradients clipped to ``max_norm`` if it is > 0."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm, a 0-dim tensor on the device (not read on the
+        host); gradients clipped to ``max_norm`` if it is > 0."""
 
     def after_optimizer_step(self) -> None:
-        """Whatever the optimizer's update must be followed by (e.g. all-gathers)."""
-
-    def after_skipped_step(self) -> None:
-        """A step whose update was not applied (its loss or gradients were nan / inf):
-        clear whatever those gradients reached (a codec's error-feedback state)."""
+        """Whatever the optimizer's update must be followed by (e.g. all-gathers). The
+        update may have been skipped on the device (a nan / inf in the step's loss or
+        gradients): what follows must be right either way, and whatever the skipped
+        gradients reached (a codec's error-feedback state) loses their nan / inf."""
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
@@ -261,8 +262,9 @@ class StepPass(Protocol):
     a pipeline schedule; and a held-out batch forward.
 
     ``loss(outputs, batch)`` gives (summed loss, loss terms) of a micro-batch;
-    ``autocast()`` the forward's precision context; ``loss_scale`` multiplies the loss
-    before backward (fp16). :meth:`forward_backward` adds each micro-batch's summed loss
+    ``autocast()`` the forward's precision context; ``loss_scale`` (a 0-dim tensor on the
+    device, or None) multiplies the loss before backward (fp16). Nothing is read on the
+    host: counts stay tensors. :meth:`forward_backward` adds each micro-batch's summed loss
     and terms into ``totals`` ([2], float64) and returns the started reduction of the
     totals (or None) and the activation bytes saved for backward, when it measured them.
     ``eval_comm``: the group over which held-out totals are summed.
@@ -271,7 +273,7 @@ class StepPass(Protocol):
     eval_comm: Any  # Communicator
 
     def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
-                         totals: torch.Tensor, loss_scale: float,
+                         totals: torch.Tensor, loss_scale: torch.Tensor | None,
                          autocast: Callable[[], AbstractContextManager[None]],
                          measure: bool) -> tuple[Work | None, int | None]: ...
 

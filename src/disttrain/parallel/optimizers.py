@@ -14,15 +14,23 @@ from .strategy import OptimizerContext, OptimizerKind
 
 
 def _adamw(ctx: OptimizerContext) -> torch.optim.Optimizer:
-    # on a GPU, one fused kernel per step instead of a dozen multi-tensor launches
-    params = [p for g in ctx.groups for p in g["params"]]
-    fused = True if params and all(p.is_cuda for p in params) else None
+    # torch's fused kernel (CPU and GPU): one kernel per step instead of a dozen
+    # multi-tensor launches, and it takes the step's non-finite flag on the device
+    # (``found_inf``: a skipped step changes no parameter, moment or step count)
     return torch.optim.AdamW(ctx.groups, lr=ctx.lr, betas=(ctx.train.beta1, ctx.train.beta2),
-                             fused=fused)
+                             fused=True)
 
 
 def _sgd(ctx: OptimizerContext) -> torch.optim.Optimizer:
-    return torch.optim.SGD(ctx.groups, lr=ctx.lr, momentum=ctx.train.momentum)
+    optimizer = torch.optim.SGD(ctx.groups, lr=ctx.lr, momentum=ctx.train.momentum,
+                                fused=True)
+    if ctx.train.momentum:
+        # the fused kernel starts momentum buffers it finds missing from the first
+        # gradient; a first step skipped on the device would leave them uninitialised.
+        # Zeros give the same first step (0 x momentum + g = g, dampening 0).
+        for p in (p for g in ctx.groups for p in g["params"]):
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 def _lars(ctx: OptimizerContext) -> torch.optim.Optimizer:

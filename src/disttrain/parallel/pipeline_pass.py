@@ -32,7 +32,7 @@ class PipelinePass:
         self.tracer = tracer or NoTrace()
 
     def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
-                         totals: torch.Tensor, loss_scale: float,
+                         totals: torch.Tensor, loss_scale: torch.Tensor | None,
                          autocast: Callable[[], AbstractContextManager[None]],
                          measure: bool) -> tuple[Work | None, int | None]:
         loaded = [load() for load in batches]
@@ -45,8 +45,8 @@ class PipelinePass:
                                   loss_scale=loss_scale, grad_sync=self.grads.backward,
                                   clock=time.time, measure_activations=measure)
         self._trace(result.timings)
-        totals[0] += float(result.loss_sum)
-        totals[1] += float(result.count)
+        totals[0] += result.loss_sum  # device tensors: nothing read on the host
+        totals[1] += result.count
         return self.grads.reduce_loss_totals(totals), result.peak_activation_bytes
 
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:

@@ -30,7 +30,7 @@ class WholeModelPass:
         self.tracer = tracer or NoTrace()
 
     def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
-                         totals: torch.Tensor, loss_scale: float,
+                         totals: torch.Tensor, loss_scale: torch.Tensor | None,
                          autocast: Callable[[], AbstractContextManager[None]],
                          measure: bool) -> tuple[Work | None, int | None]:
         handle, peak = None, None
@@ -47,7 +47,8 @@ class WholeModelPass:
             handle = self.grads.reduce_loss_totals(totals)
         return handle, peak
 
-    def _one(self, batch: Any, loss: LossOf, totals: torch.Tensor, loss_scale: float,
+    def _one(self, batch: Any, loss: LossOf, totals: torch.Tensor,
+             loss_scale: torch.Tensor | None,
              autocast: Callable[[], AbstractContextManager[None]], last: bool
              ) -> Work | None:
         with self.tracer.span("forward"), autocast():
@@ -58,7 +59,7 @@ class WholeModelPass:
         # launched before the last backward, so it overlaps it
         handle = self.grads.reduce_loss_totals(totals) if last else None
         with self.tracer.span("backward"):
-            (loss_sum * loss_scale if loss_scale != 1.0 else loss_sum).backward()
+            (loss_sum if loss_scale is None else loss_sum * loss_scale).backward()
         return handle
 
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:

@@ -42,7 +42,7 @@ from ..parallel.topology import Topology, build_topology
 from ..spec import ModelSpec
 from ..weights import on_meta, stream_seed
 from . import rundir
-from .batch import LossFn
+from .batch import BatchLoss, LossFn
 from .cadence import CheckpointCadence
 from .checkpointing import RunCheckpoints, finished_run
 from .cursor import DataCursor
@@ -53,9 +53,9 @@ from .outputs import RunDirectory
 from .precision import LossScaler
 from .preemption import SignalStop
 from .report import RunReporter
-from .run import CommTally, EvalData, Run, RunModel
+from .run import CommTally, EvalData, Run, RunModel, StepFacts
 from .runtime import Runtime
-from .step import StepRunner
+from .step import FigureCopies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,16 +143,12 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
                                  model.parallel.local_boxes(model.optimizer))
     start_step = _resume(checkpoints, cursor, model, reporter, run_dir, runtime)
     train = config.train
-    stepper = StepRunner(
-        passes=model.parallel.passes, grads=model.parallel.grads, ledger=mesh.ledger,
-        optimizer=model.optimizer, loss_fn=loss_fn, load=loader.load,
-        grad_clip=train.grad_clip, device=runtime.device, tracer=tracer, rank=runtime.rank,
-        precision=train.precision, scaler=LossScaler(train.precision == "fp16"),
-        before_update=checkpoints.before_update, token_loss=model.parallel.token_loss)
     sync = model.parallel.sync
     return Run(
         config=config, plan=plan, runtime=runtime, world=world, model=model, cursor=cursor,
-        stepper=stepper, reporter=reporter, checkpoints=checkpoints,
+        load=loader.load, loss=BatchLoss(loss_fn, model.parallel.token_loss),
+        scaler=LossScaler(train.precision == "fp16", runtime.device),
+        figures=FigureCopies(runtime.device), reporter=reporter, checkpoints=checkpoints,
         cadence=CheckpointCadence(checkpoints, signals, sync, tracer,
                                   config.checkpoint.on_signal == "save", reporter.checkpoint,
                                   reporter.say),
@@ -161,7 +157,8 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
         signals=signals, tracer=tracer,
         evaluation=EvalData(dataset=inputs.eval_dataset, collate=inputs.collate_fn,
                             call_kwargs=inputs.spec.call_kwargs),
-        run_dir=run_dir, start_step=start_step, tally=CommTally(mesh.ledger))
+        run_dir=run_dir, start_step=start_step, tally=CommTally(mesh.ledger),
+        facts=StepFacts())
 
 
 def _num_samples(dataset: Dataset) -> int:

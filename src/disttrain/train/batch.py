@@ -152,3 +152,21 @@ def loss_sum_and_terms(loss_fn: LossFn | None, outputs: Any, batch: Batch,
         return loss_sum, count if isinstance(count, torch.Tensor) else int(count), False
     n = len(batch.targets)
     return result * n, n, True
+
+
+class BatchLoss:
+    """The loss a step calls on each micro-batch: (summed loss, loss terms), from the
+    user's ``loss_fn`` or (None) the batch's default loss computed by ``token_loss``.
+    ``terms_are_samples``: the last call's loss was a mean over samples (the progress
+    line counts samples, not tokens). A count may stay a tensor (see
+    :func:`loss_sum_and_terms`): the passes only add it into the step's totals."""
+
+    def __init__(self, loss_fn: LossFn | None, token_loss: TokenLoss | None) -> None:
+        self.loss_fn, self.token_loss = loss_fn, token_loss
+        self.terms_are_samples = False
+
+    def __call__(self, outputs: Any, batch: Batch) -> tuple[torch.Tensor, int]:
+        loss_sum, count, samples = loss_sum_and_terms(self.loss_fn, outputs, batch,
+                                                      self.token_loss)
+        self.terms_are_samples = samples
+        return loss_sum, cast(int, count)  # LossOf (parallel.interfaces) declares int

@@ -44,14 +44,19 @@ class CheckpointCadence:
         for step in self.checkpoints.take_completed():
             self.announce(step, self.checkpoints.directory(step))
 
-    def stop_if_signalled(self, done: int, position: int) -> None:
-        """After step ``done``: if any rank got SIGTERM / SIGINT, save (unless
-        ``checkpoint.on_signal=exit``) at the first step where a save is valid, then
-        raise :class:`~disttrain.errors.Interrupted` on every rank."""
+    def signalled(self, done: int) -> bool:
+        """After step ``done``: whether the run stops here on a signal (a collective,
+        on the CPU group). Once any rank got SIGTERM / SIGINT, that is the first step
+        where a save is valid (unless ``checkpoint.on_signal=exit``: at once)."""
         self.stopping = self.stopping or self.signals.agreed()
         save = self.save_on_signal
-        if not self.stopping or (save and not self.sync.at_boundary(done)):
-            return
+        return bool(self.stopping) and not (save and not self.sync.at_boundary(done))
+
+    def stop(self, done: int, position: int) -> None:
+        """Save after step ``done`` (unless ``checkpoint.on_signal=exit``), then raise
+        :class:`~disttrain.errors.Interrupted` on every rank; only after
+        :meth:`signalled` said so."""
+        save = self.save_on_signal
         if save and self.checkpoints.last_saved != done:
             with self.tracer.span("checkpoint"):
                 self.checkpoints.save(done, position)

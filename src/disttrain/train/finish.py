@@ -19,10 +19,9 @@ from ..monitor.trace import merge_traces
 from ..names import TRACE_FILE, trace_rank_file
 from . import rundir
 from .final_weights import write_final_weights
-from .loops import LoopResult
 from .outputs import on_main
 from .report import device_name, summary_text
-from .run import Run
+from .run import LoopResult, Run
 
 
 def finish_run(run: Run, result: LoopResult) -> dict[str, Any]:
@@ -62,7 +61,7 @@ def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
         "comm_bytes_per_step": run.tally.step_bytes / ran,
         "comm_wire_bytes_per_step": run.tally.step_wire / ran,
         "collectives": run.tally.ledger.seq,
-        "nonfinite_skipped": run.stepper.nonfinite_skipped,
+        "nonfinite_skipped": run.facts.nonfinite_skipped,
     }
     flops = run.model.flops_per_term
     if flops:

@@ -50,3 +50,20 @@ def lr_at(step: int, train: TrainConfig, peak_lr: float) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """``optimizer.step()`` gated on ``skip`` (0-dim, nonzero: a nan / inf in the step),
+    decided on the device: an optimizer that takes the flag (torch's fused AdamW and
+    SGD, disttrain's LARS / LAMB / 1-bit Adam: ``_step_supports_amp_scaling``, reading
+    ``optimizer.found_inf`` as torch's GradScaler sets it) leaves parameters and state
+    exactly as they were; any other optimizer reads the flag on the host first."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        found_inf = skip.float().reshape(())
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif not bool(skip):
+        optimizer.step()

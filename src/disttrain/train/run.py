@@ -1,14 +1,15 @@
-"""One run, assembled: the parts a loop drives, each built whole before it starts.
+"""One run, assembled: the parts the loop drives, each built whole before it starts.
 
-:class:`Run` is what :func:`~.assemble.assemble_run` returns and what the loops
-(:mod:`.loops`) drive through :class:`~.loops.LoopHost`: a step over this rank's share
-of the global batch, held-out evaluation, metrics records, checkpoints and signals, and
-at the end the summary and the final weights.
+:class:`Run` is what :func:`~.assemble.assemble_run` returns: what a step runs on (read
+by :func:`~.step.train_step`), held-out evaluation, metrics records, checkpoints and
+signals, and at the end the summary and the final weights. A sync mode that runs its own
+loop (parameter servers) is driven by :func:`run_own_loop`.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,27 +17,50 @@ from typing import Any
 import torch
 
 from ..comm import CollectiveLedger, Communicator
-from ..config import Config, RunPlan, TrainConfig
+from ..config import Config, RunPlan
 from ..data.sampler import eval_indices
 from ..data.samples import fetch_samples
+from ..errors import DivergenceError
 from ..faults import maybe_fail
 from ..monitor import MetricsRecord
 from ..monitor.record import ACTIVATIONS, RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMPLES
-from ..monitor.stats import StepStats
+from ..monitor.stats import StatsWindow, StepStats
 from ..monitor.trace import Tracer
 from ..parallel.compose import Parallelized
-from ..parallel.interfaces import OwnLoopInputs
-from .batch import split_batch, to_device
+from ..parallel.interfaces import OwnLoopInputs, RunsOwnLoop, WorkerGradients
+from .batch import Batch, BatchLoss, split_batch, to_device
 from .cadence import CheckpointCadence
 from .checkpointing import RunCheckpoints
 from .cursor import DataCursor
 from .nonfinite import NonFinitePolicy
-from .optim import lr_at, set_lr
-from .precision import autocast
+from .optim import lr_at
+from .precision import LossScaler, autocast
 from .preemption import SignalStop
 from .report import RunReporter, banner_text
 from .runtime import Runtime
-from .step import StepRunner
+
+
+@dataclass
+class LoopResult:
+    """What a run's loop reports, from which the run writes its summary."""
+
+    initial_eval: float | None
+    final_eval: float | None
+    totals: StatsWindow
+    final_loss: float
+    wall_time: float
+
+
+@dataclass
+class StepFacts:
+    """What the host knows of the steps so far: the figures of the last step it read
+    (one step late, or at a step where it acts), the steps skipped as non-finite, the
+    activation bytes measured on the first pass."""
+
+    grad_norm: float = 0.0
+    loss_scale: float = 1.0
+    nonfinite_skipped: int = 0
+    activation_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +111,11 @@ class CommTally:
 
 @dataclass(kw_only=True)
 class Run:
-    """A run's parts; implements :class:`~.loops.LoopHost`."""
+    """A run's parts. What a step runs on: the composition and optimizer (``model``),
+    the sample order (``cursor``), ``load`` (a micro-batch's indices -> a batch on the
+    device), ``loss`` (a micro-batch's summed loss and terms), the fp16 ``scaler``, and
+    ``figures``, which bring each step's figures to the host; ``facts``: what the host
+    has read of them."""
 
     config: Config
     plan: RunPlan
@@ -95,7 +123,10 @@ class Run:
     world: Communicator
     model: RunModel
     cursor: DataCursor
-    stepper: StepRunner
+    load: Callable[[list[int]], Batch]
+    loss: BatchLoss
+    scaler: LossScaler
+    figures: Any  # step.FigureCopies
     reporter: RunReporter
     checkpoints: RunCheckpoints
     cadence: CheckpointCadence
@@ -106,63 +137,19 @@ class Run:
     run_dir: Path
     start_step: int
     tally: CommTally
-    current_lr: float = 0.0
-
-    @property
-    def train(self) -> TrainConfig:
-        return self.config.train
+    facts: StepFacts
 
     @property
     def parallel(self) -> Parallelized:
         return self.model.parallel
 
-    # ----------------------------------------------------------------- a step
-    def train_step(self, step: int) -> StepStats:
-        """One optimizer step on this rank's share of the global batch (0-based
-        ``step``), then the sync mode's between-steps work."""
-        return self.tally.during(lambda: self._step(step))
-
-    def _step(self, step: int) -> StepStats:
-        lr = lr_at(step, self.config.train, self.plan.lr)
-        set_lr(self.model.optimizer, lr)
-        self.current_lr = lr
-        sync, cursor = self.parallel.sync, self.cursor
-        selected = sync.select(step, cursor.share())
-        lists = [] if selected is None else cursor.micro_batches(selected)
-        cursor.follow(lists)
-        with self.tracer.span("step", step=step + 1):
-            # a rank sitting this step out does not step
-            stats = StepStats() if selected is None else self.stepper.run(lists)
-        self.nonfinite.after_step(step + 1, None if selected is None
-                                  else self.stepper.nonfinite,
-                                  self.stepper.nonfinite_skipped)
-        if self.stepper.terms_are_samples:
-            self.reporter.bar.unit = "samples"
-        cursor.advance()
-        done = step + 1
-        sync.after_step(done, last=done == self.config.train.steps)
-        self.reporter.telemetry.window.add(stats)
-        self.reporter.bar.update(done, stats.loss, stats.terms, stats.total_s, lr=lr)
-        self.reporter.step_end(MetricsRecord(
-            step=done, lr=lr, loss=stats.loss if stats.terms else None,
-            grad_norm=self.stepper.grad_norm, samples_seen=cursor.position))
-        return stats
-
-    def add_wall(self, seconds: float) -> None:
-        self.reporter.telemetry.window.add_wall(seconds)
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
 
     def after_step(self, done: int) -> None:
         self.cadence.after_step(done, self.cursor.position)
         maybe_fail("train.step", self.runtime.rank, done)
-
-    def stop_if_signalled(self, done: int) -> None:
-        self.cadence.stop_if_signalled(done, self.cursor.position)
-
-    def catching_signals(self) -> AbstractContextManager[None]:
-        return self.signals.catching()
-
-    def status(self, text: str) -> None:
-        self.reporter.bar.status(text)
 
     def announce(self, initial_eval: float | None) -> None:
         self.reporter.say(banner_text(
@@ -192,27 +179,29 @@ class Run:
         for start in range(0, len(indices), size):
             batch = ev.collate(fetch_samples(ev.dataset, indices[start:start + size]))
             with autocast(self.config.train.precision, self.runtime.device):
-                loss_sum, count = self.stepper.eval_totals(
-                    split_batch(to_device(batch, self.runtime.device), ev.call_kwargs))
+                loss_sum, count = self.parallel.passes.eval_loss(
+                    split_batch(to_device(batch, self.runtime.device), ev.call_kwargs),
+                    self.loss)
             totals[0] += loss_sum
             totals[1] += count
-        self.stepper.reduce_eval(totals)
+        self.parallel.passes.eval_comm.all_reduce(totals)
         module.train()
         return float(totals[0] / totals[1].clamp(min=1))
 
     # ----------------------------------------------------------------- records
     def log(self, step: int, eval_loss: float | None) -> None:
         """A metrics record for step ``step`` (a collective: every rank calls it)."""
-        window, scaler = self.reporter.telemetry.window, self.stepper.scaler
+        window, scaler, facts = self.reporter.telemetry.window, self.scaler, self.facts
         per_step, wire_per_step = self.tally.since_logged(window.steps)
         record = MetricsRecord(
-            step=step, lr=self.current_lr, grad_norm=self.stepper.grad_norm,
+            step=step, lr=lr_at(step - 1, self.config.train, self.plan.lr),
+            grad_norm=facts.grad_norm,
             samples_per_s=window.samples_per_s(self.plan.batch.global_batch),
             samples_seen=self.cursor.position, shares=list(self.cursor.splitter.shares),
             checkpoint_stall_s=self.checkpoints.stall_s,
-            loss_scale=scaler.scale if scaler.enabled else None,
+            loss_scale=facts.loss_scale if scaler.enabled else None,
             skipped_steps=scaler.skipped if scaler.enabled else None,
-            nonfinite_skipped=self.stepper.nonfinite_skipped or None,
+            nonfinite_skipped=facts.nonfinite_skipped or None,
             eval_loss=eval_loss,
             memory_mb={k: v / 2**20 for k, v in self.memory().items()},
             comm_bytes_per_step=per_step, comm_wire_bytes_per_step=wire_per_step,
@@ -227,16 +216,15 @@ class Run:
         """This rank's model state, and the most activation bytes it saved for backward
         (one micro-batch's forward; a pipeline stage's peak over its schedule)."""
         return {**self.parallel.grads.model_state_bytes(self.model.optimizer),
-                ACTIVATIONS: self.stepper.activation_bytes or 0}
+                ACTIVATIONS: self.facts.activation_bytes or 0}
 
     # ----------------------------------------------------------------- own loop
-    def own_loop_inputs(self) -> OwnLoopInputs:
+    def own_loop_inputs(self, compute: WorkerGradients) -> OwnLoopInputs:
         train, b = self.config.train, self.plan.batch
         return OwnLoopInputs(
             optimizer=self.model.optimizer, steps=train.steps, sampler=self.cursor.sampler,
             per_worker=b.global_batch // b.dp, micro_batch=b.micro_batch,
-            compute=self.stepper.gradients,
-            lr_at=lambda s: lr_at(s, train, self.plan.lr),
+            compute=compute, lr_at=lambda s: lr_at(s, train, self.plan.lr),
             log=self._own_loop_record, log_every=train.log_every)
 
     def _own_loop_record(self, record: MetricsRecord) -> None:
@@ -245,8 +233,24 @@ class Run:
             self.reporter.bar.update(record.step, record.loss, lr=record.lr)
         self.reporter.write(record)
 
-    def own_loop_done(self, samples: int, skipped: int) -> None:
-        if skipped:
-            self.reporter.say(f"{skipped} push(es) with a non-finite loss or gradient "
-                              "norm were skipped")
-        self.cursor.position = samples
+
+def run_own_loop(run: Run, mode: RunsOwnLoop, compute: WorkerGradients) -> LoopResult:
+    """The loop of a sync mode that runs its own (parameter servers and workers, each
+    worker's gradients from ``compute``): held-out evaluations at its start and end, no
+    checkpoints."""
+    start = time.perf_counter()
+    initial_eval = run.evaluate(0)
+    run.announce(initial_eval)
+    result = mode.run_loop(run.own_loop_inputs(compute))
+    if result.diverged is not None:  # every rank holds the same result
+        raise DivergenceError(*result.diverged)
+    if result.nonfinite_skipped:
+        run.reporter.say(f"{result.nonfinite_skipped} push(es) with a non-finite loss or "
+                         "gradient norm were skipped")
+    run.cursor.position = result.samples
+    totals = StatsWindow()
+    totals.add(StepStats(terms=result.terms, total_s=result.loop_s))
+    totals.add_wall(result.loop_s)
+    final_eval = run.evaluate(run.config.train.steps)
+    return LoopResult(initial_eval, final_eval, totals, result.train_loss,
+                      time.perf_counter() - start)

@@ -1,149 +1,291 @@
-"""One optimizer step on one rank, timed: data, compute, exposed communication, optimizer.
+"""One training step, read top to bottom in :func:`train_step`, and the loop that runs
+the steps (:func:`run_steps`).
 
-The rank's share of the global batch (equal, or set by the dynamic splitter) is cut into
-micro-batches of at most ``micro_batch`` samples; the composition's
-:class:`~disttrain.parallel.interfaces.StepPass` runs them forward and backward (through
-the module, or through the pipeline schedule). The summed loss and the number of loss
-terms are all-reduced alongside the last backward, and the reduced gradients are
-divided by the global count.
+A step is queued on the device and never waits for it: the gradient norm, the clip
+factor and the non-finite decision stay device tensors, and the optimizer's update is
+gated on the device (a skipped step changes no parameter and no optimizer state). The
+step's figures (loss, loss terms, norm, flags, loss scale) travel to the host without
+blocking; the loop reads step N's while step N+1 runs, or at once at a step where it
+must act on them (a record, an evaluation, a checkpoint, the last step, a signal), so a
+checkpoint is committed only after the host has seen every step it holds as finite.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass
 
 import torch
 
-from ..comm import CollectiveLedger
-from ..errors import nonfinite_part
+from ..errors import nonfinite_what
 from ..faults import maybe_slow_down
-from ..monitor.stats import StepStats
-from ..parallel.interfaces import GradSync, StepPass, StepTracer
-from .batch import Batch, LossFn, TokenLoss, loss_sum_and_terms
-from .precision import LossScaler, autocast
+from ..monitor import MetricsRecord
+from ..monitor.stats import StatsWindow, StepStats
+from .batch import Batch
+from .optim import lr_at, set_lr, step_unless
+from .precision import autocast
+from .run import LoopResult, Run
+
+# a step's figures, in the order they travel to the host: the summed loss, the loss
+# terms (both over the ranks that share gradients), the global gradient norm, whether
+# the loss / the gradients were non-finite (1.0 / 0.0), the loss scale it ran under
+FIGURES = ("loss_sum", "terms", "grad_norm", "bad_loss", "bad_grads", "loss_scale")
+
+
+def train_step(run: Run, step: int) -> StepInFlight:
+    """Optimizer step ``step`` (0-based) on this rank's share of the global batch, then
+    the sync mode's between-steps work. Queued on the device: nothing it computes is
+    read here; the returned :class:`StepInFlight` brings the figures to the host."""
+    train, par = run.config.train, run.parallel
+    grads, optimizer, scaler, device = par.grads, run.model.optimizer, run.scaler, run.device
+    lr = lr_at(step, train, run.plan.lr)
+    set_lr(optimizer, lr)
+    selected = par.sync.select(step, run.cursor.share())
+    lists = [] if selected is None else run.cursor.micro_batches(selected)
+    run.cursor.follow(lists)
+    stats = StepStats(samples=sum(len(m) for m in lists))
+    flags = torch.zeros(2, dtype=torch.float64, device=device)  # bad loss, bad grads
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, loss terms
+    norm = torch.zeros((), dtype=torch.float64, device=device)
+    ledger = run.tally.ledger
+    t0, waited0 = time.perf_counter(), ledger.wait_seconds
+    with run.tracer.span("step", step=step + 1):
+        if selected is not None:  # else this rank sits the step out (a federated round)
+            grads.zero_grad()
+            # Forward and backward of every micro-batch, through the module or the
+            # pipeline schedule; each adds its summed loss and loss terms to ``totals``,
+            # whose reduction over the ranks that share gradients starts before the
+            # last backward, so it overlaps it.
+            handle, measured = par.passes.forward_backward(
+                [_loader(run, m, stats) for m in lists], run.loss, totals, scaler.scale,
+                lambda: autocast(train.precision, device),
+                measure=run.facts.activation_bytes is None)
+            if measured is not None:
+                run.facts.activation_bytes = measured
+            maybe_slow_down(run.runtime.rank, time.perf_counter() - t0 - stats.data_s)
+            if handle is not None:
+                handle.wait()
+            # The loss normalisation. The loss is a sum over loss terms (target tokens,
+            # or samples), L = sum_i l_i over the N terms of the whole global batch (all
+            # micro-batches of all dp ranks), and the step follows the mean, L / N. Each
+            # rank's backward gives the gradient of its own part of the sum; the
+            # reduction sums them, and scaling by 1 / N (N = totals[1] after its
+            # reduction) gives the gradient of the mean: the same update however the
+            # global batch is split into ranks and micro-batches. fp16 multiplied the
+            # loss by the loss scale before backward; it is divided out here too.
+            denominator = totals[1].clamp(min=1.0)
+            if scaler.scale is not None:
+                denominator = denominator * scaler.scale
+            grads.finish_gradient_sync(1.0 / denominator)
+        t_opt, waited_mid = time.perf_counter(), ledger.wait_seconds
+        stats.compute_s = t_opt - t0 - stats.data_s - (waited_mid - waited0)
+        with run.tracer.span("optimizer"):
+            if selected is not None:
+                norm = torch.as_tensor(grads.clip_grad_norm(train.grad_clip),
+                                       dtype=torch.float64, device=device).reshape(())
+                # The non-finite decision, on the device: a nan / inf loss or gradient
+                # norm skips the update (under fp16 an overflowed gradient is the loss
+                # scaler's to skip, a non-finite loss a divergence). Every rank that
+                # shares gradients sees the same totals and the same global norm, so
+                # they decide alike without a collective.
+                flags[0] = (~torch.isfinite(totals[0])).double()
+                flags[1] = (~torch.isfinite(norm)).double()
+                run.checkpoints.before_update()  # an async save has its snapshot
+                step_unless(optimizer, flags.amax())
+                grads.after_optimizer_step()
+                scaler.update(overflow=flags[1] > 0, counted=flags[0] == 0)
+            if run.nonfinite.agree:  # replicas step apart: the stop is decided together
+                run.nonfinite.agree_on(flags)
+        stats.optim_s = time.perf_counter() - t_opt - (ledger.wait_seconds - waited_mid)
+        stats.total_s = time.perf_counter() - t0
+        stats.comm_s = ledger.wait_seconds - waited0
+    run.cursor.advance()
+    done = step + 1
+    par.sync.after_step(done, last=done == train.steps)
+    scale = scaler.scale if scaler.scale is not None else torch.ones((), device=device)
+    figures = torch.cat([totals, norm.reshape(1), flags, scale.double().reshape(1)])
+    return StepInFlight(done=done, lr=lr, stats=stats, sat_out=selected is None,
+                        position=run.cursor.position, copy=run.figures.send(figures))
+
+
+def _loader(run: Run, indices: list[int], stats: StepStats) -> Callable[[], Batch]:
+    """A micro-batch's loading, when the pass asks for it, timed as ``stats.data_s``."""
+    def load() -> Batch:
+        started = time.perf_counter()
+        with run.tracer.span("data"):
+            batch = run.load(indices)
+        stats.data_s += time.perf_counter() - started
+        return batch
+    return load
+
+
+class FigureCopies:
+    """Each step's figures (:data:`FIGURES`, a float64 vector on the device) copied to
+    the host without blocking, into one of two host buffers (pinned on a GPU, so the
+    copy really is asynchronous); read once the copy's event says it arrived. At most
+    one step's figures wait unread while the next step's are sent."""
+
+    def __init__(self, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.buffers = [torch.empty(len(FIGURES), dtype=torch.float64, pin_memory=pinned)
+                        for _ in range(2)]
+        self.unread = [False, False]
+        self.next = 0
+
+    def send(self, values: torch.Tensor) -> FigureCopy:
+        slot = self.next
+        if self.unread[slot]:
+            raise RuntimeError("a step's figures were sent before the one two steps "
+                               "earlier was read (at most one step stays unread)")
+        self.next, self.unread[slot] = 1 - slot, True
+        self.buffers[slot].copy_(values, non_blocking=True)
+        event = None
+        if values.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return FigureCopy(self, slot, event)
 
 
 @dataclass
-class StepRunner:
-    """Everything a step needs; ``run`` performs one.
+class FigureCopy:
+    """One step's figures on their way to the host."""
 
-    ``passes``: how the micro-batches go forward and backward; ``grads``: the composed
-    gradient synchronisation; ``ledger``: where collectives' wait time is counted."""
+    copies: FigureCopies
+    slot: int
+    event: torch.cuda.Event | None
 
-    passes: StepPass
-    grads: GradSync
-    ledger: CollectiveLedger
-    optimizer: torch.optim.Optimizer
-    loss_fn: LossFn | None  # None: the batch's causal-LM loss
-    load: Callable[[list[int]], Batch]
-    grad_clip: float
-    device: torch.device
-    tracer: StepTracer
-    rank: int = 0
-    precision: str = "fp32"
-    scaler: LossScaler = field(default_factory=lambda: LossScaler(False))
-    activation_bytes: int | None = None  # saved for backward, measured on the first pass
-    terms_are_samples: bool = False
-    grad_norm: float = 0.0
-    before_update: Callable[[], Any] = lambda: None  # e.g. an async checkpoint's snapshot
-    token_loss: TokenLoss | None = None  # the default loss's per-token loss (None: full)
-    nonfinite: str | None = None  # what went non-finite in the last step (None: nothing)
-    nonfinite_skipped: int = 0  # steps whose update was skipped for a non-finite value
+    def read(self) -> dict[str, float]:
+        """The figures by name; waits for the copy (and so for that step) if needed."""
+        if self.event is not None:
+            self.event.synchronize()
+        self.copies.unread[self.slot] = False
+        return dict(zip(FIGURES, self.copies.buffers[self.slot].tolist(), strict=True))
 
-    def loss(self, outputs: Any, batch: Batch) -> tuple[torch.Tensor, int]:
-        """(summed loss, loss terms) of a micro-batch (and whether the terms are
-        samples, kept for the progress line's unit)."""
-        loss_sum, count, samples = loss_sum_and_terms(self.loss_fn, outputs, batch,
-                                                      self.token_loss)
-        self.terms_are_samples = samples
-        # a count may stay a tensor (see loss_sum_and_terms): the passes only add it
-        # to ``totals``; LossOf (parallel.interfaces) declares it int
-        return loss_sum, cast(int, count)
 
-    def run(self, micro_batches: list[list[int]]) -> StepStats:
-        stats = StepStats(samples=sum(len(m) for m in micro_batches))
-        t0, waited0 = time.perf_counter(), self.ledger.wait_seconds
-        self.grads.zero_grad()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        handle = self._forward_backward(micro_batches, totals, stats)
-        maybe_slow_down(self.rank, time.perf_counter() - t0 - stats.data_s)
-        if handle is not None:
-            handle.wait()
-        loss, count = totals.tolist()
-        return self._reduce_and_step(stats, t0, waited0, loss, count)
+@dataclass
+class StepInFlight:
+    """A step queued on the device: its host-side timings, its learning rate, where
+    the sample order stood after it, and its figures on their way to the host."""
 
-    def _forward_backward(self, micro_batches: list[list[int]], totals: torch.Tensor,
-                          stats: StepStats | None) -> Any:
-        """The pass over ``micro_batches``, each loaded when the pass asks for it (the
-        time counted as ``stats.data_s``)."""
-        def loader(indices: list[int]) -> Callable[[], Batch]:
-            def load() -> Batch:
-                td = time.perf_counter()
-                with self.tracer.span("data"):
-                    batch = self.load(indices)
-                if stats is not None:
-                    stats.data_s += time.perf_counter() - td
-                return batch
-            return load
-        handle, measured = self.passes.forward_backward(
-            [loader(m) for m in micro_batches], self.loss, totals,
-            self.scaler.scale if self.scaler.enabled else 1.0,
-            lambda: autocast(self.precision, self.device),
-            measure=self.activation_bytes is None)
-        if measured is not None and self.activation_bytes is None:
-            self.activation_bytes = measured
-        return handle
+    done: int  # 1-based: the step's number once done
+    lr: float
+    stats: StepStats
+    sat_out: bool  # this rank took no part (a federated client out of the round)
+    position: int
+    copy: FigureCopy
 
-    def _reduce_and_step(self, stats: StepStats, t0: float, waited0: float, loss: float,
-                         count: float) -> StepStats:
-        """Finish the gradient reduction scaled by 1 / the global loss-term count, clip,
-        take the optimizer step; fill in the step's timings (from ``t0``; ``waited0``:
-        the ledger's wait total then) and loss. Time blocked in collectives is
-        ``comm_s``, taken out of the phase it fell in (compute or optimizer): a rank
-        waiting for a slower one in the norm's all-reduce is not busy."""
-        self.grads.finish_gradient_sync(1.0 / (max(count, 1.0) * self.scaler.scale))
-        to, waited_mid = time.perf_counter(), self.ledger.wait_seconds
-        stats.compute_s = to - t0 - stats.data_s - (waited_mid - waited0)
-        with self.tracer.span("optimizer"):
-            self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
-            self.nonfinite = nonfinite_part(loss, self.grad_norm, self.scaler.enabled)
-            self.before_update()
-            if self.nonfinite is not None:  # the trainer stops, or counts the skip
-                self.nonfinite_skipped += 1
-                self.grads.after_skipped_step()
-            elif self.scaler.update(self.grad_norm):  # fp16 overflow: skip the step
-                self.optimizer.step()
-                self.grads.after_optimizer_step()
-            else:
-                self.grads.after_skipped_step()
-        stats.optim_s = time.perf_counter() - to - (self.ledger.wait_seconds - waited_mid)
-        stats.total_s = time.perf_counter() - t0
-        stats.comm_s = self.ledger.wait_seconds - waited0
-        stats.loss, stats.terms = loss / max(count, 1.0), int(count)
-        return stats
 
-    def gradients(self, micro_batches: list[list[int]]) -> tuple[float, int, float]:
-        """Forward and backward only (a worker's half of a step whose update is made
-        elsewhere): leaves this rank's gradient, normalised by its own loss-term count
-        and clipped, in ``.grad``; returns (summed loss, loss terms, the gradient's norm
-        before clipping)."""
-        self.grads.zero_grad()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        handle = self._forward_backward(micro_batches, totals, None)
-        if handle is not None:
-            handle.wait()
-        loss, count = totals.tolist()
-        self.grads.finish_gradient_sync(1.0 / max(count, 1.0))
-        self.grad_norm = self.grads.clip_grad_norm(self.grad_clip)
-        return loss, int(count), self.grad_norm
+def learn(run: Run, flight: StepInFlight, totals: StatsWindow, recent: deque[float]
+          ) -> None:
+    """What the host does with a step's figures once they arrived: the non-finite
+    policy (stop, naming the step, or count the skip), the loss and its terms into the
+    windows, the progress line and the callbacks' per-step record."""
+    f, stats, done = flight.copy.read(), flight.stats, flight.done
+    what = nonfinite_what(bool(f["bad_loss"]), bool(f["bad_grads"]), run.scaler.enabled)
+    if not flight.sat_out:
+        run.scaler.count_skipped(bool(f["bad_grads"]) and not f["bad_loss"])
+        run.facts.grad_norm, run.facts.loss_scale = f["grad_norm"], f["loss_scale"]
+        if what is not None:
+            run.facts.nonfinite_skipped += 1
+    run.nonfinite.after_step(done, what, run.facts.nonfinite_skipped)
+    if not flight.sat_out:
+        stats.terms = int(f["terms"])
+        stats.loss = f["loss_sum"] / max(f["terms"], 1.0)
+    totals.add(stats)
+    # a rank that sat the step out has no loss; a skipped nan step none
+    if stats.terms and math.isfinite(stats.loss):
+        recent.append(stats.loss)
+    if run.loss.terms_are_samples:
+        run.reporter.bar.unit = "samples"
+    run.reporter.telemetry.window.add(stats)
+    run.reporter.bar.update(done, stats.loss, stats.terms, stats.total_s, lr=flight.lr)
+    run.reporter.step_end(MetricsRecord(
+        step=done, lr=flight.lr, loss=stats.loss if stats.terms else None,
+        grad_norm=run.facts.grad_norm, samples_seen=flight.position))
 
-    def eval_totals(self, batch: Batch) -> tuple[float, float]:
-        """(summed loss, loss terms) of one held-out micro-batch on this rank."""
-        return self.passes.eval_loss(batch, self.loss)
 
-    def reduce_eval(self, totals: torch.Tensor) -> None:
-        """Sum the held-out totals over the ranks that evaluated different samples."""
-        self.passes.eval_comm.all_reduce(totals)
+# train.eval_every = 0: about this many held-out evaluations in a run (after the one
+# before the first step), so the held-out curve has points, not just its two ends
+AUTO_EVALUATIONS = 10
+
+
+def eval_interval(eval_every: int, steps: int, log_every: int) -> int:
+    """Steps between held-out evaluations: ``eval_every``, or for 0 the smallest
+    multiple of ``log_every`` at least ``steps / AUTO_EVALUATIONS`` (so evaluations
+    fall on logged steps and add no records)."""
+    if eval_every > 0:
+        return eval_every
+    target = max(1, steps // AUTO_EVALUATIONS)
+    return log_every * math.ceil(target / log_every)
+
+
+def run_steps(run: Run) -> LoopResult:
+    """``train.steps`` optimizer steps from ``run.start_step``; evaluation, checkpoints
+    and metrics records at their cadences.
+
+    Each step's wall time runs from the end of the previous one's timing to the end of
+    its own checkpoint work, less its evaluation: it holds the step, reading the
+    previous step's figures (which waits for the device to finish it), any wait for
+    other ranks at the boundary, logging and saving."""
+    start, train = time.perf_counter(), run.config.train
+    run.reporter.bar.status("first evaluation...")
+    last_eval = run.evaluate(run.start_step)
+    initial_eval = last_eval
+    run.announce(initial_eval)
+    totals, recent = StatsWindow(), deque[float](maxlen=10)
+    every_eval = eval_interval(train.eval_every, train.steps, train.log_every)
+    pending: StepInFlight | None = None
+    with run.signals.catching():
+        mark = time.perf_counter()
+        for step in range(run.start_step, train.steps):
+            flight = run.tally.during(lambda step=step: train_step(run, step))
+            if pending is not None:  # read while this step runs on the device
+                learn(run, pending, totals, recent)
+            pending, done = flight, step + 1
+            last = done == train.steps
+            evaluate_now = done % every_eval == 0 or last
+            log_now = done % train.log_every == 0 or last or evaluate_now
+            stopping = not last and run.cadence.signalled(done)
+            if log_now or evaluate_now or stopping or run.checkpoints.due(done):
+                learn(run, pending, totals, recent)  # the host acts on this step now
+                pending = None
+            evaluating = 0.0
+            if evaluate_now:
+                started = time.perf_counter()
+                last_eval = run.evaluate(done)
+                evaluating = time.perf_counter() - started
+            run.after_step(done)
+            now = time.perf_counter()
+            totals.add_wall(now - mark - evaluating)
+            run.reporter.telemetry.window.add_wall(now - mark - evaluating)
+            mark = now
+            if log_now:
+                run.log(done, last_eval if evaluate_now else None)
+            if stopping:
+                run.cadence.stop(done, run.cursor.position)
+    final_loss = sum(recent) / len(recent) if recent else float("nan")
+    return LoopResult(initial_eval, last_eval, totals, final_loss,
+                      time.perf_counter() - start)
+
+
+def worker_gradients(run: Run, micro_batches: list[list[int]]) -> tuple[float, int, float]:
+    """Forward and backward only (a worker's half of a step whose update is made
+    elsewhere, by a parameter server): leaves this rank's gradient, normalised by its
+    own loss-term count and clipped, in ``.grad``; returns (summed loss, loss terms,
+    the gradient's norm before clipping), read on the host (the server needs them)."""
+    grads, device = run.parallel.grads, run.device
+    grads.zero_grad()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    stats = StepStats()
+    handle, _ = run.parallel.passes.forward_backward(
+        [_loader(run, m, stats) for m in micro_batches], run.loss, totals, None,
+        lambda: autocast(run.config.train.precision, device), measure=False)
+    if handle is not None:
+        handle.wait()
+    loss, count = totals.tolist()
+    grads.finish_gradient_sync(1.0 / max(count, 1.0))
+    norm = float(grads.clip_grad_norm(run.config.train.grad_clip))
+    return loss, int(count), norm

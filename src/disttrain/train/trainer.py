@@ -16,7 +16,8 @@ ranks and with any accumulation split.
 
 :meth:`Trainer.fit` assembles the run (:func:`.assemble.assemble_run`: this rank's part
 of the model composed by :func:`disttrain.parallel.compose`, its data, reporting and
-checkpoints), then runs the loop the composition asks for (:mod:`.loops`); it uses the
+checkpoints), then runs its steps (:func:`.step.run_steps`, one step read top to bottom in
+:func:`.step.train_step`), or the loop of a sync mode that runs its own; it uses the
 strategies only through their declared interfaces.
 """
 
@@ -44,10 +45,10 @@ from .assemble import RunInputs, assemble_run, build_mesh, finished_summary
 from .batch import LossFn, collate_samples
 from .checkpointing import RunCheckpoints
 from .finish import finish_run
-from .loops import OwnLoop, StepLoop, TrainingLoop
 from .outputs import RunDirectory
-from .run import Run
+from .run import Run, run_own_loop
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
+from .step import run_steps, worker_gradients
 
 
 def _as_config(config: Config | Mapping | None) -> Config:
@@ -185,9 +186,9 @@ class Trainer:
     def _fit(self, run: Run) -> dict[str, Any]:
         run.reporter.train_start()
         own = run.parallel.own_loop
-        loop: TrainingLoop = OwnLoop(own) if own is not None else StepLoop()
         try:
-            result = loop.run(run)
+            result = (run_steps(run) if own is None else
+                      run_own_loop(run, own, lambda lists: worker_gradients(run, lists)))
         except DivergenceError:
             run.checkpoints.close()  # a save of an earlier, finite step completes
             raise

@@ -27,6 +27,7 @@ from ...comm.buckets import BucketReducer, GradBucket, assign_buckets
 from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator, TrackedWork, wire_bytes
 from ...comm.spans import SpanRecorder
+from ..clipping import local_grad_norm
 from ..interfaces import grad_of
 
 
@@ -144,19 +145,16 @@ class DataParallel:
                     p.grad = view
         self.reducer.reset()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm (replicas hold the same reduced gradients, so the local
-        norm is the global one); clip if ``max_norm > 0``."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        limit = max_norm if max_norm > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, limit))
+        norm is the global one), a 0-dim tensor on the device; clip if ``max_norm > 0``."""
+        return local_grad_norm([p for p in self.model.parameters() if p.grad is not None],
+                               max_norm, self.comm.device)
 
     def after_optimizer_step(self) -> None:
-        """Nothing to do: every replica applied the same update."""
-
-    def after_skipped_step(self) -> None:
-        """The codec's residuals and warm starts lose what the skipped gradients put
-        in them (otherwise one nan would poison every later step)."""
+        """Every replica applied the same update (or skipped it alike); the codec's
+        residuals and warm starts lose whatever a non-finite gradient put in them
+        (nothing, after a finite step), so one nan never poisons a later step."""
         if self.reducer.codec is not None:
             self.reducer.codec.drop_nonfinite_state()
 

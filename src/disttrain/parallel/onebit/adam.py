@@ -126,6 +126,9 @@ class OnebitAdam(torch.optim.Optimizer):
         # ZeRO-1: shard -> (the exp_avg_sq it was built from, the whole frozen d)
         self._denoms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buckets: list[_Bucket] = []  # cut at the first compressed step
+        # takes the step's non-finite flag (``found_inf``, torch's convention); its phase
+        # is counted on the host, so it reads that flag there (one read per step)
+        self._step_supports_amp_scaling = True
 
     def shard_over(self, flats: dict[torch.Tensor, FlatShard]) -> None:
         """ZeRO-1: every parameter is a shard of one of ``flats`` (see the module
@@ -165,6 +168,9 @@ class OnebitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None if closure is None else closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf):  # the same on every dp rank
+            return loss
         if self.compressing:
             self._apply(self._exchange())
             return loss

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ..clipping import clip_to_global_norm
+from ..clipping import clip_to_global_norm, squared_norm
 from ..interfaces import GradSync, Work, grad_of
 from ..zero import ZeroDataParallel
 from .adam import FlatShard, OnebitAdam
@@ -83,7 +83,7 @@ class OnebitGrads:
     def reduce_loss_totals(self, totals: torch.Tensor) -> Work | None:
         return self.inner.reduce_loss_totals(totals)
 
-    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         if not self.local:
             self.inner.finish_gradient_sync(scale)
             return
@@ -94,21 +94,16 @@ class OnebitGrads:
     def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return self._local_pieces() if self.local else self.inner.gradient_pieces()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if not self.local:
             return self.inner.clip_grad_norm(max_norm)
         grads = [g for _, g in self._local_pieces()]
-        sq = self.comm.zeros(1, dtype=torch.float64)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum() / self.comm.size
+        sq = squared_norm(grads, self.comm.device) / self.comm.size
         return clip_to_global_norm(grads, sq, self.comm, max_norm)
 
     def after_optimizer_step(self) -> None:
         if not (self.local and self.zero is not None):  # ZeRO-1: already every rank's
             self.inner.after_optimizer_step()
-
-    def after_skipped_step(self) -> None:
-        self.inner.after_skipped_step()
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         out = dict(self.inner.model_state_bytes(optimizer))

@@ -54,13 +54,14 @@ class PipelineStepResult:
     """This rank's share of one step.
 
     ``loss_sum``: summed (unscaled) loss of its micro-batches, 0-dim, zero unless it
-    holds the last chunk; ``count``: their loss terms; ``timings``: one per action in
+    holds the last chunk; ``count``: their loss terms (a tensor where the loss gave one:
+    never read on the host here); ``timings``: one per action in
     schedule order; ``peak_activation_bytes``: most bytes saved for backward held at
     once (parameters excluded), None unless the run measured them.
     """
 
     loss_sum: torch.Tensor
-    count: int
+    count: torch.Tensor | int
     timings: list[ActionTiming] = field(default_factory=list)
     peak_activation_bytes: int | None = None
 
@@ -69,7 +70,8 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
                  micro_batches: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
                  loss_fn: LossFn, comm: Communicator, schedule: Schedule, *,
                  activation_shape: Sequence[int],
-                 activation_dtype: torch.dtype = torch.float32, loss_scale: float = 1.0,
+                 activation_dtype: torch.dtype = torch.float32,
+                 loss_scale: torch.Tensor | float | None = None,
                  grad_sync: GradSync | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  measure_activations: bool = False) -> PipelineStepResult:
@@ -107,7 +109,8 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
 class _Runner:
     def __init__(self, chunks: Sequence[PipelineChunk], micro_batches: Sequence,
                  loss_fn: LossFn, comm: Communicator, schedule: Schedule,
-                 shape: tuple[int, ...], dtype: torch.dtype, loss_scale: float,
+                 shape: tuple[int, ...], dtype: torch.dtype,
+                 loss_scale: torch.Tensor | float | None,
                  grad_sync: GradSync | None, clock: Callable[[], float],
                  measure_activations: bool) -> None:
         self.chunks = {ch.index: ch for ch in chunks}
@@ -124,8 +127,8 @@ class _Runner:
         self.groups = message_groups(schedule, comm.rank)
         self.produced: dict[Action, torch.Tensor] = {}  # outputs waiting for their send
         self.sends: list[tuple[torch.Tensor, TrackedWork]] = []
-        self.loss_sum = torch.zeros(())
-        self.count = 0
+        self.loss_sum = torch.zeros((), device=comm.device)
+        self.count: torch.Tensor | int = 0
 
     def run(self, actions: Sequence[Action]) -> PipelineStepResult:
         last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind != FORWARD}
@@ -193,8 +196,8 @@ class _Runner:
             if chunk.is_last:
                 loss, count = self.loss_fn(y, self.micro_batches[action.micro][1])
                 self.loss_sum = self.loss_sum + loss.detach().float()
-                self.count += int(count)
-                y = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+                self.count = self.count + count
+                y = loss if self.loss_scale is None else loss * self.loss_scale
         self.outputs[key] = y
         if not chunk.is_last:
             self._send(y, action)

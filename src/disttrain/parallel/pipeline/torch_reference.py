@@ -148,7 +148,7 @@ class DisttrainRunner:
         result = run_pipeline(self.chunks, batches, self.loss_fn, self.comm, self.schedule,
                               activation_shape=self.activation_shape, loss_scale=loss_scale,
                               measure_activations=self.measure_activations)
-        return ScheduleRun(result.loss_sum, result.count,
+        return ScheduleRun(result.loss_sum, int(result.count),
                            sum(t.end - t.start for t in result.timings))
 
 

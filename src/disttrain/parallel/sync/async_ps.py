@@ -61,6 +61,7 @@ sender's send and the receiver's receive), so bytes sent are half the ledger tot
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -73,7 +74,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
-from ...errors import nonfinite_part
+from ...errors import nonfinite_what
 from ...faults import maybe_slow_down
 from ...monitor.record import MetricsRecord
 from ...names import NONFINITE_STOP, SYNC_ASYNC
@@ -234,7 +235,8 @@ class AsyncParameterServer(EveryStep):
             staleness = version - int(base)
             lr = lr_at(report.pushes // self.workers)
             report.pushes += 1
-            bad = nonfinite_part(loss_sum, norm, loss_scaled=False)
+            bad = nonfinite_what(not math.isfinite(loss_sum), not math.isfinite(norm),
+                                 loss_scaled=False)
             if bad is not None:
                 report.nonfinite += 1
                 if self.stops_on_nonfinite:

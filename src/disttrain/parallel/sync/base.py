@@ -26,6 +26,7 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ...names import SYNC_EVERY_STEP
+from ..clipping import local_grad_norm
 
 
 class EveryStep:
@@ -139,19 +140,13 @@ class LocalGradients:
             elif self.zeros_for_unused:
                 p.grad = torch.zeros_like(p)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """This rank's gradient norm; clip if ``max_norm > 0``."""
-        params = [p for p in self.params if p.grad is not None]
-        if not params:
-            return 0.0
-        limit = max_norm if max_norm > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, limit))
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """This rank's gradient norm (a 0-dim tensor); clip if ``max_norm > 0``."""
+        return local_grad_norm([p for p in self.params if p.grad is not None], max_norm,
+                               self.comm.device)
 
     def after_optimizer_step(self) -> None:
         """Nothing: replicas are reconciled by the sync mode, not here."""
-
-    def after_skipped_step(self) -> None:
-        """Nothing: no state outlives the step's gradients."""
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())

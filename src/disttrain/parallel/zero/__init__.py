@@ -29,7 +29,7 @@ from ...comm.codecs import CAST_DTYPES
 from ...comm.collectives import Communicator, TrackedWork
 from ...names import STRATEGY_ZERO
 from ...spec import block_list, generic_spec
-from ..clipping import clip_to_global_norm
+from ..clipping import clip_to_global_norm, squared_norm
 from ..interfaces import StatePiece, TensorSource
 from ..placement import Placement
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
@@ -117,7 +117,7 @@ class ZeroDataParallel:
     def reduce_loss_totals(self, totals: torch.Tensor) -> TrackedWork:
         return self.comm.all_reduce(totals, async_op=True)
 
-    def finish_gradient_sync(self, scale: float = 1.0) -> None:
+    def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         """Reduce what is left, then set each shard's gradient to ``scale`` x its sum."""
         self.reducer.end_all()
         self.reducer.drain()
@@ -146,19 +146,16 @@ class ZeroDataParallel:
                 for p, view in zip(f.params, f.views(f.grad_full), strict=True):
                     p.grad = view
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm over every rank's gradient shard; clip if ``max_norm > 0``."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global norm over every rank's gradient shard (a 0-dim tensor on the device);
+        clip if ``max_norm > 0``."""
         grads = [f.shard.grad for f in self.flats if f.shard.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.flats[0].full.device)
-        for g in grads:
-            sq += g.double().pow(2).sum()
+        sq = squared_norm(grads, self.comm.device)
         return clip_to_global_norm(grads, sq, self.comm, max_norm)
 
-    def after_skipped_step(self) -> None:
-        """Nothing: ZeRO's codecs (casts) keep no state."""
-
     def after_optimizer_step(self) -> None:
-        """Stages 1-2: all-gather the updated shards into the full parameters."""
+        """Stages 1-2: all-gather the updated shards (unchanged after a skipped step)
+        into the full parameters."""
         if self.stage == 3:
             return
         with torch.no_grad():

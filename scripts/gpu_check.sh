@@ -8,7 +8,10 @@
 #            (mfu_compile): one JSON line each
 #   jobs     the default job, 50 steps, world 1 (NCCL), then the same with
 #            model.name=llama in bf16: each run's summary as one JSON line
-#   set      the GPU test set (pytest -m gpu tests/gpu; cases needing 2+ GPUs skip)
+#   set      the GPU test set (pytest -m gpu tests/gpu): the one-rank cases, and every
+#            multi-rank strategy with all its ranks on the one GPU in the shared-GPU
+#            test mode (test_gpu_shared.py: Gloo, collectives staged through pinned
+#            host memory); the NCCL cases needing 2+ GPUs skip
 #   profile  scripts/gpu_profile.py: a few profiled steps of disttrain and the plain
 #            loop (GPU busy and idle time per step, host-device syncs, top host ops)
 #   pretrained  scripts/gpu_pretrained.py: a bf16 Llama directory (8 x 1024) trained
@@ -26,8 +29,9 @@
 #   DISTTRAIN_GPU_SET_ON_CPU=1 bash scripts/gpu_check.sh   # dry run on the CPU
 #
 # The dry run (DISTTRAIN_GPU_SET_ON_CPU=1) runs the same sections on the CPU with Gloo
-# at smaller sizes (the set's fp16 cases skip, the MFU bench at a tiny shape): it shows
-# that the script starts and finishes, not that CUDA works.
+# at smaller sizes (the set's fp16 cases skip, the shared-GPU cases stage CPU tensors
+# under DISTTRAIN_HOST_STAGING=1, the MFU bench at a tiny shape): it shows that the
+# script starts and finishes, not that CUDA works.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -54,7 +58,8 @@ else
     JOB_STEPS=50
 fi
 # pytest-xdist, where installed, runs the set's cases side by side on the one GPU (each
-# case is a tiny model in its own spawned rank; the oracle is computed once per worker)
+# case is a tiny model in its own spawned ranks, up to eight for the shared-GPU (2,2,2);
+# the oracle is computed once per worker)
 SET_WORKERS=()
 if [ "$DRY" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then SET_WORKERS=(-n 4); fi
 

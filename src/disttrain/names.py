@@ -83,6 +83,11 @@ OWNER_FILE = "owner.lock"            # flock-ed by the run that owns the directo
 # lock it again)
 RUN_DIR_OWNED_ENV = "DISTTRAIN_RUN_DIR_OWNED"
 
+# ----------------------------------------------------------- the shared-GPU test mode
+# "1": every rank of a job on one GPU, collectives through Gloo (a test mode, not a way
+# to train: docs/testing.md). Read by the config check, the runtime and the comm layer.
+SHARED_GPU_ENV = "DISTTRAIN_SHARED_GPU"
+
 
 def trace_rank_file(rank: int) -> str:
     """One rank's timeline before rank 0 merges them all into :data:`TRACE_FILE`."""

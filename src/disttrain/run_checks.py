@@ -14,6 +14,7 @@ from __future__ import annotations
 from .config.consistency import (
     RunPlan,
     check_sections,
+    check_shared_gpu,
     data_parallel_degree,
     resolve_batch,
     scaled_lr,
@@ -35,6 +36,7 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
     ``spec`` (default: the model ``config.model`` names); raises ConfigError (one line:
     the field, the value, the fix)."""
     check_sections(config)
+    check_shared_gpu(config, world_size)
     spec = spec or (hf_config_spec(config.model) if is_hf(config.model)
                     else gpt_spec(config.model))
     p = config.parallel

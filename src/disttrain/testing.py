@@ -23,6 +23,7 @@ ranks that had not finished, so a hung collective fails one test instead of CI.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -34,7 +35,7 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -57,10 +58,13 @@ _WRAPPED_BODY = "__wrapped_body__"
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     kwargs: dict | None = None, timeout: float = 120.0,
-                    backend: str = "gloo", start_method: str | None = None) -> list[Any]:
+                    backend: str = "gloo", start_method: str | None = None,
+                    env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result in
     rank order. ``backend="nccl"`` puts rank r on GPU r (``torch.cuda.set_device``)
-    before the process group is created; it needs ``world_size`` GPUs.
+    before the process group is created; it needs ``world_size`` GPUs. ``env``:
+    environment variables every rank starts with (set before its first import, e.g.
+    ``CUDA_VISIBLE_DEVICES``; this process's own environment is left as it was).
     ``start_method="fork"`` starts the ranks in a fraction of a second instead of each
     importing torch again (each rank then runs torch on one thread, so a parent that
     used its intra-op threads is safe; never after touching CUDA, never with NCCL).
@@ -85,7 +89,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                          args=(target, rank, world_size, port, args, kwargs or {}, queue,
                                timeout, backend))
              for rank in range(world_size)]
-    _start(procs, forked=start_method == "fork")
+    with _environment(env or {}):
+        _start(procs, forked=start_method == "fork")
     try:
         return _collect(procs, queue, world_size, timeout)
     finally:
@@ -104,6 +109,22 @@ def default_start_method(backend: str) -> str:
     if backend != "gloo" or dist.is_initialized() or torch.cuda.is_initialized():
         return "spawn"
     return os.environ.get(START_METHOD_ENV) or "spawn"
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment while the ranks start (a forked or spawned
+    rank inherits it from its first instruction), then the environment as it was."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _start(procs: list, forked: bool) -> None:

@@ -1,5 +1,8 @@
 """What the GPU set runs: a case trained through the Trainer on NCCL ranks (rank r on GPU
-r), and its oracle, a plain single-process PyTorch loop on the same device.
+r), or with ``shared`` on one GPU in the shared-GPU test mode (every rank on the first
+visible GPU, collectives through Gloo, staged through pinned host memory where Gloo takes
+no CUDA tensors: disttrain/comm/staging.py), and its oracle, a plain single-process
+PyTorch loop on the same device.
 
 The oracle trains the same tiny GPT (4 blocks) from the same seed on the same global
 batches (masked targets, so samples carry different numbers of loss terms): the global
@@ -15,7 +18,8 @@ matmuls.
 
 ``DISTTRAIN_GPU_SET_ON_CPU=1`` runs the set on the CPU with Gloo instead (fp16 cases
 skipped: fp16 is GPU-only): a dry run of the tests' own logic for a machine without a
-GPU. It says nothing about CUDA or NCCL.
+GPU. It says nothing about CUDA or NCCL. A shared case's dry run stages its CPU tensors
+through host buffers (``DISTTRAIN_HOST_STAGING=1``), the staging path without the GPU.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import torch
 from safetensors.torch import load_file
 from support import SyntheticTokens
 
+from disttrain.comm.staging import HOST_STAGING_ENV
 from disttrain.config import load_config
 from disttrain.data import GlobalOrderSampler, collate_token_batch
 from disttrain.models import GPT, token_loss
+from disttrain.names import SHARED_GPU_ENV
 from disttrain.run_checks import resolve
 from disttrain.testing import run_distributed
 from disttrain.train.optim import build_optimizer, lr_at, set_lr
@@ -68,7 +74,8 @@ GPU_SET = [pytest.mark.gpu,
 @dataclass(frozen=True)
 class Case:
     """One Trainer run: the layout (dp, pp, tp), ZeRO stage, precision, micro-batches
-    per step, and any further [train] / [parallel] settings."""
+    per step, any further [train] / [parallel] / [comm] settings, and whether its ranks
+    share one GPU (``shared``: the shared-GPU test mode) instead of one GPU each."""
 
     name: str
     layout: tuple[int, int, int] = (1, 1, 1)
@@ -77,6 +84,8 @@ class Case:
     grad_accum: int = 1
     train: dict[str, Any] = field(default_factory=dict)
     parallel: dict[str, Any] = field(default_factory=dict)
+    comm: dict[str, Any] = field(default_factory=dict)
+    shared: bool = False
 
     @property
     def world(self) -> int:
@@ -89,10 +98,11 @@ class Case:
         return self.layout[0] * self.grad_accum
 
     def param(self) -> Any:
-        """The pytest parameter, skipped where this machine lacks ``world`` GPUs, and
-        for fp16 on the CPU dry run (fp16 with loss scaling is GPU-only)."""
+        """The pytest parameter, skipped where this machine lacks ``world`` GPUs (one
+        for a shared case: GPU_SET's mark), and for fp16 on the CPU dry run (fp16 with
+        loss scaling is GPU-only)."""
         marks = []
-        if not ON_CPU and GPUS < self.world:
+        if not ON_CPU and not self.shared and GPUS < self.world:
             marks.append(pytest.mark.skip(reason=f"needs {self.world} CUDA devices, "
                                                  f"found {GPUS}"))
         if ON_CPU and self.precision == "fp16":
@@ -107,7 +117,7 @@ def case_config(case: Case) -> Any:
              "precision": case.precision, **case.train}
     parallel = {"dp": dp, "pp": pp, "tp": tp, "zero": case.zero, **case.parallel}
     return load_config(values={"model": MODEL, "train": train, "parallel": parallel,
-                               "checkpoint": {"every": 0}})
+                               "comm": case.comm, "checkpoint": {"every": 0}})
 
 
 def _train_on_rank(case: Case, run_dir: str) -> dict[str, Any]:
@@ -122,7 +132,7 @@ def _train_on_rank(case: Case, run_dir: str) -> dict[str, Any]:
     summary = trainer.fit()
     return {"device": trainer.runtime.device.type, "backend": trainer.runtime.backend,
             "params_device": {p.device.type for p in trainer.model.parameters()},
-            "summary": summary}
+            "staged": trainer.world.staged, "summary": summary}
 
 
 @dataclass
@@ -162,14 +172,29 @@ def train_without_syncs(case: Case, run_dir: str) -> dict[str, Any]:
         step.train_step = inner
 
 
+def shared_env() -> dict[str, str]:
+    """What a shared case's ranks start with: the shared-GPU test mode on the first
+    visible GPU alone (the mode is refused where each rank could have a GPU of its own),
+    or on the dry run the host-staging switch."""
+    if ON_CPU:
+        return {HOST_STAGING_ENV: "1"}
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    return {SHARED_GPU_ENV: "1", "CUDA_VISIBLE_DEVICES": first}
+
+
 def train_case(case: Case, run_dir: Path, backend: str = BACKEND,
                timeout: float = 300, body: Any = _train_on_rank) -> Trained:
     """Run ``case`` on ``case.world`` spawned ranks: NCCL (Gloo on the dry run), or
-    ``backend="gloo"``, under which train.device = auto keeps the run on the CPU;
+    ``backend="gloo"``, under which train.device = auto keeps the run on the CPU. A
+    shared case's ranks start with :func:`shared_env` on Gloo (spawned on a GPU: a
+    forked rank could not use CUDA once this process has asked the driver anything).
     ``body``: what each rank runs (:func:`_train_on_rank`, or
     :func:`train_without_syncs`)."""
+    env, start = None, None
+    if case.shared:
+        backend, env, start = "gloo", shared_env(), None if ON_CPU else "spawn"
     ranks = run_distributed(body, case.world, args=(case, str(run_dir)),
-                            timeout=timeout, backend=backend)
+                            timeout=timeout, backend=backend, env=env, start_method=start)
     records = [json.loads(line) for line in
                (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Trained(ranks[0], load_file(str(run_dir / "model.safetensors")), records)
@@ -240,12 +265,15 @@ def assert_weights_close(actual: dict[str, torch.Tensor], expected: dict[str, to
             assert mean <= mean_bound, f"{what}: {name}: mean |difference| {mean:.2e}"
 
 
-def assert_ran_on_the_device(got: Trained) -> None:
-    """The run used the GPU through NCCL (the dry run: the CPU through Gloo) and named
-    the source of its MFU peak."""
+def assert_ran_on_the_device(got: Trained, shared: bool = False) -> None:
+    """The run used the GPU through NCCL (the dry run: the CPU through Gloo), or a
+    ``shared`` one through Gloo with its collectives staged, and named the source of its
+    MFU peak."""
     r = got.rank0
+    backend = "gloo" if shared else BACKEND
     assert (r["device"], r["backend"], r["params_device"]) == (
-        DEVICE_TYPE, BACKEND, {DEVICE_TYPE}), r
+        DEVICE_TYPE, backend, {DEVICE_TYPE}), r
+    assert r["staged"] == shared, r
     source = r["summary"]["peak_source"]
     assert (source == "measured:cpu" if ON_CPU
             else source.startswith(("published:", "measured:cuda:"))), source
@@ -256,7 +284,7 @@ def assert_follows_plain_loop(case: Case, got: Trained,
                               ) -> None:
     """``got`` ran on the device, ended on the plain loop's weights and, under fp16,
     skipped the loop's steps and ended at its loss scale."""
-    assert_ran_on_the_device(got)
+    assert_ran_on_the_device(got, case.shared)
     weights, scaling = oracle
     assert_weights_close(got.weights, weights, case.precision, case.name)
     if case.precision == "fp16":

@@ -10,7 +10,9 @@ bytes over N ranks sends 2 (N-1)/N P, an all-gather of a P-byte block sends (N-1
 Device discipline: a group has one device (``Communicator.device``: the current CUDA
 device for NCCL, the CPU for Gloo); buffers that travel are made with
 :meth:`Communicator.empty` / :meth:`Communicator.zeros`, and every op refuses a tensor on
-another device, or a non-contiguous one, naming the op and the call site.
+another device, or a non-contiguous one, naming the op and the call site. In the
+shared-GPU test mode a Gloo group's device is the current CUDA device too, and the ops
+Gloo cannot run on CUDA tensors are staged through host memory (:mod:`.staging`).
 
 NCCL's rules, applied to any backend when ``nccl_rules`` is on (the environment
 variable ``DISTTRAIN_NCCL_RULES=1``; the test suite sets it): no receive-from-any on a
@@ -34,6 +36,8 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
+
+from .staging import HostStage, host_staging_forced, shared_gpu
 
 ReduceOp = dist.ReduceOp
 # ReduceOp.SUM and the others are RedOpType members in torch's stubs, not ReduceOps
@@ -148,14 +152,25 @@ class MessageOrderError(RuntimeError):
 
 class TrackedWork:
     """An async collective's handle; waiting on it is recorded in the ledger.
-    ``check`` (if any) runs once the work is done (a received message's header)."""
+
+    ``extra``: works that complete before the main one (a message's header); ``check``
+    runs once they have (the header's check); ``finish`` once the main work has (a
+    staged op's copy back into its tensors, :mod:`.staging`); ``keep``: objects that
+    must outlive the transfer (a header, host copies). Of a staged op, ``is_completed``
+    and ``get_future`` tell that the transfer is done; its result reaches the caller's
+    tensors in ``wait()``.
+    """
 
     def __init__(self, work: dist.Work | None, ledger: CollectiveLedger,
                  record: CollectiveRecord,
-                 extra: list[dist.Work] | None = None,
-                 check: Callable[[], None] | None = None) -> None:
+                 extra: list[dist.Work | None] | None = None,
+                 check: Callable[[], None] | None = None,
+                 finish: Callable[[], None] | None = None,
+                 keep: tuple[object, ...] = ()) -> None:
         self.work, self.ledger, self.record = work, ledger, record
-        self.extra, self.check = extra or [], check
+        self.extra = [w for w in extra or [] if w is not None]
+        self.check, self.finish = check, finish
+        self.keep = keep
 
     def wait(self) -> bool:
         if self.work is None:
@@ -166,7 +181,11 @@ class TrackedWork:
             if self.check is not None:
                 check, self.check = self.check, None
                 check()
-            return self.work.wait()
+            done = self.work.wait()
+            if self.finish is not None:
+                finish, self.finish = self.finish, None
+                finish()
+            return done
 
     def is_completed(self) -> bool:
         return self.work is None or (self.work.is_completed()
@@ -190,9 +209,12 @@ def nccl_rules_default() -> bool:
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device a process group's tensors live on: the current CUDA device for NCCL,
-    the CPU otherwise (Gloo)."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    and for Gloo in the shared-GPU test mode (:func:`.staging.shared_gpu`); the CPU
+    otherwise (Gloo)."""
+    if dist.is_initialized():
+        backend = dist.get_backend(group)
+        if backend == "nccl" or (backend == "gloo" and shared_gpu()):
+            return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -205,23 +227,33 @@ class Communicator:
     Ranks passed to ``broadcast`` are ranks *within the group*. ``control``: a Gloo
     group on the CPU carrying control messages beside a device group (receive-from-any
     allowed under NCCL's rules). ``nccl_rules``: see the module docstring (default: the
-    environment's).
+    environment's). ``staged``: the ops other than all-reduce and broadcast run on host
+    copies (:mod:`.staging`): always on a Gloo data group on a CUDA device (the
+    shared-GPU test mode); on the CPU, under the debug switch ``host_staging`` (default:
+    the environment's ``DISTTRAIN_HOST_STAGING``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CollectiveLedger,
                  name: str = "world", *, control: bool = False,
-                 nccl_rules: bool | None = None) -> None:
+                 nccl_rules: bool | None = None, host_staging: bool | None = None
+                 ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.ledger = ledger
         self.name = name
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self.device = group_device(self.group)
+        gloo = dist.get_backend(self.group) == "gloo"
+        if control and not gloo:
+            raise ValueError(f"a control communicator must be a Gloo (CPU) group; "
+                             f"{name!r} is {dist.get_backend(self.group)}")
+        self.device = torch.device("cpu") if control else group_device(self.group)
         self.control = control
         self.nccl_rules = nccl_rules_default() if nccl_rules is None else nccl_rules
-        if control and self.device.type != "cpu":
-            raise ValueError(f"a control communicator must be a Gloo (CPU) group; "
-                             f"{name!r} is on {self.device}")
+        forced = host_staging_forced() if host_staging is None else host_staging
+        self.staged = self.size > 1 and gloo and not control and (
+            self.device.type == "cuda" or forced)
+        # where Gloo is handed the tensors: the host for a staged group's ops
+        self._carrier = torch.device("cpu") if self.staged else self.device
 
     def empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised buffer on this group's device (to receive into)."""
@@ -255,17 +287,32 @@ class Communicator:
         """A handle on a shared process group: copies of a module share it."""
         return self
 
+    def _stage(self, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> HostStage:
+        """The tensors an op reads and writes as Gloo must be handed them: host copies
+        on a staged group, else themselves."""
+        return HostStage(reads, writes, self.staged)
+
     def _run(self, op: str, tensor: torch.Tensor | None, call: Callable[[bool], Any],
-             async_op: bool, root: bool = False) -> Any:
+             async_op: bool, root: bool = False, *, stage: HostStage | None = None,
+             extra: list[dist.Work | None] | None = None,
+             check: Callable[[], None] | None = None,
+             keep: tuple[object, ...] = ()) -> Any:
         """Record ``op``, then issue it (``call(async_op)``); a blocking call is marked
-        as waiting in the ledger, an async one returns a :class:`TrackedWork`."""
+        as waiting in the ledger, an async one returns a :class:`TrackedWork` (with
+        ``extra``, ``check`` and ``keep``). A ``stage``'s results are copied back once
+        the op has completed."""
         rec = self.ledger.record(op, self.name, tensor, _call_site(3), self.size, root)
+        finish = None if stage is None else stage.finish
         if async_op:
-            return TrackedWork(call(True) if self.size > 1 else None, self.ledger, rec)
+            return TrackedWork(call(True) if self.size > 1 else None, self.ledger, rec,
+                               extra, check, finish, (*keep, stage))
         if self.size == 1:
             return None
         with self.ledger.blocked_on(rec):
-            return call(False)
+            result = call(False)
+            if finish is not None:
+                finish()
+            return result
 
     # Each op returns a TrackedWork when async, None when blocking (typed by overloads).
     @overload
@@ -318,8 +365,9 @@ class Communicator:
         self._check("reduce_scatter", output, input)
         if self.size == 1:
             output.copy_(input)
+        st = self._stage([input], [output])
         return self._run("reduce_scatter", input, lambda a: _REDUCE_SCATTER(
-            output, input, group=self.group, async_op=a), async_op)
+            st.writes[0], st.reads[0], group=self.group, async_op=a), async_op, stage=st)
 
     @overload
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *,
@@ -337,8 +385,9 @@ class Communicator:
         self._check("all_gather", output, input)
         if self.size == 1:
             output.copy_(input)
+        st = self._stage([input], [output])
         return self._run("all_gather", input, lambda a: _ALL_GATHER(
-            output, input, group=self.group, async_op=a), async_op)
+            st.writes[0], st.reads[0], group=self.group, async_op=a), async_op, stage=st)
 
     @overload
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *,
@@ -357,8 +406,9 @@ class Communicator:
         self._check("all_to_all", output, input)
         if self.size == 1:
             output.copy_(input)
+        st = self._stage([input], [output])
         return self._run("all_to_all", input, lambda a: dist.all_to_all_single(
-            output, input, group=self.group, async_op=a), async_op)
+            st.writes[0], st.reads[0], group=self.group, async_op=a), async_op, stage=st)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Each rank's ``tensor`` (same shape everywhere), in group-rank order."""
@@ -366,8 +416,9 @@ class Communicator:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         if self.size == 1:
             out[0].copy_(tensor)
+        st = self._stage([tensor], out)
         self._run("all_gather", tensor, lambda a: dist.all_gather(
-            out, tensor, group=self.group), False)
+            st.writes, st.reads[0], group=self.group), False, stage=st)
         return out
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
@@ -395,25 +446,28 @@ class Communicator:
         """Start sending ``tensor`` (contiguous, kept alive by the caller until the
         returned work completes) to group rank ``dst``."""
         self._check("send", tensor)
+        st = self._stage([tensor], [])
+        wire = st.reads[0]
         if not self.nccl_rules or self.control:
             return self._run("send", tensor, lambda a: dist.isend(
-                tensor, group=self.group, tag=tag, group_dst=dst), True)
-        header = torch.tensor([tag, tensor.numel()], dtype=torch.int64, device=self.device)
+                wire, group=self.group, tag=tag, group_dst=dst), True, stage=st)
+        header = torch.tensor([tag, tensor.numel()], dtype=torch.int64,
+                              device=self._carrier)
         first = dist.isend(header, group=self.group, tag=_HEADER_TAG, group_dst=dst)
-        work = self._run("send", tensor, lambda a: dist.isend(
-            tensor, group=self.group, tag=_HEADER_TAG, group_dst=dst), True)
-        if work.work is not None:
-            work.extra, work.header = [first], header  # kept alive until done
-        return work
+        return self._run("send", tensor, lambda a: dist.isend(
+            wire, group=self.group, tag=_HEADER_TAG, group_dst=dst), True, stage=st,
+            extra=[first], keep=(header,))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> TrackedWork:
         """Start receiving into ``tensor`` (preallocated, the sender's shape and dtype)
         from group rank ``src``."""
         self._check("recv", tensor)
+        st = self._stage([], [tensor])
+        wire = st.writes[0]
         if not self.nccl_rules or self.control:
             return self._run("recv", tensor, lambda a: dist.irecv(
-                tensor, group=self.group, tag=tag, group_src=src), True)
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
+                wire, group=self.group, tag=tag, group_src=src), True, stage=st)
+        header = torch.empty(2, dtype=torch.int64, device=self._carrier)
         first = dist.irecv(header, group=self.group, tag=_HEADER_TAG, group_src=src)
         site = _call_site(2)
 
@@ -427,11 +481,9 @@ class Communicator:
                     "messages between two ranks match in posting order only; post "
                     "receives in the order the peer sends")
 
-        work = self._run("recv", tensor, lambda a: dist.irecv(
-            tensor, group=self.group, tag=_HEADER_TAG, group_src=src), True)
-        if work.work is not None:
-            work.extra, work.check = [first], check
-        return work
+        return self._run("recv", tensor, lambda a: dist.irecv(
+            wire, group=self.group, tag=_HEADER_TAG, group_src=src), True, stage=st,
+            extra=[first], check=check, keep=(header,))
 
     def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Receive into ``tensor`` from whichever group rank's message comes first
@@ -443,8 +495,9 @@ class Communicator:
                              "NCCL has no receive-from-any; receive control messages on "
                              "a Gloo control group (Communicator(control=True)) and the "
                              "data from the sender it names")
+        st = self._stage([], [tensor])
         work = self._run("recv_any", tensor, lambda a: dist.irecv(
-            tensor, group=self.group, tag=tag), True)
+            st.writes[0], group=self.group, tag=tag), True, stage=st)
         work.wait()
         return work.work._source_rank()
 

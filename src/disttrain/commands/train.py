@@ -40,7 +40,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
             "Train a model on N local worker processes (Gloo on CPU, NCCL on GPU), "
             "validating the whole configuration first. With no arguments: the byte-level "
             "GPT on the Python standard library's source, 2 workers. Show the resolved "
-            "configuration without training: disttrain config show.", _help_width()),
+            "configuration without training: disttrain config show. "
+            "DISTTRAIN_SHARED_GPU=1 is a test mode, not a way to train: every worker "
+            "on one GPU, collectives through Gloo and host memory (refused where each "
+            "worker could have a GPU of its own).", _help_width()),
         epilog=config_keys_help(_help_width()), formatter_class=_raw_epilog_formatter)
     train.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                        help="TOML file with [model] [data] [train] [parallel] sections")

@@ -8,12 +8,13 @@ format) and :func:`resolve_batch` (the batch triple with its third member derive
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, ErrorCollector
-from ..names import CODEC_NONE, LOGGER_PACKAGES, SYNC_ASYNC
+from ..names import CODEC_NONE, LOGGER_PACKAGES, SHARED_GPU_ENV, SYNC_ASYNC
 from .layout import Layout
 from .schema import Config, ModelConfig, TrainConfig
 
@@ -220,6 +221,38 @@ def _check_device(config: Config) -> None:
     if backend == "nccl" and not gpu:
         raise ConfigError("parallel.backend", backend, "NCCL needs CUDA devices",
                           "use parallel.backend=gloo or auto on CPU")
+
+
+def check_shared_gpu(config: Config, world_size: int) -> None:
+    """The shared-GPU test mode (``DISTTRAIN_SHARED_GPU=1``: every rank of the job on
+    one GPU, collectives through Gloo) only where it tests something: a visible GPU,
+    the run on it, Gloo, and more ranks on this host (``LOCAL_WORLD_SIZE``, else the
+    whole world) than GPUs; where each rank could have its own GPU it would only train
+    slower than NCCL, so it is refused."""
+    import torch
+
+    if os.environ.get(SHARED_GPU_ENV, "") in ("", "0"):
+        return
+    mode = f"{SHARED_GPU_ENV}=1 (the shared-GPU test mode)"
+    if not torch.cuda.is_available():
+        raise ConfigError(SHARED_GPU_ENV, os.environ[SHARED_GPU_ENV],
+                          "the shared-GPU test mode needs a CUDA device; none is visible",
+                          f"unset {SHARED_GPU_ENV}: on the CPU every layout runs on Gloo")
+    if config.train.device == "cpu":
+        raise ConfigError("train.device", "cpu", f"{mode} puts every rank on the GPU",
+                          f"use train.device=auto or cuda, or unset {SHARED_GPU_ENV}")
+    if config.parallel.backend == "nccl":
+        raise ConfigError("parallel.backend", "nccl", f"NCCL refuses two ranks on one "
+                          f"GPU; {mode} runs the collectives through Gloo",
+                          "use parallel.backend=auto or gloo")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = torch.cuda.device_count()
+    if local <= gpus:
+        raise ConfigError(SHARED_GPU_ENV, os.environ[SHARED_GPU_ENV],
+                          f"{local} rank(s) on this host and {gpus} GPU(s): each rank can "
+                          "have its own GPU, where the shared-GPU test mode would only "
+                          "train slower", f"unset {SHARED_GPU_ENV} to train with NCCL, or "
+                          "make one GPU visible (CUDA_VISIBLE_DEVICES=0) to test the mode")
 
 
 TOKENIZER_BYTES = "bytes"

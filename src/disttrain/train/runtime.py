@@ -4,18 +4,26 @@ A worker learns its rank from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (set by
 torchrun, or from SLURM's variables for a task ``srun`` started as one rank); without
 them it is a world of one. :func:`world_size_from_env` is readable before any process group
 exists, so the config can be validated first.
+
+In the shared-GPU test mode (``DISTTRAIN_SHARED_GPU=1``, validated by
+:func:`~disttrain.config.consistency.check_shared_gpu`) every rank takes
+``cuda:(LOCAL_RANK mod GPUs)`` and the process group is Gloo (:mod:`disttrain.comm.staging`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..comm.staging import shared_gpu
+from ..errors import UserError
 from ..launch.slurm import adopt_slurm_env
+from ..names import SHARED_GPU_ENV
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,12 @@ def pick_device(preference: str, local_rank: int, existing_backend: str | None =
                 ) -> torch.device:
     """``cuda:local_rank`` for ``preference`` cuda, or auto with a GPU present, else the
     CPU. Under auto, a process group that already exists decides: one that cannot move
-    CUDA tensors (Gloo, as the CPU test harness creates) keeps the run on the CPU."""
+    CUDA tensors (Gloo, as the CPU test harness creates) keeps the run on the CPU. In
+    the shared-GPU test mode: ``cuda:(local_rank mod GPUs)``, whatever the group."""
+    if shared_gpu():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     group_moves_cuda = existing_backend is None or "nccl" in existing_backend
     gpu = preference == "cuda" or (preference == "auto" and torch.cuda.is_available()
                                    and group_moves_cuda)
@@ -57,14 +70,18 @@ def init_runtime(device_preference: str = "auto", backend: str = "auto",
                  timeout_s: float = 600.0) -> Runtime:
     """Initialise the default process group unless one exists; pick the device (cuda
     with NCCL when a GPU is present and nothing says otherwise, else the CPU with
-    Gloo)."""
+    Gloo; cuda with Gloo in the shared-GPU test mode)."""
     if not dist.is_initialized():
         adopt_slurm_env()  # a task srun started as one rank: SLURM's variables
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     existing = dist.get_backend() if dist.is_initialized() else None
+    if shared_gpu() and existing not in (None, "gloo"):
+        raise UserError(f"{SHARED_GPU_ENV}=1 runs every rank's collectives through Gloo, "
+                        f"but the process group is {existing}; create it with Gloo or "
+                        f"unset {SHARED_GPU_ENV}")
     device = pick_device(device_preference, local_rank, existing)
     if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" and not shared_gpu() else "gloo"
     owns = not dist.is_initialized()
     if owns:
         timeout = timedelta(seconds=timeout_s)
@@ -76,6 +93,10 @@ def init_runtime(device_preference: str = "auto", backend: str = "auto",
             dist.init_process_group(backend, timeout=timeout)
         else:  # a plain `python script.py`: a world of one, no rendezvous needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if shared_gpu() and dist.get_rank() == 0:
+        print(f"disttrain: {SHARED_GPU_ENV}=1, a test mode: {dist.get_world_size()} ranks "
+              f"share {torch.cuda.device_count()} GPU(s) through Gloo, collectives staged "
+              "through host memory; its speed says nothing about NCCL", file=sys.stderr)
     return Runtime(device=device, backend=dist.get_backend(), rank=dist.get_rank(),
                    world_size=dist.get_world_size(), local_rank=local_rank,
                    owns_process_group=owns)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,6 +170,109 @@ def test_default_chunk_keeps_the_logits_of_a_chunk_under_the_budget():
     assert default_chunk_tokens(8192, 50304) == CHUNK_LOGIT_BYTES // (4 * 50304) == 1334
     assert default_chunk_tokens(8192, 50304 // 4) == 5336  # tp 4: four times the tokens
     assert default_chunk_tokens(10, 64) == 10 and default_chunk_tokens(0, 64) == 1
+
+
+# ---- which heads it stands in for, and the swap ------------------------------------------
+
+def _llama(cls: type | None = None, **config: int) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    values = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0, **config}
+    return (cls or transformers.LlamaForCausalLM)(transformers.LlamaConfig(**values))
+
+
+def test_the_gpt_and_a_transformers_llama_name_a_head_the_fused_loss_stands_in_for():
+    from disttrain.models import gpt_spec
+    from disttrain.parallel.fused_loss import head_refusal
+    from disttrain.spec import spec_for
+
+    cfg = ModelConfig(**TINY_MODEL)
+    assert gpt_spec(cfg).head == "head" and head_refusal(GPT(cfg), gpt_spec(cfg)) is None
+    llama = _llama()
+    spec = spec_for(llama)
+    assert spec.head == "lm_head" and head_refusal(llama, spec) is None  # ran its twin
+    with torch.device("meta"):
+        on_meta = _llama()
+    assert head_refusal(on_meta, spec_for(on_meta)) is None
+
+
+@pytest.mark.parametrize("family, key", [("gemma2", "final_logit_softcapping"),
+                                         ("cohere", "logit_scale")])
+def test_a_config_that_changes_the_logits_after_the_head_leaves_it_off(family, key):
+    transformers = pytest.importorskip("transformers")
+    from disttrain.parallel.fused_loss import head_refusal
+    from disttrain.spec import spec_for
+
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0,
+             "pad_token_id": 0}
+    if family == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=8, **small))
+    else:
+        model = transformers.CohereForCausalLM(transformers.CohereConfig(**small))
+    spec = spec_for(model)
+    assert spec.head is None and key in spec.head_refusal
+    assert key in head_refusal(model, spec)
+
+
+def test_a_forward_that_changes_the_heads_output_is_seen_and_left_unfused():
+    """No config key says so: running the model (its small twin) shows the logits are
+    not the head's output tensor, unchanged."""
+    transformers = pytest.importorskip("transformers")
+    from disttrain.parallel.fused_loss import head_refusal
+    from disttrain.spec import spec_for
+
+    class DoubledLogits(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = _llama(DoubledLogits)
+    spec = spec_for(model)
+    assert spec.head == "lm_head"
+    assert "changes the output of its head 'lm_head'" in head_refusal(model, spec)
+
+
+def test_the_swap_on_a_pipeline_chunk_leaves_the_model_its_own_modules():
+    """The last chunk of a transformers model runs the model's forward on a shell: the
+    head swapped there (and a module at a nested path) is swapped in the shell, the
+    model keeps its own; the chunk then returns hidden states, and gives logits again
+    once the head is back."""
+    from disttrain.parallel.pipeline import build_chunks, plan_stages
+    from disttrain.spec import spec_for
+
+    model = _llama()
+    spec = spec_for(model)
+    last = build_chunks(model, spec, plan_stages(spec, pp=2), 1)[0]
+    head, norm = model.lm_head, model.model.norm
+    inputs = SimpleNamespace(args=(), kwargs={"input_ids": torch.arange(8).unsqueeze(0)})
+    hidden = torch.randn(1, 8, 32)
+    seen = {}
+
+    def keep(_m, args, _out) -> None:
+        seen["in"] = args[0]
+
+    hook = norm.register_forward_hook(keep)
+    with torch.no_grad():
+        want_logits = last(hidden, inputs)
+    hook.remove()
+    fused = fuse_output_head("lm_head", [(last, last.replace_module)])
+    stand_in = torch.nn.Identity()
+    assert last.replace_module("model.norm", stand_in) is norm
+    assert model.lm_head is head and model.model.norm is norm
+    assert last.get_submodule("model.norm") is stand_in
+    with torch.no_grad():
+        out = last(hidden, inputs)  # its block's output: no norm, no head after it
+        torch.testing.assert_close(out, seen["in"], rtol=0, atol=0)
+        fused.restore()
+        last.replace_module("model.norm", norm)
+        logits = last(hidden, inputs)
+    assert last.get_submodule("lm_head") is head
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
 
 
 # ---- vocabulary-parallel: one spawn of 4 ranks, tp 4 and tp 2 --------------------------

@@ -123,9 +123,11 @@ class TensorParallel:
     def tp_rank(self) -> int:
         return self.comm.rank
 
-    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(summed loss, target count) from local logits [B, T, V/tp]; use instead of
-        :func:`disttrain.models.token_loss`. Same value on every tp rank."""
+    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, target count: a 0-dim device tensor) from local logits
+        [B, T, V/tp]; use instead of :func:`disttrain.models.token_loss`. Same value
+        on every tp rank."""
         return vocab_parallel_token_loss(outputs, targets, self.comm)
 
     def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore: int
@@ -133,9 +135,7 @@ class TensorParallel:
         """(summed cross-entropy, counted positions) of local logits [B, T, V/tp]
         against global ids [B, T], positions equal to ``ignore`` left out: what a
         batch's default loss uses in place of the full-vocabulary one."""
-        loss, count = vocab_parallel_token_loss(logits, targets, self.comm,
-                                                ignore_index=ignore)
-        return loss, torch.tensor(count)
+        return vocab_parallel_token_loss(logits, targets, self.comm, ignore_index=ignore)
 
     def full_logits_loss(self, loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """``loss_fn`` called on the full logits: the local ones [B, T, V/tp] are

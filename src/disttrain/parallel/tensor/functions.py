@@ -335,14 +335,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_token_loss(local_logits: torch.Tensor, targets: torch.Tensor,
                               comm: Communicator, *, ignore_index: int = IGNORE_INDEX
-                              ) -> tuple[torch.Tensor, int]:
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy over targets != ``ignore_index``, and their count, like
     :func:`disttrain.models.token_loss`, from vocab-sharded logits.
 
     local_logits: [B, T, V/tp] (this rank's vocabulary block); targets: [B, T] global
-    vocabulary ids. Every tp rank returns the same (loss_sum, count).
+    vocabulary ids. Every tp rank returns the same (loss_sum, count); the count is a
+    0-dim int64 tensor on the targets' device (read on the host, it would make a GPU
+    step wait for its forward).
     """
     flat = local_logits.flatten(0, -2)
     tgt = targets.flatten()
     losses = VocabParallelCrossEntropy.apply(flat, tgt, comm, ignore_index)
-    return losses.sum(), int((tgt != ignore_index).sum())
+    return losses.sum(), (tgt != ignore_index).sum()

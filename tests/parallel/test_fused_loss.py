@@ -260,7 +260,7 @@ def test_the_swap_on_a_pipeline_chunk_leaves_the_model_its_own_modules():
     with torch.no_grad():
         want_logits = last(hidden, inputs)
     hook.remove()
-    fused = fuse_output_head("lm_head", [(last, last.replace_module)])
+    fused = fuse_output_head("lm_head", (last, last.replace_module))
     stand_in = torch.nn.Identity()
     assert last.replace_module("model.norm", stand_in) is norm
     assert model.lm_head is head and model.model.norm is norm
@@ -314,7 +314,7 @@ def _check_gpt_head(comm: Communicator, sequence_parallel: bool) -> None:
     model = copy.deepcopy(full)
     tp = tpl.apply_tensor_parallel(model, comm, sequence_parallel=sequence_parallel)
     vocab_head = model.head
-    fused = fuse_output_head("head", [(model, functools.partial(replace_submodule, model))])
+    fused = fuse_output_head("head", (model, functools.partial(replace_submodule, model)))
     assert isinstance(model.head, HiddenStatesHead) and model.head.weight is model.tok_emb.weight
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, TINY_MODEL["seq_len"]), generator=g)

@@ -320,7 +320,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     passes: StepPass = (PipelinePass(mp, grads, groups.world, tracer)
                         if mp is not None and mp.chunks
                         else WholeModelPass(module, grads, groups.dp, tracer))
-    fused = (fuse_output_head(spec.head, _head_holders(model, spec.head, mp))
+    fused = (fuse_output_head(spec.head, _head_holder(model, mp))
              if refusal is None and spec.head is not None else None)
     token_loss = (fused.token_loss if fused is not None
                   else mp.tp.token_loss if mp is not None and mp.tp and mp.tp.vocab_sharded
@@ -342,13 +342,13 @@ def _fused_refusal(model: nn.Module, spec: ModelSpec, train: TrainConfig,
     return head_refusal(model, spec)
 
 
-def _head_holders(model: nn.Module, path: str, mp: ModelParallel | None
-                  ) -> list[tuple[nn.Module, Callable[[str, nn.Module], nn.Module]]]:
-    """Where this rank runs the output head: the last pipeline chunk (if this rank holds
-    it), or the whole model; with how to replace a module there."""
+def _head_holder(model: nn.Module, mp: ModelParallel | None
+                 ) -> tuple[nn.Module, Callable[[str, nn.Module], nn.Module]] | None:
+    """Where this rank runs the output head, with how to replace a module there: the
+    last pipeline chunk (None if another rank holds it), or the whole model."""
     if mp is not None and mp.chunks:
-        return [(c, c.replace_module) for c in mp.chunks if c.is_last]
-    return [(model, functools.partial(replace_submodule, model))]
+        return next(((c, c.replace_module) for c in mp.chunks if c.is_last), None)
+    return model, functools.partial(replace_submodule, model)
 
 
 def _layout_head(config: Config, lay: Any, micro_batches: int) -> str:

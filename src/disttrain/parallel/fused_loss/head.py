@@ -15,7 +15,7 @@ logits again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -77,11 +77,11 @@ class _Swap:
 
 
 class FusedHead:
-    """The heads this rank swapped for the fused loss (none on a pipeline stage without
-    the head); :meth:`token_loss` is the batch's default token loss over them."""
+    """The head this rank swapped for the fused loss (None on a pipeline stage without
+    it); :meth:`token_loss` is the batch's default token loss over it."""
 
-    def __init__(self, swaps: list[_Swap], chunk_tokens: int | None = None) -> None:
-        self._swaps = swaps
+    def __init__(self, swap: _Swap | None, chunk_tokens: int | None = None) -> None:
+        self._swap = swap
         self.chunk_tokens = chunk_tokens
         self.restored = False
 
@@ -91,20 +91,18 @@ class FusedHead:
         [B, T, d] (the swapped head's output) against targets [B, T] (global ids),
         positions equal to ``ignore`` left out: a :data:`~disttrain.train.batch.TokenLoss`
         whose logits are never whole. The count is a 0-dim device tensor."""
-        if not self._swaps:
+        if self._swap is None:
             raise RuntimeError("this rank holds no output head: the fused loss runs where "
                                "the model's last piece runs")
-        head = self._swaps[-1].stand_in
+        head = self._swap.stand_in
         return linear_cross_entropy(hidden, head.weight, targets, bias=head.bias,
                                     ignore_index=ignore, chunk_tokens=self.chunk_tokens,
                                     comm=head.comm)
 
     def restore(self) -> None:
-        """Put the original heads back (again: nothing)."""
-        if self.restored:
-            return
-        for swap in reversed(self._swaps):
-            swap.replace(swap.path, swap.original)
+        """Put the original head back (again: nothing)."""
+        if self._swap is not None and not self.restored:
+            self._swap.replace(self._swap.path, self._swap.original)
         self.restored = True
 
 
@@ -169,19 +167,18 @@ def _changes_head_output(model: nn.Module, spec: ModelSpec) -> str | None:
     return None
 
 
-def fuse_output_head(path: str, holders: Sequence[tuple[nn.Module, Replace]], *,
+def fuse_output_head(path: str, holder: tuple[nn.Module, Replace] | None, *,
                      chunk_tokens: int | None = None) -> FusedHead:
-    """Swap the head at ``path`` for a :class:`HiddenStatesHead` in each of ``holders``
-    (module holding it, how to replace a module in what runs: the whole model, or the
-    last pipeline chunk; none on other stages). A :class:`VocabParallelHead` keeps its
-    tp group and sequence parallelism; an ``nn.Linear`` (also a replicated one under
-    tp) computes the whole vocabulary."""
-    swaps = []
-    for holder, replace in holders:
-        head = holder.get_submodule(path)
-        stand_in = _stand_in(head, path)
-        swaps.append(_Swap(replace, path, replace(path, stand_in), stand_in))
-    return FusedHead(swaps, chunk_tokens)
+    """Swap the head at ``path`` for a :class:`HiddenStatesHead` in ``holder``: the
+    module holding it where this rank runs it (the whole model, or the last pipeline
+    chunk) and how to replace a module there; None on a stage without the head. A
+    :class:`VocabParallelHead` keeps its tp group and sequence parallelism; an
+    ``nn.Linear`` (a replicated one under tp too) computes the whole vocabulary."""
+    if holder is None:
+        return FusedHead(None, chunk_tokens)
+    module, replace = holder
+    stand_in = _stand_in(module.get_submodule(path), path)
+    return FusedHead(_Swap(replace, path, replace(path, stand_in), stand_in), chunk_tokens)
 
 
 def _stand_in(head: nn.Module, path: str) -> HiddenStatesHead:

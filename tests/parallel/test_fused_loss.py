@@ -4,10 +4,13 @@ In-process (tp 1): the summed loss, its count and the gradients of the hidden st
 the weight and the bias equal plain PyTorch's (``F.linear`` then ``F.cross_entropy``
 with ``reduction="sum"``), with ignored targets (a whole row too), label smoothing,
 chunk sizes that divide the token count and ones that do not; under bf16 autocast the
-fused loss follows the unfused one. One spawn of 4 ranks then runs the vocabulary-
-parallel form at tp 4 and at tp 2 (sub-groups {0, 1}, {2, 3}): the function on each
-rank's rows, and the tensor-parallel GPT (with and without sequence parallelism) with
-its head swapped for the fused loss, against the one-process full-logits loss.
+fused loss follows the unfused one. Which heads it stands in for (the GPT's, a
+transformers Llama's; not where the config or the forward changes the logits), and the
+swap on a pipeline chunk. One spawn of 4 ranks then runs, over groups of 4 and of 2
+(sub-groups {0, 1}, {2, 3}): the vocabulary-parallel function on each rank's rows, the
+tensor-parallel GPT (with and without sequence parallelism) with its head swapped for
+the fused loss, and the GPT cut into pipeline stages with the fused loss on the last,
+each against the one-process full-logits loss and every gradient.
 
 Tolerance (fp32): rtol 1e-5, atol 1e-5. The fused loss sums the same terms per chunk
 and over tp ranks in other groupings (~1e-7 relative); a lost or doubled chunk, a
@@ -338,17 +341,67 @@ def _check_gpt_head(comm: Communicator, sequence_parallel: bool) -> None:
     assert model.head is vocab_head
 
 
+def _check_pipeline(comm: Communicator) -> None:
+    """The 4-block GPT cut into comm.size stages (1F1B, 4 micro-batches), its head on the
+    last stage (a copy of the tied weight there) swapped for the fused loss: the
+    summed loss and every parameter's gradient (tied copies summed between the first
+    and last stage) equal the full GPT's with F.cross_entropy on its logits."""
+    from disttrain.models import gpt_spec
+    from disttrain.parallel.pipeline import (
+        build_chunks,
+        build_schedule,
+        chunk_param_names,
+        plan_stages,
+        run_pipeline,
+        sync_tied_grads,
+    )
+
+    cfg = ModelConfig(**{**TINY_MODEL, "n_layer": 4})
+    torch.manual_seed(0)
+    full, model = GPT(cfg), GPT(cfg)
+    model.load_state_dict(full.state_dict())
+    spec = gpt_spec(cfg)
+    chunks = build_chunks(model, spec, plan_stages(spec, pp=comm.size), comm.rank)
+    last = next((c for c in chunks if c.is_last), None)
+    fused = fuse_output_head("head", None if last is None else (last, last.replace_module))
+    g = torch.Generator().manual_seed(9)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+        targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=g)
+        targets[0, :3] = IGNORE_INDEX
+        batches.append((ids, targets))
+    ref_loss = sum(F.cross_entropy(full(i).flatten(0, 1), t.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+                   for i, t in batches)
+    (ref_loss / 100).backward()
+    result = run_pipeline(chunks, batches, lambda y, t: fused.token_loss(y, t, IGNORE_INDEX),
+                          comm, build_schedule("1f1b", pp=comm.size, m=4),
+                          activation_shape=(2, cfg.seq_len, cfg.d_model), loss_scale=1 / 100)
+    sync_tied_grads(chunks, comm)
+    if last is not None:
+        _close(torch.as_tensor(result.loss_sum).float(), ref_loss.detach(), "pipeline loss")
+        assert int(result.count) == 4 * 2 * cfg.seq_len - 4 * 3
+    full_params = dict(full.named_parameters())
+    for chunk in chunks:
+        names = chunk_param_names(chunk)
+        for n, p in chunk.named_parameters():
+            _close(p.grad, full_params[names[n]].grad, f"stage {comm.rank}: {n}.grad")
+
+
 CHECKS = {
     "function": _check_vocab_parallel,
+    "pipeline": _check_pipeline,
     "gpt": functools.partial(_check_gpt_head, sequence_parallel=False),
     "gpt_sp": functools.partial(_check_gpt_head, sequence_parallel=True),
 }
 
 
 def _run_checks() -> dict[str, str | None]:
-    """On each of 4 ranks, every check over tp=4 (the world) and tp=2 (ranks {0, 1} and
-    {2, 3}): "check-tp" -> a traceback or None (asserts follow the collectives, so a
-    failing check does not desync the ranks)."""
+    """On each of 4 ranks, every check over a group of 4 (the world) and of 2 (ranks
+    {0, 1} and {2, 3}; the tp group, or the pp group of the pipeline check): "check-size"
+    -> a traceback or None (asserts follow the collectives, so a failing check does not
+    desync the ranks)."""
     import torch.distributed as dist
 
     ledger = CollectiveLedger()
@@ -356,13 +409,13 @@ def _run_checks() -> dict[str, str | None]:
     comms = {4: Communicator(None, ledger, name="tp"),
              2: Communicator(pairs[dist.get_rank() // 2], ledger, name="tp")}
     out: dict[str, str | None] = {}
-    for tp, comm in comms.items():
+    for size, comm in comms.items():
         for name, check in CHECKS.items():
             try:
                 check(comm)
-                out[f"{name}-{tp}"] = None
+                out[f"{name}-{size}"] = None
             except AssertionError:
-                out[f"{name}-{tp}"] = traceback.format_exc()
+                out[f"{name}-{size}"] = traceback.format_exc()
     return out
 
 
@@ -374,12 +427,12 @@ def _results() -> list | Exception:
         return exc
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("check", list(CHECKS))
-def test_vocabulary_parallel_fused_loss_matches_the_full_logits(check, tp):
+def test_vocabulary_parallel_and_pipelined_fused_loss_match_the_full_logits(check, size):
     results = _results()
     if isinstance(results, Exception):
         raise results
-    key = f"{check}-{tp}"
+    key = f"{check}-{size}"
     failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results) if res[key]]
     assert not failures, "\n".join(failures)

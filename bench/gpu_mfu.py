@@ -2,7 +2,7 @@
 disttrain's Trainer, beside the same model trained by a plain PyTorch loop.
 
     python bench/gpu_mfu.py [--micro-batch 16] [--steps 30] [--warmup 10] [--vocab 50304]
-                            [--compile]
+                            [--compile] [--fused-loss on|off]
 
 The model is ``disttrain.models.GPT`` with 12 layers, d_model 768, 12 heads, seq_len
 1024 and a vocabulary of 50,304 (GPT-2's 50,257 rounded up to a multiple of 128, as
@@ -14,7 +14,9 @@ same for both (content does not change the work). Both sides run bf16 autocast, 
 ``--compile`` (then both compile each block, as ``train.compile`` does):
 
 - disttrain: ``Trainer`` on one rank (the runtime picks cuda and NCCL), checkpoints and
-  TensorBoard off, a metrics record every ``--log-every`` steps; its tokens/s is the
+  TensorBoard off, a metrics record every ``--log-every`` steps, ``train.fused_loss``
+  as ``--fused-loss`` says (default off: the same loss as the plain loop's, the
+  logits whole; on: the fused linear + cross-entropy); its tokens/s is the
   median over windows of ``--log-every`` steps after ``--warmup``, each timed by the
   wall clock from one ``torch.cuda.synchronize()`` to the next in a callback at the
   window's last step (as the plain loop is timed, everything between the steps
@@ -119,7 +121,8 @@ def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespac
         "train": {"steps": steps, "global_batch": args.micro_batch, "grad_accum": 1,
                   "lr": 6e-4, "warmup_steps": 0, "schedule": "constant",
                   "precision": "bf16", "log_every": args.log_every,
-                  "device": DEVICE.type, "compile": args.compile},
+                  "device": DEVICE.type, "compile": args.compile,
+                  "fused_loss": args.fused_loss == "on"},
         "checkpoint": {"every": 0}, "monitor": {"tensorboard": False}})
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(_model(cfg), data, token_loss, config, run_dir=run_dir,
@@ -192,6 +195,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=12, help="attention heads (12)")
     p.add_argument("--compile", action="store_true",
                    help="both sides compile each block (train.compile; block.compile())")
+    p.add_argument("--fused-loss", choices=("on", "off"), default="off",
+                   help="disttrain's train.fused_loss (off: the plain loop's loss, whole "
+                   "logits)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default); cpu only to dry-run this script at a tiny shape")
     return p.parse_args()
@@ -223,6 +229,7 @@ def main() -> None:
         "bench": "gpu_mfu",
         "gpu": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "none (cpu)",
         "torch": torch.__version__, "precision": "bf16", "compile": args.compile,
+        "disttrain_fused_loss": args.fused_loss == "on",
         "disttrain_device": ours["device"], "disttrain_backend": ours["backend"],
         "peak_tflops": round(ours["peak_tflops"], 3), "peak_source": ours["peak_source"],
         "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head,

@@ -76,6 +76,13 @@ class ModelSpec:
     and its spec: checks that must run the model (the pipeline cut) run on it when the
     model itself is on the meta device (None, or a builder returning None: such checks
     refuse a meta model).
+    ``head``: dotted path of the output head, an ``nn.Linear`` [V, d] whose output is
+    the model's logits with nothing applied to them after it (a scale or a soft cap
+    would be): the fused linear + cross-entropy stands in for it
+    (:mod:`disttrain.parallel.fused_loss`; with a ``probe``, the forward is checked
+    once for that). None: no such head, the loss takes the full logits;
+    ``head_refusal`` then says why, where the model has a head (its config scales its
+    logits).
     """
 
     blocks: str | None
@@ -100,6 +107,8 @@ class ModelSpec:
     config_json: str | None = None
     tp_refusal: str | None = None
     twin: Callable[[], tuple[nn.Module, ModelSpec] | None] | None = None
+    head: str | None = None
+    head_refusal: str | None = None
 
     @property
     def can_pipeline(self) -> bool:

@@ -235,6 +235,7 @@ def _check_loss(comm: Communicator) -> None:
         results.append((dtype, ref, ref_loss, ref_count, local, loss, count, records))
     for dtype, ref, ref_loss, ref_count, local, loss, count, records in results:
         assert count == ref_count == 8, (count, ref_count)
+        assert isinstance(count, torch.Tensor) and count.dim() == 0  # never read on the host
         assert loss.dtype == torch.float32
         _close(loss.detach(), ref_loss.detach().float(), f"{dtype} loss")
         tol = TOL if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}

@@ -155,6 +155,13 @@ class TrainConfig:
     compile: bool = _f(False, "compile each block of the model with torch.compile "
                        "(inductor; on CPU it needs a C++ compiler); refused under "
                        "parallel.tp > 1 and for a model with no block list")
+    fused_loss: bool = _f(True, "compute the causal-LM loss with the output head's matmul, "
+                          "chunk by chunk over the tokens, so the [tokens, vocabulary] "
+                          "logits never exist whole (also vocabulary-parallel under tp); "
+                          "applies with the default loss to a model whose spec names its "
+                          "output head (the built-in GPT, transformers causal LMs whose "
+                          "logits are the head's output unchanged); the start-up banner "
+                          "says whether it is on")
     sync: str = _f(SYNC_EVERY_STEP, "how dp replicas synchronise: every_step (gradient "
                    "all-reduce), local_sgd (average parameters every sync_every steps), "
                    "diloco (outer Nesterov step every sync_every steps), async (parameter "

@@ -176,7 +176,7 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
     d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
     return ModelSpec(
         blocks="blocks", before=("tok_emb", "pos_emb", "drop"), after=("ln_f", "head"),
-        embed=gpt_embed, finish=gpt_finish, hidden_size=d,
+        embed=gpt_embed, finish=gpt_finish, hidden_size=d, head="head",
         tied=(("tok_emb.weight", "head.weight"),), tp_plan=GPT_TP_PLAN,
         tp_head_attrs=("blocks.*.attn.n_head",),
         tp_divisors=(Divisor("model.n_head", cfg.n_head, cfg.n_head, "attention heads"),

@@ -19,7 +19,12 @@ one is built (the ``hf`` extra); validation refuses these settings without it.
   with ``c_proj``, ``c_fc`` / ``c_proj`` stored as [in, out] (GPT-2's ``Conv1D``), cut
   per head. The token embedding and the output head are sharded over the vocabulary
   and the loss is computed on the shards. Sequence parallelism does not apply (their
-  forward reshapes activations by the full sequence length).
+  forward reshapes activations by the full sequence length);
+- the output head (``get_output_embeddings()``, tied or not) when it is an
+  ``nn.Linear`` and the config does not change its output before it is returned as the
+  logits (Gemma 2's soft cap, Cohere's scale): the fused linear + cross-entropy stands
+  in for it (:mod:`disttrain.parallel.fused_loss`, which also runs the forward once to
+  check that nothing else does).
 """
 
 from __future__ import annotations
@@ -232,7 +237,9 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
     if id(embedding) not in names or (head is not None and id(head) not in names):
         return spec
     before, after = _around_blocks(model, path)
-    spec = dataclasses.replace(spec, twin=lambda: _small_twin(model))
+    head_path, refusal = _head_fields(lm.config, head, names)
+    spec = dataclasses.replace(spec, twin=lambda: _small_twin(model), head=head_path,
+                               head_refusal=refusal)
     emb_path = names[id(embedding)]
     if emb_path not in before:
         return spec
@@ -258,6 +265,31 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
     except UnclassifiedParameter as e:  # validation refuses parallel.tp > 1 with it
         tp["tp_refusal"] = str(e)
     return dataclasses.replace(spec, **tp)
+
+
+# transformers config keys whose models change the head's output before returning it as
+# the logits (Gemma 2/3's soft cap, Cohere's and Granite's scales, Falcon-H1's
+# multiplier); the fused loss computes the head's output, so it stays off for them.
+# Other families' forwards are checked by running them (fused_loss.head_refusal).
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                  "lm_head_multiplier")
+
+
+def _head_fields(config: Any, head: nn.Module | None, names: dict[int, str]
+                 ) -> tuple[str | None, str | None]:
+    """(the output head's path, None) when it is an ``nn.Linear`` whose output the
+    config does not change, else (None, why not); (None, None) without a head."""
+    if head is None:
+        return None, None
+    path = names[id(head)]
+    if type(head) is not nn.Linear:
+        return None, f"its output head {path!r} is a {type(head).__name__}, not an nn.Linear"
+    for key in _LOGIT_CHANGES:
+        value = getattr(config, key, None)
+        if value is not None:
+            return None, (f"its config sets {key}={value!r}, which changes the head's "
+                          "output into the logits")
+    return path, None
 
 
 # a small model of the same family: these config keys, where present, set small

@@ -17,7 +17,11 @@ of step it needs. In order, over an unchanged model:
    through :class:`~.hybrid.ModelParallelGrads`;
 4. the sync mode ``train.sync``;
 5. how a step's micro-batches run forward and backward (:class:`~.interfaces.StepPass`:
-   through the whole module, or through the pipeline schedule).
+   through the whole module, or through the pipeline schedule);
+6. with the default causal-LM loss and ``train.fused_loss``, the output head swapped,
+   where this rank runs it, for the fused linear + cross-entropy (:mod:`.fused_loss`:
+   the same weight Parameter, so nothing above sees a difference), whose token loss
+   the step's default loss then calls.
 
 Each choice is looked up in :mod:`.registry`; the training loop uses only the result's
 interfaces.
@@ -25,6 +29,7 @@ interfaces.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +39,13 @@ from torch import nn
 
 from ..checkpoint.state import MODEL
 from ..comm.collectives import Communicator
-from ..config.schema import Config
-from ..spec import ModelSpec, block_list
+from ..config.schema import Config, TrainConfig
+from ..spec import ModelSpec, block_list, output_logits
+from ..targets import IGNORE_INDEX
 from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
 from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
+from .fused_loss import FusedHead, fuse_output_head, head_refusal, loss_line, replace_submodule
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import (
     GradSync,
@@ -80,9 +87,12 @@ class Parallelized:
     between steps (``train.sync``); ``passes``: how a step's micro-batches run forward
     and backward; ``mp``: the pipeline / tensor layout (None when pp = tp = 1);
     ``strategy``: the data-parallel strategy's name; ``token_loss``: the per-token loss
-    the module's outputs need (the vocabulary-parallel cross-entropy when the output
-    head is sharded over tp), or None for the ordinary one; ``layout_head``: the
-    banner's line for the layout (empty when pp = tp = 1).
+    the module's outputs need (the fused linear + cross-entropy when ``fused`` swapped
+    the output head: the outputs are then hidden states; else the vocabulary-parallel
+    cross-entropy when the head is sharded over tp), or None for the ordinary one;
+    ``fused``: the swapped head (None: the fused loss is off); ``layout_head``: the
+    banner's line for the layout (empty when pp = tp = 1); ``loss_line``: its line
+    for the loss (fused or not, and why).
     """
 
     module: nn.Module
@@ -98,6 +108,8 @@ class Parallelized:
     token_loss: Callable[..., Any] | None = None  # what the module's outputs need
     followers: list[Any] = field(default_factory=list)  # parts that track the optimizer
     layout_head: str = ""
+    fused: FusedHead | None = None
+    loss_line: str = ""
 
     @property
     def own_loop(self) -> RunsOwnLoop | None:
@@ -115,15 +127,22 @@ class Parallelized:
         return optimizer
 
     def layout_lines(self) -> str:
-        """Which ranks hold which layers and shards (pp or tp > 1; a collective over the
-        world), for the start-up banner; empty otherwise."""
+        """For the start-up banner: which ranks hold which layers and shards (pp or
+        tp > 1; a collective over the world), then how the loss is computed."""
+        loss = f"\n{self.loss_line}" if self.loss_line else ""
         if not self.layout_head:
-            return ""
+            return loss
         g = self.groups
         mine = (f"rank {g.world.rank} (pp {g.pp.rank}, dp {g.dp.rank}, tp "
                 f"{g.tp.rank}): {self.describe()}")
         return self.layout_head + "".join(
-            f"\n  {line}" for line in g.world.all_gather_object(mine))
+            f"\n  {line}" for line in g.world.all_gather_object(mine)) + loss
+
+    def restore_head(self) -> None:
+        """Put the output head the fused loss stood in for back (the end of ``fit()``:
+        the model gives logits again); nothing when it is off, or done."""
+        if self.fused is not None:
+            self.fused.restore()
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hand the optimizer, once built over :attr:`state`'s groups, to the parts of
@@ -134,16 +153,22 @@ class Parallelized:
     def loss_for(self, loss_fn: Callable[..., Any] | None, plain: Callable[..., Any]
                  ) -> Callable[..., Any] | None:
         """The loss a step calls for the user's ``loss_fn`` (None: the batch's default
-        loss, computed by :attr:`token_loss`). With the head's logits sharded over the
-        vocabulary, ``plain`` (the causal-LM token loss) becomes the default loss's
-        vocabulary-parallel form, and any other ``loss_fn`` gets the full logits."""
-        if self.token_loss is None or loss_fn is None:
+        loss, computed by :attr:`token_loss`). With the head fused into the loss, or
+        its logits sharded over the vocabulary, ``plain`` (the causal-LM token loss
+        on (logits, targets), ``IGNORE_INDEX`` ignored) is computed by
+        :attr:`token_loss`, and any other ``loss_fn`` gets the full logits (never
+        with the fused loss: :func:`compose` leaves it off for such a loss)."""
+        token_loss = self.token_loss
+        if token_loss is None or loss_fn is None:
             return loss_fn
         if loss_fn is plain:
-            return None
+            def plain_loss(outputs: Any, targets: Any) -> Any:
+                return token_loss(output_logits(outputs), targets, IGNORE_INDEX)
+            return plain_loss
         tp = self.mp.tp if self.mp is not None else None
-        if tp is None:  # never: token_loss is set from mp.tp
-            raise RuntimeError("a vocabulary-parallel token loss without tensor parallelism")
+        if tp is None or self.fused is not None:  # never: see compose()
+            raise RuntimeError(f"a loss_fn ({loss_fn!r}) with a token loss it cannot take "
+                               "the logits of")
         return tp.full_logits_loss(loss_fn)
 
     def local_boxes(self, optimizer: torch.optim.Optimizer
@@ -247,11 +272,14 @@ def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
 
 def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,
             groups: Groups, *, micro_batches: int, num_samples: int,
-            tracer: StepTracer | None = None) -> Parallelized:
+            tracer: StepTracer | None = None, default_loss: bool = False) -> Parallelized:
     """Apply every strategy ``config`` selects to ``model`` for this rank (see the
     module docstring); ``micro_batches``: per step and dp rank (the pipeline's m);
-    ``num_samples``: the training set's size (federated partitions)."""
+    ``num_samples``: the training set's size (federated partitions); ``default_loss``:
+    the step's loss is the causal-LM token loss (no ``loss_fn`` of the user's, or
+    :func:`disttrain.models.token_loss`), which alone the fused loss may compute."""
     train, par = config.train, config.parallel
+    refusal = _fused_refusal(model, spec, train, default_loss)  # on the unchanged model
     checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
     lay = topology.layout
     fresh = on_meta(model)  # built on meta: only this rank's part gets storage, below
@@ -292,13 +320,35 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     passes: StepPass = (PipelinePass(mp, grads, groups.world, tracer)
                         if mp is not None and mp.chunks
                         else WholeModelPass(module, grads, groups.dp, tracer))
+    fused = (fuse_output_head(spec.head, _head_holder(model, mp))
+             if refusal is None and spec.head is not None else None)
+    token_loss = (fused.token_loss if fused is not None
+                  else mp.tp.token_loss if mp is not None and mp.tp and mp.tp.vocab_sharded
+                  else None)
     return Parallelized(module=module, grads=grads, state=state, sync=sync, passes=passes,
                         mp=mp, placement=placement, strategy=strategy.name, groups=groups,
-                        zero_stage=lay.zero,
-                        token_loss=(mp.tp.token_loss if mp is not None and mp.tp
-                                    and mp.tp.vocab_sharded else None),
-                        followers=followers,
-                        layout_head=_layout_head(config, lay, micro_batches))
+                        zero_stage=lay.zero, token_loss=token_loss, followers=followers,
+                        layout_head=_layout_head(config, lay, micro_batches), fused=fused,
+                        loss_line=loss_line(spec.head, refusal))
+
+
+def _fused_refusal(model: nn.Module, spec: ModelSpec, train: TrainConfig,
+                   default_loss: bool) -> str | None:
+    """Why the fused linear + cross-entropy does not apply (None: it does)."""
+    if not train.fused_loss:
+        return "train.fused_loss=false"
+    if not default_loss:
+        return "the loss_fn given takes the logits"
+    return head_refusal(model, spec)
+
+
+def _head_holder(model: nn.Module, mp: ModelParallel | None
+                 ) -> tuple[nn.Module, Callable[[str, nn.Module], nn.Module]] | None:
+    """Where this rank runs the output head, with how to replace a module there: the
+    last pipeline chunk (None if another rank holds it), or the whole model."""
+    if mp is not None and mp.chunks:
+        return next(((c, c.replace_module) for c in mp.chunks if c.is_last), None)
+    return model, functools.partial(replace_submodule, model)
 
 
 def _layout_head(config: Config, lay: Any, micro_batches: int) -> str:

@@ -138,6 +138,8 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
     closing.callback(directory.release)
     reporter = _build_reporter(inputs, runtime, world, run_dir, subject)
     closing.callback(reporter.close)
+    # the model gives logits again however the run ends (before on_train_end on an error)
+    closing.callback(model.parallel.restore_head)
     checkpoints = RunCheckpoints(run_dir, config, plan, world, model.parallel.state,
                                  model.optimizer,
                                  model.parallel.local_boxes(model.optimizer))
@@ -188,9 +190,11 @@ def _build_model(inputs: RunInputs, runtime: Runtime, mesh: Mesh, cursor: DataCu
     flops = _flops_per_term(inputs, runtime, cursor)  # on the model as the user gave it
     parallel = compose(model, inputs.spec, config, mesh.topology, mesh.groups,
                        micro_batches=inputs.plan.batch.grad_accum,
-                       num_samples=_num_samples(inputs.dataset), tracer=tracer)
-    # a head sharded over the vocabulary: the causal-LM loss on the shards, any
-    # other loss on the gathered logits (never swapped for another loss)
+                       num_samples=_num_samples(inputs.dataset), tracer=tracer,
+                       default_loss=inputs.loss_fn is None or inputs.loss_fn is token_loss)
+    # the output head fused into the loss, or sharded over the vocabulary: the
+    # causal-LM loss computed by the composition's token loss, any other loss on the
+    # full logits (never swapped for another loss)
     loss_fn = parallel.loss_for(inputs.loss_fn, token_loss)
     optimizer = parallel.build_optimizer(config, inputs.plan.lr)
     if inputs.weights is not None:

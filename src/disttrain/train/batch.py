@@ -29,7 +29,8 @@ from ..spec import output_logits as model_logits
 from ..targets import IGNORE_INDEX, LABEL_IGNORE_INDEX
 
 LossFn = Callable[[Any, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
-# (logits [B, T, V], targets [B, T], ignored id) -> (summed loss, counted positions)
+# (logits [B, T, V] (or [B, T, V/tp]; hidden states [B, T, d] where the head is fused
+# into the loss), targets [B, T], ignored id) -> (summed loss, counted positions)
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 LABELS, TARGETS = "labels", "targets"
 
@@ -62,7 +63,8 @@ class Batch:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The causal-LM loss (summed) and its token count for these targets;
         ``token_loss`` computes it from the logits (default :func:`token_loss_on`; the
-        vocabulary-parallel loss when the logits are sharded)."""
+        vocabulary-parallel loss when the logits are sharded; the fused linear +
+        cross-entropy when the model's output holds hidden states in their place)."""
         if self.labels:
             return causal_lm_loss(outputs, self.targets, token_loss)
         return (token_loss or token_loss_on)(model_logits(outputs), self.targets,

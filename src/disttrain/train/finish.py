@@ -34,6 +34,7 @@ def finish_run(run: Run, result: LoopResult) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointSaveError(f"could not write the final weights: {problem}")
     run.parallel.grads.finalize()  # a model built whole keeps its full parameters
+    run.parallel.restore_head()  # the fused loss's stand-in out: the model gives logits
     on_main(run.world, lambda: rundir.write_summary(run.run_dir, summary),
             f"could not write the summary in {run.run_dir}", CheckpointSaveError)
     if run.runtime.is_main:

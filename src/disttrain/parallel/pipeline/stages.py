@@ -238,6 +238,27 @@ class PipelineChunk(nn.Module):
             node.training = mode
         return self
 
+    def replace_module(self, path: str, new: nn.Module) -> nn.Module:
+        """Put ``new`` at dotted ``path`` where this chunk runs it (and registers it);
+        returns the module it replaced. On a shell the containers along the path are
+        copied first, so the model the shell was copied from keeps its own."""
+        old = self.get_submodule(path)
+        shell = self.__dict__["_shell"]
+        *parents, leaf = path.split(".")
+        if shell is None:
+            holder = self.get_submodule(".".join(parents)) if parents else self
+            setattr(holder, leaf, new)
+            return old
+        node = shell
+        for name in parents:
+            copied = _shallow(_child(node, name))
+            node._modules[name] = copied
+            self._nodes.append(copied)
+            node = copied
+        node._modules[leaf] = new
+        self.add_module(path.split(".")[0], shell._modules[path.split(".")[0]])
+        return old
+
     def chunk_blocks(self) -> list[nn.Module]:
         """This chunk's blocks, in order."""
         return list(self._block_slice())

@@ -125,8 +125,9 @@ class TensorParallel:
 
     def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, target count) from local logits [B, T, V/tp]; use instead of
-        :func:`disttrain.models.token_loss`. Same value on every tp rank."""
+        """(summed loss, target count: a 0-dim device tensor) from local logits
+        [B, T, V/tp]; use instead of :func:`disttrain.models.token_loss`. Same value
+        on every tp rank."""
         return vocab_parallel_token_loss(outputs, targets, self.comm)
 
     def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore: int

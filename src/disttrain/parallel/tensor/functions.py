@@ -341,7 +341,8 @@ def vocab_parallel_token_loss(local_logits: torch.Tensor, targets: torch.Tensor,
 
     local_logits: [B, T, V/tp] (this rank's vocabulary block); targets: [B, T] global
     vocabulary ids. Every tp rank returns the same (loss_sum, count); the count is a
-    0-dim tensor on the device (reading it on the host would make a GPU step wait).
+    0-dim int64 tensor on the targets' device (read on the host, it would make a GPU
+    step wait for its forward).
     """
     flat = local_logits.flatten(0, -2)
     tgt = targets.flatten()

@@ -1,0 +1,267 @@
+"""Fused linear + cross-entropy: the output head's matmul and the token loss together,
+chunk by chunk over the tokens, so the [tokens, vocabulary] logits never exist whole.
+
+For hidden states h_i [d], the head's weight W [V, d] and bias b [V], logits
+z_i = W h_i + b, target t_i and label smoothing e (``F.cross_entropy``'s definition):
+
+    loss = sum over counted i of  lse(z_i) - (1 - e) z_i[t_i] - (e / V) sum_j z_i[j]
+    d loss / d z_i = softmax(z_i) - (1 - e) onehot(t_i) - e / V      (0 on ignored rows)
+
+Per chunk of c tokens the forward computes the logits [c, V] in fp32 (the matmul in
+autocast's dtype where autocast is on, as the unfused head under autocast computes
+them), their log-sum-exp and target logit, and at once the chunk's gradient, which it
+multiplies into the hidden states' gradient rows [c, d] and adds into the weight's
+gradient [V, d] (fp32). The backward only scales those by the incoming gradient of the
+sum, so no matmul is recomputed (Liger-Kernel's fused linear cross-entropy works the
+same way). Between forward and backward this holds the gradients [N, d] and [V, d]
+instead of the logits [N, V] and their softmax.
+
+Vocabulary-parallel (``comm`` given): W [V/tp, d] holds rows [r V/tp, (r+1) V/tp) on tp
+rank r. Per chunk the row max is all-reduced (MAX) over [c], then the sum of exps, the
+target logit (non-zero only on its owner) and, with smoothing, the sum of the logits, in
+one all-reduce of [2 or 3, c]; logits never travel. Every rank returns the same loss;
+its hidden-state gradient is the part from its own rows, which the copy-to-tp-region op
+before the head sums over tp (as for a column-parallel layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...comm.collectives import Communicator, ReduceOp
+from ...targets import IGNORE_INDEX
+
+CHUNK_LOGIT_BYTES = 256 * 2**20
+"""The default chunk holds at most this many bytes of fp32 logits (at least one token):
+at vocabulary 50,304 that is 1,334 tokens per chunk (1,334 / tp ranks' rows each)."""
+
+
+def default_chunk_tokens(n_tokens: int, vocab_rows: int) -> int:
+    """Tokens per chunk: as many as :data:`CHUNK_LOGIT_BYTES` of fp32 logits over
+    ``vocab_rows`` (this rank's vocabulary rows) allow, at least 1, at most all."""
+    return max(1, min(n_tokens, CHUNK_LOGIT_BYTES // (4 * max(vocab_rows, 1))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLoss:
+    """What a fused loss computes besides its tensors: ``ignore_index`` (targets not
+    counted), ``label_smoothing`` (e above), ``chunk`` (tokens per chunk),
+    ``compute_dtype`` (of the matmuls: autocast's, or the weight's), ``comm`` (the tp
+    group of a vocabulary-parallel head; None: the whole vocabulary here) and ``wants``
+    (which of hidden, weight, bias need a gradient)."""
+
+    ignore_index: int
+    label_smoothing: float
+    chunk: int
+    compute_dtype: torch.dtype
+    comm: Communicator | None
+    wants: tuple[bool, bool, bool]
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.comm is None else self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else self.comm.rank
+
+
+class LinearCrossEntropyFn(torch.autograd.Function):
+    """Summed cross-entropy of the logits hidden @ W^T + b, chunk by chunk.
+
+    Forward: hidden [N, d], weight [V(/tp), d], bias [V(/tp)] or None, targets [N]
+    (global ids) -> the summed loss, 0-dim fp32, the gradients of hidden, weight and
+    bias computed on the way and kept. Backward: those gradients times the incoming
+    gradient of the sum; no communication, no matmul. It runs once per forward
+    (``retain_graph`` cannot reuse it)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, targets: torch.Tensor, how: ChunkedLoss
+                ) -> torch.Tensor:
+        loss, grads = _loss_and_grads(hidden.detach(), weight.detach(),
+                                      None if bias is None else bias.detach(), targets, how)
+        ctx.save_for_backward(*grads)
+        ctx.spent = False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.spent:
+            raise RuntimeError("the fused linear + cross-entropy's backward ran twice: its "
+                               "gradients are computed once in forward (no retain_graph)")
+        ctx.spent = True
+        # scaled in place: each is this forward's own tensor, handed over once
+        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        return grads[0], grads[1], grads[2], None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         *, bias: torch.Tensor | None = None,
+                         ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
+                         chunk_tokens: int | None = None, comm: Communicator | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy of the logits ``hidden @ weight^T + bias`` against
+    ``targets`` over the positions != ``ignore_index``, their count) without the
+    logits ever existing whole: what ``F.cross_entropy(logits.float(), targets,
+    reduction="sum", ignore_index=..., label_smoothing=...)`` and ``(targets !=
+    ignore_index).sum()`` give on the full logits.
+
+    hidden: [..., d]; targets: [...] (the same leading dims, flattened to N tokens);
+    weight: [V, d], or under vocabulary parallelism (``comm``: the tp group) this
+    rank's rows [V/tp, d], rows [r V/tp, (r+1) V/tp) on rank r; bias: [V] or [V/tp].
+    The loss is a 0-dim fp32 tensor, the same on every tp rank; the count a 0-dim
+    int64 tensor on the targets' device (never read on the host here). ``chunk_tokens``:
+    tokens per chunk (default :func:`default_chunk_tokens`)."""
+    d = hidden.shape[-1]
+    flat_h, flat_t = hidden.reshape(-1, d), targets.reshape(-1)
+    _check(flat_h, weight, bias, flat_t, label_smoothing, chunk_tokens)
+    grad_on = torch.is_grad_enabled()
+    how = ChunkedLoss(
+        ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+        chunk=chunk_tokens or default_chunk_tokens(flat_h.shape[0], weight.shape[0]),
+        compute_dtype=_compute_dtype(hidden, weight), comm=comm,
+        wants=(grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+               grad_on and bias is not None and bias.requires_grad))
+    loss = LinearCrossEntropyFn.apply(flat_h, weight, bias, flat_t, how)
+    return loss, (flat_t != ignore_index).sum()
+
+
+def _check(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           targets: torch.Tensor, label_smoothing: float, chunk_tokens: int | None) -> None:
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; the hidden states' last "
+                         f"dim is {hidden.shape[1]}: pass the head's [vocabulary, "
+                         f"{hidden.shape[1]}] weight")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; the weight has "
+                         f"{weight.shape[0]} rows: pass the head's own bias")
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{targets.shape[0]} targets for {hidden.shape[0]} hidden states: "
+                         "give targets of the hidden states' leading shape")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: must lie in [0, 1]")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be at least 1 (or None)")
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's where it is on (F.linear's under autocast), else
+    the tensors' own, which must agree (as F.linear requires)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden states are {hidden.dtype} and the head's weight "
+                        f"{weight.dtype}: make them one dtype, or run under autocast")
+    return weight.dtype
+
+
+def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, how: ChunkedLoss
+                    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The summed loss and the gradients ``how.wants`` (hidden's in its dtype, weight's
+    and bias's in theirs, summed in fp32) for a gradient of the sum of 1."""
+    n, dtype = hidden.shape[0], how.compute_dtype
+    want_h, want_w, want_b = how.wants
+    with torch.autocast(hidden.device.type, enabled=False):
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grads = _Grads(
+            hidden=torch.empty_like(hidden) if want_h else None,
+            weight=weight.new_zeros(weight.shape, dtype=torch.float32) if want_w else None,
+            bias=weight.new_zeros(weight.shape[0], dtype=torch.float32) if want_b else None)
+        for lo in range(0, n, how.chunk):
+            loss += _chunk(h, w, b, targets, slice(lo, min(n, lo + how.chunk)), how, grads)
+    return loss, [grads.hidden,
+                  None if grads.weight is None else grads.weight.to(weight.dtype),
+                  None if grads.bias is None or bias is None else grads.bias.to(bias.dtype)]
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """The gradients a forward accumulates (None: not wanted): hidden [N, d] in its
+    dtype, weight [rows, d] and bias [rows] in fp32."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+           rows: slice, how: ChunkedLoss, grads: _Grads) -> torch.Tensor:
+    """The summed loss of tokens ``rows``, their gradients added into ``grads``. A
+    function of its own so that the chunk's logits are freed before the next chunk's
+    exist (one chunk of them at a time)."""
+    z = _logits(h[rows], w, b)
+    wanted = any(g is not None for g in (grads.hidden, grads.weight, grads.bias))
+    loss = _chunk_loss(z, targets[rows], how, w.shape[0], grad=wanted)
+    if grads.bias is not None:
+        grads.bias.add_(z.sum(0))
+    if grads.hidden is None and grads.weight is None:
+        return loss
+    g = z.to(how.compute_dtype)  # the chunk's d loss / d logits [c, rows]
+    if grads.hidden is not None:
+        _into(grads.hidden[rows], g, w)
+    if grads.weight is not None:
+        _add_product(grads.weight, g.t(), h[rows])
+    return loss
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's logits [c, rows] in fp32 (the product in the compute dtype)."""
+    z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+    return z.float()
+
+
+def _chunk_loss(z: torch.Tensor, targets: torch.Tensor, how: ChunkedLoss, rows: int, *,
+                grad: bool) -> torch.Tensor:
+    """The chunk's summed loss from its logits ``z`` [c, rows] (fp32, this rank's
+    rows), which become, in place, d loss / d z when ``grad`` (else exp(z - max))."""
+    eps, vocab = how.label_smoothing, rows * how.tp
+    valid = targets != how.ignore_index
+    local = targets - how.rank * rows
+    mine = valid & (local >= 0) & (local < rows)
+    index = local.clamp(0, rows - 1).unsqueeze(1)
+    row_max = z.amax(dim=1)
+    if how.comm is not None:  # the max only steadies exp(): no gradient flows through it
+        how.comm.all_reduce(row_max, op=ReduceOp.MAX)
+    z.sub_(row_max.unsqueeze(1))
+    target = torch.where(mine, z.gather(1, index).squeeze(1), 0.0)
+    sums = [target, z.sum(dim=1)] if eps else [target]
+    z.exp_()
+    stats = torch.stack([z.sum(dim=1), *sums])  # one collective for all of them
+    if how.comm is not None:
+        how.comm.all_reduce(stats)
+    per_token = stats[0].log() - (1.0 - eps) * stats[1]
+    if eps:
+        per_token = per_token - (eps / vocab) * stats[2]
+    loss = torch.where(valid, per_token, 0.0).sum()
+    if grad:
+        z.div_(stats[0].unsqueeze(1))  # the softmax over the whole vocabulary
+        z.scatter_add_(1, index, mine.unsqueeze(1).to(z.dtype).mul_(eps - 1.0))
+        if eps:
+            z.sub_(eps / vocab)
+        z.mul_(valid.unsqueeze(1))
+    return loss
+
+
+def _into(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
+    """out [c, d] = g [c, rows] @ w [rows, d], kept in ``out``'s dtype."""
+    if out.dtype == g.dtype:
+        torch.mm(g, w, out=out)
+    else:
+        out.copy_(torch.mm(g, w))
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b: in place in fp32, else the product in the compute dtype
+    (as the unfused head's weight gradient) added in fp32."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += torch.mm(a, b)

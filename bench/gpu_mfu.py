@@ -1,8 +1,8 @@
 """Tokens/s and MFU of the built-in GPT at GPT-2-small shape on one GPU, in bf16: through
 disttrain's Trainer, beside the same model trained by a plain PyTorch loop.
 
-    python bench/gpu_mfu.py [--micro-batch 16] [--steps 30] [--warmup 10] [--vocab 50304]
-                            [--compile] [--fused-loss on|off]
+    python bench/gpu_mfu.py [--micro-batch 16 [32 ...]] [--fused-loss off [on]]
+                            [--steps 30] [--warmup 10] [--vocab 50304] [--compile]
 
 The model is ``disttrain.models.GPT`` with 12 layers, d_model 768, 12 heads, seq_len
 1024 and a vocabulary of 50,304 (GPT-2's 50,257 rounded up to a multiple of 128, as
@@ -31,9 +31,16 @@ same for both (content does not change the work). Both sides run bf16 autocast, 
 
 MFU = tokens/s x the model's training FLOPs per token (6 x the matmul parameters, the
 head included, plus the attention scores and weighted sums, as
-``disttrain.models.gpt.flops_per_token``) / the peak. Targets (issue 29): disttrain's
-MFU >= 0.45 on an H100 and its tokens/s >= 0.95 of the plain loop's. Prints one JSON line;
-with no CUDA device it prints one line on stderr and exits 2.
+``disttrain.models.gpt.flops_per_token``) / the peak. Memory: each side's
+``torch.cuda.max_memory_allocated`` over its whole run (model, optimizer state, steps),
+the peak statistics reset before it.
+
+One process measures every ``--micro-batch`` x ``--fused-loss`` pair, the plain loop
+once per micro-batch, and prints one JSON line per pair. Targets (issue 38), in the
+line's ``targets``: with the plain loop's loss (fused off), disttrain's tokens/s >= 1.00
+of the plain loop's, eager and compiled; with the fused loss, >= 1.10 of it, its GPU
+memory peak <= 0.80 of the plain loop's, and (compiled) MFU >= 0.40. With no CUDA device
+it prints one line on stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -59,14 +66,30 @@ from disttrain.models import GPT, num_params, token_loss
 from disttrain.models.gpt import flops_per_token
 from disttrain.monitor.peaks import model_flops_utilisation
 
-TARGET_MFU = 0.45
-TARGET_RATIO = 0.95  # disttrain's tokens/s over the plain loop's
+# issue 38's targets: disttrain's tokens/s over the plain loop's, with the same loss and
+# with the fused one; the fused run's memory peak over the plain loop's; compiled MFU
+TARGET_SAME_LOSS = 1.00
+TARGET_FUSED = 1.10
+TARGET_FUSED_MEMORY = 0.80
+TARGET_COMPILED_MFU = 0.40
 DEVICE = torch.device("cuda", 0)  # --device cpu: the dry run (scripts/gpu_check.sh)
 
 
 def _synchronize() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
+
+
+def _reset_peak() -> None:
+    """Free what the previous side left, then start a new peak."""
+    gc.collect()  # the Trainer's model and optimizer state (it holds reference cycles)
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+
+
+def _peak_mib() -> float | None:
+    return torch.cuda.max_memory_allocated(DEVICE) / 2**20 if DEVICE.type == "cuda" else None
 
 
 class RandomWindows(Dataset):
@@ -106,10 +129,10 @@ class WindowClock(Callback):
                 for (s0, t0), (s1, t1) in zip(self.edges, self.edges[1:], strict=False)]
 
 
-def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace
-                  ) -> dict[str, float | str]:
-    """The Trainer's tokens/s (median over the timed windows after the warmup) and
-    the records' own MFU (median)."""
+def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace,
+                  micro_batch: int, fused: bool) -> dict[str, float | str]:
+    """The Trainer's tokens/s (median over the timed windows after the warmup), the
+    records' own MFU (median) and the run's GPU memory peak."""
     from disttrain import Trainer
 
     clock = WindowClock(args.warmup, args.log_every)
@@ -118,11 +141,11 @@ def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespac
     config = load_config(values={
         "model": {k: getattr(cfg, k) for k in ("vocab_size", "seq_len", "n_layer",
                                                  "n_head", "d_model")},
-        "train": {"steps": steps, "global_batch": args.micro_batch, "grad_accum": 1,
+        "train": {"steps": steps, "global_batch": micro_batch, "grad_accum": 1,
                   "lr": 6e-4, "warmup_steps": 0, "schedule": "constant",
                   "precision": "bf16", "log_every": args.log_every,
                   "device": DEVICE.type, "compile": args.compile,
-                  "fused_loss": args.fused_loss == "on"},
+                  "fused_loss": fused},
         "checkpoint": {"every": 0}, "monitor": {"tensorboard": False}})
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(_model(cfg), data, token_loss, config, run_dir=run_dir,
@@ -134,18 +157,21 @@ def run_disttrain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespac
     if not records:
         raise SystemExit("gpu_mfu: no metrics record after the warmup; raise --steps "
                          "above --log-every")
-    rates = clock.rates(args.micro_batch * cfg.seq_len)
+    rates = clock.rates(micro_batch * cfg.seq_len)
     if not rates:
         raise SystemExit("gpu_mfu: no timed window after the warmup; raise --steps to "
                          "at least --log-every")
     return {"tokens_per_s": statistics.median(rates),
             "record_mfu": statistics.median(r["mfu"] for r in records),
             "peak_source": summary["peak_source"], "peak_tflops": summary["peak_tflops"],
-            "device": trainer.runtime.device.type, "backend": trainer.runtime.backend}
+            "device": trainer.runtime.device.type, "backend": trainer.runtime.backend,
+            "memory_peak_mib": _peak_mib()}
 
 
-def run_plain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace) -> float:
-    """The plain loop's tokens/s (median over windows of ``--log-every`` steps)."""
+def run_plain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace,
+              micro_batch: int) -> tuple[float, float | None]:
+    """The plain loop's tokens/s (median over windows of ``--log-every`` steps) and its
+    GPU memory peak (MiB)."""
     model = _model(cfg).to(DEVICE)
     if args.compile:  # as train.compile does: each block compiled, the rest eager
         for block in model.blocks:
@@ -155,7 +181,7 @@ def run_plain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace) -
                               "weight_decay": 0.1},
                              {"params": [p for p in params if p.dim() < 2],
                               "weight_decay": 0.0}], lr=6e-4, betas=(0.9, 0.95), fused=True)
-    batch = args.micro_batch
+    batch = micro_batch
 
     def step(i: int) -> None:
         rows = data.tokens[[(i * batch + j) % len(data) for j in range(batch)]]
@@ -179,12 +205,13 @@ def run_plain(cfg: ModelConfig, data: RandomWindows, args: argparse.Namespace) -
             step(i)
         _synchronize()
         rates.append(n * batch * cfg.seq_len / (time.perf_counter() - t0))
-    return statistics.median(rates)
+    return statistics.median(rates), _peak_mib()
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--micro-batch", type=int, default=16, help="samples per step (16)")
+    p.add_argument("--micro-batch", type=int, nargs="+", default=[16],
+                   help="samples per step, one or more (16)")
     p.add_argument("--steps", type=int, default=30, help="timed steps after warmup (30)")
     p.add_argument("--warmup", type=int, default=10, help="untimed first steps (10)")
     p.add_argument("--log-every", type=int, default=10, help="steps per timed window (10)")
@@ -195,9 +222,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=12, help="attention heads (12)")
     p.add_argument("--compile", action="store_true",
                    help="both sides compile each block (train.compile; block.compile())")
-    p.add_argument("--fused-loss", choices=("on", "off"), default="off",
-                   help="disttrain's train.fused_loss (off: the plain loop's loss, whole "
-                   "logits)")
+    p.add_argument("--fused-loss", choices=("on", "off"), nargs="+", default=["off"],
+                   help="disttrain's train.fused_loss, one or both (off: the plain loop's "
+                   "loss, whole logits)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default); cpu only to dry-run this script at a tiny shape")
     return p.parse_args()
@@ -213,39 +240,61 @@ def main() -> None:
         sys.exit(2)
     cfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.n_layer,
                       n_head=args.n_head, d_model=args.d_model, dropout=0.0)
-    data = RandomWindows((args.warmup + args.steps) * args.micro_batch, cfg.seq_len,
-                         cfg.vocab_size)
-    ours = run_disttrain(cfg, data, args)
-    gc.collect()  # the Trainer's model and optimizer state (it holds reference cycles)
-    if DEVICE.type == "cuda":
-        torch.cuda.empty_cache()
-    plain = run_plain(cfg, data, args)
+    for micro_batch in args.micro_batch:
+        data = RandomWindows((args.warmup + args.steps) * micro_batch, cfg.seq_len,
+                             cfg.vocab_size)
+        _reset_peak()
+        plain, plain_peak = run_plain(cfg, data, args, micro_batch)
+        for fused in args.fused_loss:
+            _reset_peak()
+            ours = run_disttrain(cfg, data, args, micro_batch, fused == "on")
+            print(json.dumps(_line(cfg, args, micro_batch, fused == "on", ours, plain,
+                                   plain_peak)), flush=True)
+
+
+def _line(cfg: ModelConfig, args: argparse.Namespace, micro_batch: int, fused: bool,
+          ours: dict, plain: float, plain_peak: float | None) -> dict:
+    """One pair's JSON line: both sides' figures, their ratios, the targets and whether
+    each was met."""
     per_token = flops_per_token(cfg)
-    # the plain loop is held to the same peak as the Trainer's records
-    peak = ours["peak_tflops"] * 1e12
+    peak = ours["peak_tflops"] * 1e12  # the plain loop is held to the Trainer's peak
     plain_mfu = model_flops_utilisation(plain, per_token, peak, 1)
     ours_mfu = model_flops_utilisation(ours["tokens_per_s"], per_token, peak, 1)
-    print(json.dumps({
+    ratio = ours["tokens_per_s"] / plain
+    memory = (ours["memory_peak_mib"] / plain_peak
+              if ours["memory_peak_mib"] and plain_peak else None)
+    targets: dict[str, dict] = {"vs_plain": {
+        "want": TARGET_FUSED if fused else TARGET_SAME_LOSS, "got": round(ratio, 4),
+        "met": ratio >= (TARGET_FUSED if fused else TARGET_SAME_LOSS)}}
+    if fused:
+        targets["memory_vs_plain"] = {
+            "want": TARGET_FUSED_MEMORY, "got": None if memory is None else round(memory, 4),
+            "met": memory is not None and memory <= TARGET_FUSED_MEMORY}
+        if args.compile:
+            targets["mfu"] = {"want": TARGET_COMPILED_MFU, "got": round(ours_mfu, 4),
+                              "met": ours_mfu >= TARGET_COMPILED_MFU}
+    return {
         "bench": "gpu_mfu",
         "gpu": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "none (cpu)",
         "torch": torch.__version__, "precision": "bf16", "compile": args.compile,
-        "disttrain_fused_loss": args.fused_loss == "on",
+        "disttrain_fused_loss": fused,
         "disttrain_device": ours["device"], "disttrain_backend": ours["backend"],
         "peak_tflops": round(ours["peak_tflops"], 3), "peak_source": ours["peak_source"],
         "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head,
                   "seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size,
                   "params": num_params(cfg)},
-        "flops_per_token": per_token, "micro_batch": args.micro_batch,
-        "tokens_per_step": args.micro_batch * cfg.seq_len, "steps": args.steps,
+        "flops_per_token": per_token, "micro_batch": micro_batch,
+        "tokens_per_step": micro_batch * cfg.seq_len, "steps": args.steps,
         "warmup": args.warmup,
         "disttrain_tokens_per_s": round(ours["tokens_per_s"], 1),
         "disttrain_mfu": round(ours_mfu, 4),
         "disttrain_record_mfu": round(ours["record_mfu"], 4),
+        "disttrain_memory_peak_mib": ours["memory_peak_mib"],
         "plain_tokens_per_s": round(plain, 1), "plain_mfu": round(plain_mfu, 4),
-        "disttrain_vs_plain": round(ours["tokens_per_s"] / plain, 4),
-        "target_mfu": TARGET_MFU, "mfu_target_met": ours_mfu >= TARGET_MFU,
-        "target_ratio": TARGET_RATIO,
-        "ratio_target_met": ours["tokens_per_s"] / plain >= TARGET_RATIO}))
+        "plain_memory_peak_mib": plain_peak,
+        "disttrain_vs_plain": round(ratio, 4),
+        "memory_vs_plain": None if memory is None else round(memory, 4),
+        "targets": targets, "targets_met": all(t["met"] for t in targets.values())}
 
 
 if __name__ == "__main__":

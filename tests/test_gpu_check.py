@@ -30,7 +30,10 @@ def test_gpu_check_dry_run_writes_its_summary_and_json(tmp_path):
              if line]
     assert lines[0]["check"] == "env" and lines[0]["cuda_available"] is False
     benches = [d for d in lines if d.get("bench") == "gpu_mfu"]
-    assert [d["compile"] for d in benches] == [False, True]
+    # one line per micro-batch x fused-loss pair, eager then compiled
+    assert [(d["compile"], d["disttrain_fused_loss"]) for d in benches] == [
+        (False, False), (False, True), (True, False), (True, True)]
+    assert all("vs_plain" in d["targets"] for d in benches)
     assert all(d["disttrain_device"] == "cpu" and d["disttrain_tokens_per_s"] > 0
                for d in benches)
     loaded = [d for d in lines if d.get("check") == "pretrained"]

@@ -26,6 +26,7 @@ the message it got is the one it asked for (:class:`MessageOrderError` otherwise
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -107,6 +108,9 @@ class CollectiveLedger:
     waiting: CollectiveRecord | None = None
     waiting_since: float = 0.0
     wait_seconds: float = 0.0  # total time blocked in collectives (exposed communication)
+    # the communicators that record here, released together once their groups are
+    # destroyed (:func:`release_groups`)
+    members: list[Communicator] = field(default_factory=list)
 
     def record(self, op: str, group: str, tensor: torch.Tensor | None,
                site: str, size: int = 1, root: bool = False) -> CollectiveRecord:
@@ -237,8 +241,10 @@ class Communicator:
                  name: str = "world", *, control: bool = False,
                  nccl_rules: bool | None = None, host_staging: bool | None = None
                  ) -> None:
-        self.group = group if group is not None else dist.group.WORLD
+        self.group: dist.ProcessGroup | None = (
+            group if group is not None else dist.group.WORLD)
         self.ledger = ledger
+        ledger.members.append(self)
         self.name = name
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -500,6 +506,23 @@ class Communicator:
             st.writes[0], group=self.group, tag=tag), True, stage=st)
         work.wait()
         return work.work._source_rank()
+
+
+def release_groups(ledger: CollectiveLedger) -> None:
+    """After ``dist.destroy_process_group()``: every communicator recording into
+    ``ledger`` lets go of its process group, and the groups are freed now.
+
+    A Gloo group's worker threads drop each finished operation a moment after the
+    caller saw it complete; an operation that held the last reference to a Python
+    tensor then takes the GIL to free it. Were the group freed only at interpreter
+    exit, a worker thread still doing that would find the interpreter finalizing and
+    abort the whole process ("terminate called without an active exception") after a
+    finished run. Freeing the groups here joins their threads while the interpreter is
+    whole (torch releases the GIL while a process group is destroyed)."""
+    for comm in ledger.members:
+        comm.group = None
+    ledger.members.clear()
+    gc.collect()
 
 
 def control_beside(comm: Communicator) -> Communicator:

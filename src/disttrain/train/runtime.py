@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..comm import CollectiveLedger, release_groups
 from ..comm.staging import shared_gpu
 from ..errors import UserError
 from ..launch.slurm import adopt_slurm_env
@@ -116,6 +117,11 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"disttrain/attempt_{attempt}", store)
 
 
-def shutdown(runtime: Runtime) -> None:
+def shutdown(runtime: Runtime, ledger: CollectiveLedger | None = None) -> None:
+    """Destroy the process group this run created (none it was handed), then free the
+    groups ``ledger``'s communicators hold (:func:`~disttrain.comm.release_groups`),
+    so no Gloo worker thread outlives them into the interpreter's exit."""
     if runtime.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
+        if ledger is not None:
+            release_groups(ledger)

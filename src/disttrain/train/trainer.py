@@ -171,6 +171,7 @@ class Trainer:
         p = self.config.parallel
         runtime = init_runtime(self.config.train.device, p.backend, p.timeout_s)
         self._runtime = runtime
+        mesh = None
         try:
             with ExitStack() as closing:
                 mesh = build_mesh(self.inputs, runtime)
@@ -181,7 +182,7 @@ class Trainer:
                                                self, closing)
                 return self._fit(run)
         finally:
-            shutdown(runtime)
+            shutdown(runtime, mesh.ledger if mesh is not None else None)
 
     def _fit(self, run: Run) -> dict[str, Any]:
         run.reporter.train_start()

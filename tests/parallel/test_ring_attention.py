@@ -9,9 +9,10 @@ One spawn of 4 ranks then runs every check over cp groups of 4, 2 ({0, 1}, {2, 3
 ring attention's output and dq, dk, dv (both kernels, grouped-query heads, a given
 scale) against SDPA on the whole sequence; the built-in GPT and a tiny transformers
 Llama switched to ring attention, their inputs split, against the one-process model:
-the loss summed over tokens and every parameter's gradient summed over cp ranks; and
-the messages each rank posted, replayed under NCCL's matching (per-pair streams in
-posting order, a send waits for its receive).
+the loss summed over tokens and every parameter's gradient summed over cp ranks (the
+GPT under bf16 autocast too, at bf16's tolerance); and the messages each rank posted,
+replayed under NCCL's matching (per-pair streams in posting order, a send waits for its
+receive).
 
 Tolerance (fp32): rtol 1e-5, atol 1e-5. The ring adds the same terms in another order
 (blocks merged on their log-sum-exp, gradients summed over blocks and ranks), ~1e-7
@@ -198,6 +199,35 @@ def _check_gpt(comm: Communicator) -> None:
                         lambda logits, t: token_loss(logits, t)[0], _targets(IGNORE_INDEX))
 
 
+def _check_gpt_bf16(comm: Communicator) -> None:
+    """Under bf16 autocast (q, k, v in bf16, the kernels' scores and the merge in
+    fp32): the summed loss within 1e-2 relative and every gradient within 2e-2 of the
+    one-process model under the same autocast (bf16 keeps 8 bits, 4e-3 relative per
+    rounding, and the two round at different places; a wrong block moves the loss by
+    more than 1e-1)."""
+    torch.manual_seed(0)
+    full = GPT(ModelConfig(**{**TINY_MODEL, "n_head": 4}))
+    model = copy.deepcopy(full)
+    apply_ring_attention(model, comm, seq_len=16)
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    targets = _targets(IGNORE_INDEX)
+    part = functools.partial(split_sequence, cp=comm.size, rank=comm.rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = token_loss(full(ids), targets)[0]
+        loss = token_loss(model(part(ids), position_ids=local_positions(16, comm.size,
+                                                                         comm.rank)),
+                          part(targets))[0]
+    ref.backward()
+    loss.backward()
+    total = loss.detach().clone()
+    comm.all_reduce(total)
+    grads = _summed_grads(model, comm)
+    torch.testing.assert_close(total, ref.detach(), rtol=1e-2, atol=0)
+    for name, p in full.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, name=name: f"{name}.grad: {m}")
+
+
 def _check_llama(comm: Communicator) -> None:
     """Labels in the Hugging Face convention, shifted over the whole sequence before
     the split (shift_labels); rotary positions from position_ids."""
@@ -261,7 +291,8 @@ class _Recording(Communicator):
         return work
 
 
-CHECKS = {"ring": _check_ring, "gpt": _check_gpt, "llama": _check_llama,
+CHECKS = {"ring": _check_ring, "gpt": _check_gpt, "gpt_bf16": _check_gpt_bf16,
+          "llama": _check_llama,
           "nccl_order": _check_nccl_order}
 SIZES = (4, 2, 1)
 

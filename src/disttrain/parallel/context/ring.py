@@ -153,7 +153,9 @@ class RingKVFwdRingDKVBwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 comm: Communicator, scale: float, kernel: Kernel) -> torch.Tensor:
-        out, lse = _ring_forward(q, k, v, comm, scale, kernel)
+        # in q's dtype as given: autocast would round the maths kernel's fp32 scores
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q, k, v, comm, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.scale, ctx.kernel = comm, scale, kernel
         return out
@@ -161,8 +163,9 @@ class RingKVFwdRingDKVBwd(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.comm, ctx.scale,
-                                    ctx.kernel)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.comm, ctx.scale,
+                                        ctx.kernel)
         return dq, dk, dv, None, None, None
 
 

@@ -18,7 +18,8 @@ summed in time order give the peak allocated above what existed when the step be
 (the model and its inputs), gradients included. cp 1 is the unchanged model (torch
 SDPA) on the whole sequence in one rank; cp N is the model switched to ring attention
 (:func:`disttrain.parallel.context.apply_ring_attention`) on each rank's part; the
-ratio takes the largest rank's peak.
+ratio takes the largest rank's peak. The all-gather baseline's peak (below) is
+reported beside it.
 
 Time: torch's own context parallelism
 (``torch.distributed.tensor.experimental.context_parallel``) is tried first on a tiny
@@ -33,7 +34,9 @@ need a materialised lower-right mask on the CPU, 35% slower per call here: a wea
 baseline). Rounds alternate the two, ``--reps`` times after a warm-up step each; a
 step's time is the slowest rank's; ``ratio`` is the median over rounds of ring /
 all-gather within the round (neighbours in time share the machine's load; target
-<= 1.0); the losses of the two must agree to fp32 rounding.
+<= 1.0); the losses of the two must agree to fp32 rounding. ``*_cpu_s``: the CPU
+seconds of all ranks together (process time, Gloo's threads included), medians: on a
+machine shared with other jobs they move less with the load than the wall clock.
 
 ``--longest``: per rank at a few sequence lengths, the model's bytes plus the step's
 peak (cp 1 = each of 2 ranks holds whole sequences, as data parallelism would; cp 2 =
@@ -209,11 +212,16 @@ def _slowest(seconds: float, comm: Communicator) -> float:
     return float(t)
 
 
-def _timed(run: Callable[[], object], comm: Communicator) -> float:
+def _timed(run: Callable[[], object], comm: Communicator) -> tuple[float, float]:
+    """(the slowest rank's wall seconds, the CPU seconds of all ranks together) of
+    ``run()``; on a shared machine the second moves less with other jobs' load."""
     comm.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run()
-    return _slowest(time.perf_counter() - t0, comm)
+    wall = time.perf_counter() - t0
+    cpu = torch.tensor([time.process_time() - c0])
+    comm.all_reduce(cpu)
+    return _slowest(wall, comm), float(cpu)
 
 
 def _cp_models(args: argparse.Namespace, comm: Communicator, seq: int):
@@ -233,10 +241,13 @@ def _time_cp(args: argparse.Namespace, comm: Communicator) -> dict:
     _, ring, gathered, _, part = _cp_models(args, comm, args.seq)
     runs = {"ring": lambda: step(ring, *part), "all_gather": lambda: step(gathered, *part)}
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     losses = {name: run() for name, run in runs.items()}  # warm-up; both the same loss
     for _ in range(args.reps):
         for name, run in runs.items():
-            times[name].append(_timed(run, comm))
+            wall, used = _timed(run, comm)
+            times[name].append(wall)
+            cpu[name].append(used)
     diff = (losses["ring"] - losses["all_gather"]).abs() / losses["all_gather"].abs()
     comm.all_reduce(diff, op=dist.ReduceOp.MAX)
     ring_s, gather_s = statistics.median(times["ring"]), statistics.median(times["all_gather"])
@@ -244,22 +255,28 @@ def _time_cp(args: argparse.Namespace, comm: Communicator) -> dict:
                                                      strict=True))
     return {"ring_s": round(ring_s, 3), "all_gather_s": round(gather_s, 3),
             "ratio": round(paired, 4), "loss_rel_diff": float(diff),
+            "ring_cpu_s": round(statistics.median(cpu["ring"]), 3),
+            "all_gather_cpu_s": round(statistics.median(cpu["all_gather"]), 3),
             "ring_all_s": [round(t, 3) for t in times["ring"]],
             "all_gather_all_s": [round(t, 3) for t in times["all_gather"]]}
 
 
-def _memory(args: argparse.Namespace, comm: Communicator, seq: int) -> tuple[int, int]:
-    """(the whole sequence's peak in one rank, the largest rank's ring peak at cp)."""
-    base, ring, _, whole, part = _cp_models(args, comm, seq)
+def _memory(args: argparse.Namespace, comm: Communicator, seq: int,
+            baseline: bool = False) -> tuple[int, int, int]:
+    """(the whole sequence's peak in one rank, the largest rank's ring peak at cp, and
+    with ``baseline`` the all-gather's, else 0)."""
+    base, ring, gathered, whole, part = _cp_models(args, comm, seq)
     whole_peak = 0
     if comm.rank == 0:
         step(base, *whole, None)  # warm: the allocator, lazy initialisation
         whole_peak = peak_bytes(lambda: step(base, *whole, None))
     comm.barrier()
-    step(ring, *part)
-    ring_peak = torch.tensor([peak_bytes(lambda: step(ring, *part))], dtype=torch.float64)
-    comm.all_reduce(ring_peak, op=dist.ReduceOp.MAX)
-    return whole_peak, int(ring_peak)
+    peaks = torch.zeros(2, dtype=torch.float64)
+    for i, model in enumerate((ring, gathered) if baseline else (ring,)):
+        step(model, *part)
+        peaks[i] = peak_bytes(lambda m=model: step(m, *part))
+    comm.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return whole_peak, int(peaks[0]), int(peaks[1])
 
 
 def _group(size: int) -> Communicator | None:
@@ -273,8 +290,9 @@ def _rank_main(args: argparse.Namespace) -> dict:
     out: dict = {}
     comm = _group(args.cp)
     if comm is not None:
-        whole, ring = _memory(args, comm, args.seq)
+        whole, ring, gathered = _memory(args, comm, args.seq, baseline=True)
         out |= {"cp1_peak_mib": round(whole / 2**20, 1), "ring_peak_mib": round(ring / 2**20, 1),
+                "all_gather_peak_mib": round(gathered / 2**20, 1),
                 "peak_ratio": round(ring / whole, 4) if whole else None}
     dist.barrier()
     for cp in args.time_cp:
@@ -294,7 +312,7 @@ def _longest_main(args: argparse.Namespace) -> dict:
     for seq in args.seq_points:
         model = sum(p.numel() * p.element_size()
                     for p in GPT(model_config(args, seq)).parameters())
-        whole, ring = _memory(args, comm, seq)
+        whole, ring, _ = _memory(args, comm, seq)
         points.append({"seq": seq, "model_mib": round(model / 2**20, 1),
                        "cp1_mib": round((model + whole) / 2**20, 1),
                        "cp2_mib": round((model + ring) / 2**20, 1)})
@@ -346,6 +364,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "context_parallel", "seq": args.seq, "cp": args.cp, **common,
         "cp1_peak_mib": r0["cp1_peak_mib"], "ring_peak_mib": r0["ring_peak_mib"],
+        "all_gather_peak_mib": r0["all_gather_peak_mib"],
         "peak_ratio": r0["peak_ratio"], "target_peak_ratio": TARGET_PEAK_RATIO,
         "peak_target_met": r0["peak_ratio"] <= TARGET_PEAK_RATIO,
         "torch_context_parallel": torch_cp or "ran (this bench still times the all-gather)",

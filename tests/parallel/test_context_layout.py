@@ -10,7 +10,7 @@ import torch
 from support import TINY_MODEL
 
 from disttrain.config.schema import ModelConfig
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, UserError
 from disttrain.models import GPT
 from disttrain.parallel.context import (
     apply_ring_attention,
@@ -92,7 +92,7 @@ def test_the_gpt_runs_without_attention_dropout_and_is_refused_with_it():
     line = ring_attention_refusal(GPT(ModelConfig(**TINY_MODEL, dropout=0.1)))
     assert line is not None and "blocks.0.attn (CausalSelfAttention)" in line
     assert "model.dropout = 0" in line and "\n" not in line
-    with pytest.raises(ValueError, match="attention dropout 0.1"):
+    with pytest.raises(UserError, match="attention dropout 0.1"):
         apply_ring_attention(GPT(ModelConfig(**TINY_MODEL, dropout=0.1)), None)
 
 

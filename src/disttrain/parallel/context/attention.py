@@ -27,6 +27,7 @@ from torch import nn
 
 from ...attention import AttentionSlot
 from ...comm.collectives import Communicator
+from ...errors import UserError
 from .ring import ring_attention
 
 # transformers model types whose attention modules this adapter has been checked
@@ -47,12 +48,13 @@ class _SwappableAttention(Protocol):
 def apply_ring_attention(model: nn.Module, comm: Communicator, *,
                          seq_len: int | None = None, kernel: str | None = None) -> None:
     """Make every attention of ``model`` ring attention over ``comm`` (the cp group);
-    refuse (ValueError, :func:`ring_attention_refusal`'s line) a model it does not fit.
+    refuse (:class:`~disttrain.errors.UserError`, exit code 2, with
+    :func:`ring_attention_refusal`'s line) a model it does not fit.
     ``seq_len``: the global sequence length, when known (a sliding window at least that
     long is plain causal attention)."""
     refusal = ring_attention_refusal(model, seq_len)
     if refusal is not None:
-        raise ValueError(refusal)
+        raise UserError(refusal)
     attend = functools.partial(_slot_ring, comm=comm, kernel=kernel)
     slots = [m for m in model.modules() if isinstance(m, AttentionSlot)]
     for slot in slots:

@@ -14,26 +14,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import AttentionSlot
 from ..config.schema import ModelConfig
 from ..spec import Divisor, ModelSpec, register_spec
 from ..targets import IGNORE_INDEX
 
 
-class CausalSelfAttention(nn.Module):
+class CausalSelfAttention(AttentionSlot):
     """qkv: [d, 3d] (no bias); out: [d, d]. Input and output [B, T, d].
 
     The key bias would get an identically zero gradient (softmax ignores a constant
     shift of the scores per query), so Adam would turn its rounding noise into
-    full-size updates; the projection has no bias at all.
+    full-size updates; the projection has no bias at all. The attention itself is
+    ``self.attend`` (:class:`~disttrain.attention.AttentionSlot`: causal SDPA over the
+    positions held, unless a strategy such as context parallelism swapped it).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(dropout=cfg.dropout)
         self.n_head = cfg.n_head
         self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
-        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Shapes are read from the projection's output, not from x or the config, so the
@@ -42,8 +44,7 @@ class CausalSelfAttention(nn.Module):
         b, t = qkv.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
                    for z in qkv.chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -74,7 +75,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """input_ids [B, T] (T <= seq_len) -> logits [B, T, vocab_size]."""
+    """input_ids [B, T] (T <= seq_len) -> logits [B, T, vocab_size]; ``position_ids``
+    ([T] or [B, T], default 0 .. T-1): the positions of those tokens in their sequence
+    (a context-parallel rank holds non-contiguous parts of it)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -116,8 +119,9 @@ class GPT(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = gpt_embed(self, input_ids)
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = gpt_embed(self, input_ids, position_ids)
         for block in self.blocks:
             x = block(x)
         return gpt_finish(self, x)
@@ -134,11 +138,14 @@ class _GPTEnds(Protocol):
     head: nn.Module
 
 
-def gpt_embed(m: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token + position embeddings (then dropout) of input_ids [B, T] -> [B, T, d]; ``m``
-    is the GPT or any module holding its ``tok_emb``, ``pos_emb`` and ``drop``."""
+def gpt_embed(m: nn.Module, input_ids: torch.Tensor,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Token + position embeddings (then dropout) of input_ids [B, T] -> [B, T, d] at
+    ``position_ids`` ([T] or [B, T]; default 0 .. T-1); ``m`` is the GPT or any module
+    holding its ``tok_emb``, ``pos_emb`` and ``drop``."""
     ends = cast(_GPTEnds, m)  # nn.Module types its submodules as Tensor | Module
-    pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+    pos = (torch.arange(input_ids.shape[1], device=input_ids.device)
+           if position_ids is None else position_ids)
     return ends.drop(ends.tok_emb(input_ids) + ends.pos_emb(pos))
 
 

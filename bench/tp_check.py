@@ -5,7 +5,7 @@ against a training step of the same model at the same tp.
 
 The built-in GPT (seq_len 256, byte vocabulary, batch 8) is sharded over ``--tp`` Gloo
 ranks on this machine. Each rank runs forward and backward on the same batch, then the
-proof (:func:`disttrain.parallel.hybrid.check_identical_grads`: checksums of every
+proof (:func:`disttrain.parallel.tensor.dimension.check_identical_grads`: checksums of every
 identically-classified gradient, one all-gather over tp, one object gather over the
 world) is timed ``--reps`` times on those gradients, and a whole step (forward, backward,
 AdamW) ``--reps`` times. The proof runs once per run, so its share of a run of N steps is
@@ -22,11 +22,13 @@ import time
 
 import torch
 
-from disttrain.comm import CollectiveLedger, Communicator
+from disttrain.comm import CollectiveLedger
 from disttrain.config.layout import Layout
 from disttrain.config.schema import ModelConfig, ParallelConfig
 from disttrain.models import GPT, gpt_spec
-from disttrain.parallel.hybrid import apply_model_parallel, check_identical_grads
+from disttrain.parallel.compose import Groups
+from disttrain.parallel.hybrid import apply_model_parallel
+from disttrain.parallel.tensor.dimension import TensorShards, check_identical_grads
 from disttrain.parallel.topology import build_topology
 from disttrain.testing import run_distributed
 
@@ -36,17 +38,17 @@ def _body(args: argparse.Namespace) -> dict:
     cfg = ModelConfig(vocab_size=256, seq_len=256, n_layer=args.n_layer, n_head=8,
                       d_model=args.d_model, dropout=0.0)
     model = GPT(cfg)
-    ledger = CollectiveLedger()
-    world = Communicator(None, ledger, "world")
-    topology = build_topology(Layout(dp=1, tp=args.tp), "cpu")
-    pp, tp = (Communicator(topology.group(a), ledger, a) for a in ("pp", "tp"))
-    mp = apply_model_parallel(model, gpt_spec(cfg), ParallelConfig(tp=args.tp), pp, tp,
-                              micro_batches=1)
+    topology = build_topology(Layout.of(dp=1, tp=args.tp), "cpu")
+    groups = Groups.build(topology, CollectiveLedger())
+    world = groups.world
+    mp = apply_model_parallel(model, gpt_spec(cfg), ParallelConfig(tp=args.tp),
+                              dict(groups.axes), micro_batches=1)
+    shards = next(p for p in mp.parts if isinstance(p, TensorShards))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 256, (8, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
 
     def step() -> None:
-        loss, count = mp.tp.loss_fn(model(ids[:, :-1]), ids[:, 1:])
+        loss, count = shards.tp.loss_fn(model(ids[:, :-1]), ids[:, 1:])
         opt.zero_grad()
         (loss / count).backward()
         mp.fix_gradients({id(p): p.grad for p in model.parameters()})
@@ -57,7 +59,7 @@ def _body(args: argparse.Namespace) -> dict:
     for _ in range(args.reps):
         world.barrier()
         t0 = time.perf_counter()
-        check_identical_grads(mp, pieces, world)
+        check_identical_grads(shards.tp, mp.placement, pieces, world)
         checks.append(time.perf_counter() - t0)
     for _ in range(args.reps):
         world.barrier()

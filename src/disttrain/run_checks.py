@@ -4,7 +4,8 @@
 model's spec into a :class:`~disttrain.config.consistency.RunPlan` (the layout, the batch
 triple with its third member derived, the learning rate), asking each part that has
 constraints: the config's own sections, then every strategy the config selects, each
-through the check that lives beside it (the registered ones: :mod:`.parallel.registry`).
+through the check that lives beside it (the registered ones: :mod:`.parallel.registry`;
+each dimension's: :mod:`.parallel.dimensions`).
 It sits above both ``config`` and ``parallel`` (the launcher and the Trainer call it),
 so neither imports the other.
 """
@@ -25,9 +26,8 @@ from .models.gpt import gpt_spec
 from .models.hf import hf_config_spec, is_hf
 from .parallel.balance import check_balance
 from .parallel.compilation import check_compile
-from .parallel.pipeline.check import check_pipeline
+from .parallel.dimensions import check_dimensions
 from .parallel.registry import check_selected
-from .parallel.tensor.check import check_tensor
 from .spec import ModelSpec
 
 
@@ -39,12 +39,10 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
     check_shared_gpu(config, world_size)
     spec = spec or (hf_config_spec(config.model) if is_hf(config.model)
                     else gpt_spec(config.model))
-    p = config.parallel
-    layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
+    layout = resolve_layout(config.parallel, world_size)
     check_selected(config, layout)  # the sync mode, dp strategy and optimizer chosen
     check_balance(config, layout)
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
-    check_tensor(config, layout, spec)
-    check_pipeline(config, layout, batch.grad_accum, spec)
-    check_compile(config, layout, spec)
+    check_dimensions(config, layout, spec, batch.grad_accum)
+    check_compile(config, spec)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))

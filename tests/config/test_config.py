@@ -12,7 +12,7 @@ from disttrain.run_checks import resolve
 
 def test_defaults_resolve_for_two_ranks():
     plan = resolve(load_config(), 2)
-    assert (plan.layout.dp, plan.batch.global_batch, plan.batch.micro_batch,
+    assert (plan.layout.degree("dp"), plan.batch.global_batch, plan.batch.micro_batch,
             plan.batch.grad_accum) == (2, 32, 16, 1)
 
 

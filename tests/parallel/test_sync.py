@@ -389,4 +389,4 @@ def test_config_refuses_unsupported_combinations(keys, field):
 
 def test_async_batch_is_split_over_workers_only():
     plan = resolve(tiny_config(sync="async", global_batch=12), 3)
-    assert plan.batch.dp == 2 and plan.batch.micro_batch == 6
+    assert plan.batch.shares == 2 and plan.batch.micro_batch == 6

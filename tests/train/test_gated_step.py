@@ -29,7 +29,7 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
     groups = [{"params": params[:1], "weight_decay": 0.1},
               {"params": params[1:], "weight_decay": 0.0}]
     return OPTIMIZERS.get(name).build(OptimizerContext(groups=groups, lr=1e-2, train=train,
-                                                       dp_comm=None))
+                                                       replicas=None))
 
 
 def _grads(params: list[torch.nn.Parameter], seed: int, poison: bool = False) -> None:

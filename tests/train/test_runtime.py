@@ -80,4 +80,4 @@ def test_shared_gpu_mode_is_accepted_with_more_ranks_than_gpus(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert resolve(tiny_config(dp=2), 2).layout.dp == 2
+    assert resolve(tiny_config(dp=2), 2).layout.degree("dp") == 2

@@ -95,7 +95,7 @@ class BytesRead(Callback):
                 held += p.numel() * itemsize
         Path(f"{self.path}.rank{trainer.rank}").write_text(json.dumps(
             {"read": trainer.weights.bytes_read, "held": held,
-             "tp": placement.tp_size}))
+             "tp": placement.shards}))
 
 
 def _fit(root: str, cases: dict, dirs: dict) -> None:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..dimensions import Role, joined, with_role
 from ..errors import ConfigError, ErrorCollector
 from ..names import CODEC_NONE, LOGGER_PACKAGES, SHARED_GPU_ENV, SYNC_ASYNC
 from .layout import Layout
@@ -25,12 +26,14 @@ _DEFAULT_PRIORITY = ("global_batch", "grad_accum", "micro_batch")
 
 @dataclass(frozen=True, kw_only=True)
 class BatchPlan:
-    """global_batch = micro_batch x grad_accum x dp, all three known and consistent."""
+    """global_batch = micro_batch x grad_accum x shares, all three known and consistent;
+    ``shares``: the ranks that each take a share of the global batch (the data-parallel
+    ranks: :func:`data_parallel_degree`)."""
 
     global_batch: int
     micro_batch: int
     grad_accum: int
-    dp: int
+    shares: int
     given: tuple[str, ...] = ()  # the two members the third was derived from
 
 
@@ -57,9 +60,10 @@ def check_sections(config: Config) -> None:
     errors.raise_any()
 
 
-def resolve_batch(train: TrainConfig, explicit: frozenset[str], dp: int) -> BatchPlan:
+def resolve_batch(train: TrainConfig, explicit: frozenset[str], shares: int) -> BatchPlan:
     """Keep the triple members the user set; fill from defaults until two are known;
-    derive the third and check divisibility."""
+    derive the third and check divisibility; ``shares``: the ranks that split the batch
+    (named in messages by the dimensions that split it)."""
     given = {k: getattr(train, k) for k in BATCH_KEYS
              if f"train.{k}" in explicit and getattr(train, k) is not None}
     for key in _DEFAULT_PRIORITY:
@@ -72,22 +76,23 @@ def resolve_batch(train: TrainConfig, explicit: frozenset[str], dp: int) -> Batc
                           "two of global_batch, micro_batch, grad_accum are needed",
                           "set two of them")
     g, m, a = (given.get(k) for k in BATCH_KEYS)
+    n, split = shares, joined(with_role(Role.SAMPLES))
     if g is None and m is not None and a is not None:
-        g = m * a * dp
+        g = m * a * n
     elif m is None and g is not None and a is not None:
-        m = _divide("train.global_batch", g, a * dp, f"grad_accum x dp = {a}x{dp}")
+        m = _divide("train.global_batch", g, a * n, f"grad_accum x {split} = {a}x{n}")
     elif a is None and g is not None and m is not None:
-        a = _divide("train.global_batch", g, m * dp, f"micro_batch x dp = {m}x{dp}")
+        a = _divide("train.global_batch", g, m * n, f"micro_batch x {split} = {m}x{n}")
     if g is None or m is None or a is None:  # never: two of them are known (above)
         raise ConfigError("train.global_batch", train.global_batch,
                           "two of global_batch, micro_batch, grad_accum are needed",
                           "set two of them")
-    if g != m * a * dp:
+    if g != m * a * n:
         raise ConfigError("train.global_batch", g,
-                          f"must equal micro_batch x grad_accum x dp = {m}x{a}x{dp} = "
-                          f"{m * a * dp}", "give only two of the three and let disttrain "
+                          f"must equal micro_batch x grad_accum x {split} = {m}x{a}x{n} = "
+                          f"{m * a * n}", "give only two of the three and let disttrain "
                           "derive the third")
-    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp,
+    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, shares=n,
                      given=tuple(k for k in BATCH_KEYS if k in given))
 
 
@@ -168,11 +173,13 @@ def _check_data(config: Config) -> None:
 
 
 def data_parallel_degree(config: Config, layout: Layout) -> int:
-    """Ranks that each take a share of the global batch: the dp ranks, except under
-    ``train.sync=async`` where the parameter servers take none."""
+    """Ranks that each take a share of the global batch: those its sample-splitting
+    dimensions span, except under ``train.sync=async`` where the parameter servers take
+    none."""
+    ranks = layout.role(Role.SAMPLES)
     if config.train.sync == SYNC_ASYNC:
-        return layout.dp - config.train.ps_servers
-    return layout.dp
+        return ranks - config.train.ps_servers
+    return ranks
 
 
 def _check_wire(config: Config) -> None:

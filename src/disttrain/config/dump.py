@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..dimensions import Role, joined, with_role
 from .consistency import RunPlan
 from .schema import Config
 
@@ -31,9 +32,11 @@ def config_to_toml(config: Config, plan: RunPlan | None = None) -> str:
             given = key in plan.batch.given
             data["train"][key] = getattr(plan.batch, key) if given else None
         b, lay = plan.batch, plan.layout
-        lines.append(f"# resolved: dp={lay.dp} pp={lay.pp} tp={lay.tp} zero={lay.zero}; "
+        degrees = " ".join(f"{k}={n}" for k, n in lay.as_dict().items())
+        lines.append(f"# resolved: {degrees}; "
                      f"global_batch {b.global_batch} = micro_batch {b.micro_batch} x "
-                     f"grad_accum {b.grad_accum} x dp {b.dp}")
+                     f"grad_accum {b.grad_accum} x {joined(with_role(Role.SAMPLES))} "
+                     f"{b.shares}")
     for section, table in data.items():
         lines.append(f"[{section}]")
         lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 from ..config.layout import Layout
 from ..config.schema import Config
+from ..dimensions import DIMENSIONS, Role, joined
 from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
 
 
 def check_balance(config: Config, layout: Layout) -> None:
-    """Dynamic shares need every rank of a pipeline (and of a tp group) to run the same
-    micro-batches, and replicas that meet at every step."""
+    """Dynamic shares need every rank of a replica (its pipeline stages, its tp shards:
+    every dimension but the one splitting the samples) to run the same micro-batches,
+    and replicas that meet at every step."""
     if config.parallel.balance != "dynamic":
         return
-    if layout.pp > 1 or layout.tp > 1:
-        raise ConfigError("parallel.balance", "dynamic", "is not supported with pp or "
-                          "tp > 1 (every stage and tp shard of a pipeline works on the "
-                          "same micro-batches, so their shares cannot differ)",
-                          "use parallel.balance=static")
+    others = [d for d in DIMENSIONS if not d.has(Role.SAMPLES)]
+    if any(layout.degree(d.key) > 1 for d in others):
+        raise ConfigError("parallel.balance", "dynamic", "is not supported with "
+                          f"{joined(others, ' or ')} > 1 (every stage and tp shard of a "
+                          "pipeline works on the same micro-batches, so their shares "
+                          "cannot differ)", "use parallel.balance=static")
     if config.train.sync != SYNC_EVERY_STEP:
         raise ConfigError("parallel.balance", "dynamic",
                           f"is not supported with train.sync={config.train.sync} "

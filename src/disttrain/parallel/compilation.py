@@ -16,9 +16,10 @@ would rename every parameter ``_orig_mod.*``; here the wrapper's segment is drop
 parameter names (:func:`~disttrain.param_names.canonical_name`) and state-dict keys, so
 checkpoints carry the model's own names.
 
-:func:`check_compile` refuses, before launch, what cannot work: tensor parallelism (its
-layers issue collectives through the Communicator inside every block), a model whose
-spec names no block list, and a machine without the compiler inductor needs.
+:func:`check_compile` refuses, before launch, what cannot work: a model whose spec names
+no block list, and a machine without the compiler inductor needs (a dimension whose
+layers issue collectives inside every block, tensor parallelism, refuses it in its own
+check).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import Any
 from torch import nn
 
 from ..config.consistency import on_gpu
-from ..config.layout import Layout
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..param_names import COMPILED
@@ -64,17 +64,10 @@ def compile_blocks(blocks: nn.ModuleList) -> int:
     return wrapped
 
 
-def check_compile(config: Config, layout: Layout, spec: ModelSpec) -> None:
+def check_compile(config: Config, spec: ModelSpec) -> None:
     """Refuse ``train.compile=true`` where it cannot apply, saying why."""
     if not config.train.compile:
         return
-    if layout.tp > 1:
-        raise ConfigError("train.compile", True, f"does not apply with parallel.tp="
-                          f"{layout.tp} (tensor-parallel layers run collectives through "
-                          "disttrain's communicator inside every block: torch.compile "
-                          "would split each block at each of them, or trace them past "
-                          "the communicator's ledger and checks)",
-                          "set train.compile=false, or parallel.tp=1")
     if spec.blocks is None:
         raise ConfigError("train.compile", True, "compiles the model block by block and "
                           "this model's spec names no block list",

@@ -8,29 +8,31 @@ of step it needs. In order, over an unchanged model:
 0. with ``train.compile``, each block wrapped for torch.compile
    (:func:`~.compilation.compile_blocks`), first, so every later wrapper and hook stays
    outside the compiled regions;
-1. tensor and pipeline parallelism (:func:`~.hybrid.apply_model_parallel`) when
-   pp or tp > 1, else activation checkpointing on the whole model;
+1. every dimension of the layout that applies something to a model, where its degree
+   is > 1 (:func:`~.hybrid.apply_model_parallel`: the declared entries' behaviours,
+   :mod:`.dimensions`), with activation checkpointing on the blocks;
 2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
-   the dp group, on whatever step 1 left this rank (blocks grouped per pipeline chunk);
+   the replica group, on whatever step 1 left this rank (blocks grouped per pipeline
+   chunk);
 3. the gradient side the optimizer ``train.optimizer`` needs, if any (1-bit Adam's
-   follows its phase: local once the momentum is compressed), then under pp / tp seen
-   through :class:`~.hybrid.ModelParallelGrads`;
+   follows its phase: local once the momentum is compressed), then, where a dimension
+   changed the model, seen through :class:`~.hybrid.ModelParallelGrads`;
 4. the sync mode ``train.sync``;
 5. how a step's micro-batches run forward and backward (:class:`~.interfaces.StepPass`:
-   through the whole module, or through the pipeline schedule);
+   the model cut's, through the whole module or through the pipeline schedule);
 6. with the default causal-LM loss and ``train.fused_loss``, the output head swapped,
    where this rank runs it, for the fused linear + cross-entropy (:mod:`.fused_loss`:
    the same weight Parameter, so nothing above sees a difference), whose token loss
    the step's default loss then calls.
 
-Each choice is looked up in :mod:`.registry`; the training loop uses only the result's
-interfaces.
+Each choice is looked up in :mod:`.registry`, each dimension in the declared list
+(:mod:`disttrain.dimensions`); no dimension is named here. The training loop uses only
+the result's interfaces.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +40,15 @@ import torch
 from torch import nn
 
 from ..checkpoint.state import MODEL
-from ..comm.collectives import Communicator
+from ..comm.collectives import CollectiveLedger, Communicator
+from ..config.layout import Layout
 from ..config.schema import Config, TrainConfig
+from ..dimensions import Role, mesh_order
 from ..spec import ModelSpec, block_list, output_logits
 from ..targets import IGNORE_INDEX
 from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
-from .activation import apply_activation_checkpointing, canonical_name
 from .compilation import compile_blocks
-from .fused_loss import FusedHead, fuse_output_head, head_refusal, loss_line, replace_submodule
+from .fused_loss import FusedHead, fuse_output_head, head_refusal, loss_line
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import (
     GradSync,
@@ -58,24 +61,42 @@ from .interfaces import (
     SyncStrategy,
     TensorSource,
 )
-from .pipeline.check import pipeline_cuts
-from .pipeline_pass import PipelinePass
-from .placement import Placement, tensor_pieces, whole_model_placement
+from .placement import Placement, tensor_pieces
 from .registry import OPTIMIZERS, SYNC_MODES, get_strategy
-from .step_pass import WholeModelPass
 from .strategy import OptimizerContext, StrategyContext, SyncContext
 from .topology import Topology
-from .zero import Unit, build_units
 
 
 @dataclass(frozen=True)
 class Groups:
-    """The communicators a composition uses: the world and one per mesh axis."""
+    """The communicators a composition uses: the world, one per mesh axis (``axes``),
+    and the groups of two roles: ``replicas`` (the ranks holding the same parameters:
+    the data-parallel strategy reduces and shards over it) and ``samples`` (the ranks a
+    global batch is split over: held-out samples too). A role taken by one dimension is
+    that axis's communicator; by several, their flattened group."""
 
     world: Communicator
-    dp: Communicator
-    pp: Communicator
-    tp: Communicator
+    axes: Mapping[str, Communicator]
+    replicas: Communicator
+    samples: Communicator
+
+    def axis(self, name: str) -> Communicator:
+        return self.axes[name]
+
+    @classmethod
+    def build(cls, topology: Topology, ledger: CollectiveLedger) -> Groups:
+        """One communicator per mesh axis and role over ``topology`` (every rank calls
+        it: a flattened group is a collective)."""
+        axes = {d.axis: Communicator(topology.group(d.axis), ledger, d.axis)
+                for d in mesh_order()}
+
+        def role(r: Role) -> Communicator:
+            names = topology.role_axes(r)
+            if len(names) == 1:
+                return axes[names[0]]
+            return Communicator(topology.role_group(r), ledger, "_".join(names))
+        return cls(world=Communicator(None, ledger, "world"), axes=axes,
+                   replicas=role(Role.REPLICAS), samples=role(Role.SAMPLES))
 
 
 @dataclass
@@ -85,14 +106,15 @@ class Parallelized:
     ``module``: what this rank runs (the model, or a ModuleList of its pipeline chunks);
     ``grads`` / ``state``: the declared interfaces the loop uses; ``sync``: what happens
     between steps (``train.sync``); ``passes``: how a step's micro-batches run forward
-    and backward; ``mp``: the pipeline / tensor layout (None when pp = tp = 1);
-    ``strategy``: the data-parallel strategy's name; ``token_loss``: the per-token loss
-    the module's outputs need (the fused linear + cross-entropy when ``fused`` swapped
-    the output head: the outputs are then hidden states; else the vocabulary-parallel
-    cross-entropy when the head is sharded over tp), or None for the ordinary one;
-    ``fused``: the swapped head (None: the fused loss is off); ``layout_head``: the
-    banner's line for the layout (empty when pp = tp = 1); ``loss_line``: its line
-    for the loss (fused or not, and why).
+    and backward; ``mp``: the model-parallel dimensions' parts (none when no dimension
+    changed the model) and the model's cut; ``strategy``: the data-parallel strategy's
+    name; ``token_loss``: the per-token loss the module's outputs need (the fused
+    linear + cross-entropy when ``fused`` swapped the output head: the outputs are then
+    hidden states; else a part's, such as the vocabulary-parallel cross-entropy when
+    the head is sharded over tp), or None for the ordinary one; ``fused``: the swapped
+    head (None: the fused loss is off); ``layout_head``: the banner's line for the
+    layout (empty when no dimension changed the model); ``loss_line``: its line for the
+    loss (fused or not, and why).
     """
 
     module: nn.Module
@@ -100,7 +122,7 @@ class Parallelized:
     state: ShardedState
     sync: SyncStrategy
     passes: StepPass
-    mp: ModelParallel | None
+    mp: ModelParallel
     placement: Placement
     strategy: str
     groups: Groups
@@ -122,19 +144,20 @@ class Parallelized:
         train = config.train
         optimizer = OPTIMIZERS.get(train.optimizer).build(OptimizerContext(
             groups=self.state.optimizer_groups(train.weight_decay), lr=lr, train=train,
-            dp_comm=self.groups.dp))
+            replicas=self.groups.replicas))
         self.bind_optimizer(optimizer)
         return optimizer
 
     def layout_lines(self) -> str:
-        """For the start-up banner: which ranks hold which layers and shards (pp or
-        tp > 1; a collective over the world), then how the loss is computed."""
+        """For the start-up banner: which ranks hold which layers and shards (where a
+        dimension changed the model; a collective over the world), then how the loss is
+        computed."""
         loss = f"\n{self.loss_line}" if self.loss_line else ""
         if not self.layout_head:
             return loss
         g = self.groups
-        mine = (f"rank {g.world.rank} (pp {g.pp.rank}, dp {g.dp.rank}, tp "
-                f"{g.tp.rank}): {self.describe()}")
+        where = ", ".join(f"{d.key} {g.axis(d.axis).rank}" for d in mesh_order())
+        mine = f"rank {g.world.rank} ({where}): {self.describe()}"
         return self.layout_head + "".join(
             f"\n  {line}" for line in g.world.all_gather_object(mine)) + loss
 
@@ -165,11 +188,10 @@ class Parallelized:
             def plain_loss(outputs: Any, targets: Any) -> Any:
                 return token_loss(output_logits(outputs), targets, IGNORE_INDEX)
             return plain_loss
-        tp = self.mp.tp if self.mp is not None else None
-        if tp is None or self.fused is not None:  # never: see compose()
+        if self.fused is not None:  # never: see compose()
             raise RuntimeError(f"a loss_fn ({loss_fn!r}) with a token loss it cannot take "
                                "the logits of")
-        return tp.full_logits_loss(loss_fn)
+        return self.mp.full_logits_loss(loss_fn)
 
     def local_boxes(self, optimizer: torch.optim.Optimizer
                     ) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
@@ -198,15 +220,14 @@ class Parallelized:
             source.want(self.local_boxes(optimizer))
         self.state.load_state(source, optimizer)
         # buffers by their full-model names: a pipeline chunk keeps the model's paths
-        for part in (self.mp.chunks if self.mp is not None and self.mp.chunks
-                     else [self.module]):
+        for part in self.mp.cut.buffer_holders():
             fill_buffers(part, source)
         self.sync.restart()
 
     def describe(self) -> str:
         """This rank's part, in one line (for the start-up banner)."""
         stage = f" (ZeRO-{self.zero_stage})" if self.zero_stage else ""
-        layout = self.mp.describe() if self.mp is not None else ""
+        layout = self.mp.describe()
         return f"{self.strategy}{stage}" + (f"; {layout}" if layout else "")
 
     def weight_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
@@ -214,15 +235,16 @@ class Parallelized:
         (``model/<name>`` boxes of global tensors; over all ranks they cover every
         parameter, and every persistent buffer, at least once): under ZeRO each rank's
         shard pieces, else the data-parallel rank 0 replicas' parameters (their boxes
-        under tp / pp). No rank gathers anything: the writer assembles one tensor at a
-        time. Valid before ``grads.finalize()``."""
-        world, dp = self.groups.world, self.groups.dp
+        where a dimension changed the model). No rank gathers anything: the writer
+        assembles one tensor at a time. Valid before ``grads.finalize()``."""
+        world, replicas = self.groups.world, self.groups.replicas
+        whole = not self.mp.applied
         if self.zero_stage:
             pieces = [p for p in self.state.state_pieces(optimizer)
                       if p.name.startswith(MODEL)]
-        elif dp.rank != 0:
+        elif replicas.rank != 0:
             pieces = []
-        elif self.mp is None:
+        elif whole:
             pieces = [StatePiece(MODEL + self.placement.name(p), p.detach(),
                                  tuple(p.shape), (0,) * p.dim())
                       for p in _unique(self.module.parameters())] if world.rank == 0 else []
@@ -230,21 +252,22 @@ class Parallelized:
             pieces = [StatePiece(MODEL + name, g.tensor.detach(), g.global_shape, g.offsets)
                       for name, p in self.mp.named_parameters() if self.placement.writes(p)
                       for g in tensor_pieces(self.placement.boxes(name, p), p)]
-        if self.mp is None and world.rank == 0:  # buffers the model saves (whole)
+        if whole and world.rank == 0:  # buffers the model saves (whole)
             pieces += [StatePiece(MODEL + n, b.detach(), tuple(b.shape), (0,) * b.dim())
                        for n, b in persistent_buffers(self.module)]
         return pieces
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The unsharded model's parameters and buffers on global rank 0 (None
-        elsewhere), after ``grads.finalize()``. Without pp / tp every rank holds them;
-        otherwise each dp-rank-0 rank sends the boxes it saves (one gather of small
-        objects: meant for final weights, not for models too large for one host)."""
+        elsewhere), after ``grads.finalize()``. Where no dimension changed the model
+        every rank holds them; otherwise each replica-rank-0 rank sends the boxes it
+        saves (one gather of small objects: meant for final weights, not for models too
+        large for one host)."""
         world = self.groups.world
-        if self.mp is None:
+        if not self.mp.applied:
             return dict(self.module.state_dict()) if world.rank == 0 else None
         mine = []
-        if self.groups.dp.rank == 0:
+        if self.groups.replicas.rank == 0:
             for name, p in self.mp.named_parameters():
                 if self.placement.writes(p):
                     mine += [(name, g.global_shape, g.offsets, g.tensor.detach().cpu().clone())
@@ -274,61 +297,52 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
             groups: Groups, *, micro_batches: int, num_samples: int,
             tracer: StepTracer | None = None, default_loss: bool = False) -> Parallelized:
     """Apply every strategy ``config`` selects to ``model`` for this rank (see the
-    module docstring); ``micro_batches``: per step and dp rank (the pipeline's m);
+    module docstring); ``micro_batches``: per step and replica (the pipeline's m);
     ``num_samples``: the training set's size (federated partitions); ``default_loss``:
     the step's loss is the causal-LM token loss (no ``loss_fn`` of the user's, or
     :func:`disttrain.models.token_loss`), which alone the fused loss may compute."""
     train, par = config.train, config.parallel
     refusal = _fused_refusal(model, spec, train, default_loss)  # on the unchanged model
     checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
-    lay = topology.layout
     fresh = on_meta(model)  # built on meta: only this rank's part gets storage, below
-    if train.compile:  # refused at validation where it cannot apply (tp > 1, no blocks)
+    if train.compile:  # refused at validation where it cannot apply
         blocks = block_list(model, spec)
         if blocks is None:
             raise ValueError("train.compile compiles the model's blocks; its spec names none")
         compile_blocks(blocks)
-    mp = None
-    if lay.pp > 1 or lay.tp > 1:
-        mp = apply_model_parallel(model, spec, par, groups.pp, groups.tp,
-                                  micro_batches=micro_batches,
-                                  cuts=pipeline_cuts(par, spec),
-                                  checkpointing=checkpointing)
-        module, placement = mp.module, mp.placement
-    else:
-        apply_activation_checkpointing(model, *checkpointing, blocks=block_list(model, spec))
-        module, placement = model, whole_model_placement(model, canonical_name)
+    mp = apply_model_parallel(model, spec, par, dict(groups.axes),
+                              micro_batches=micro_batches, checkpointing=checkpointing)
+    module, placement = mp.module, mp.placement
     strategy = get_strategy(config)
+    replicas = groups.replicas
     if fresh:  # parameters too unless the strategy allocates its own part of them
-        allocate(module, groups.dp.device, params=not strategy.allocates)
+        allocate(module, replicas.device, params=not strategy.allocates)
     grads, state = strategy.build(StrategyContext(
-        module=module, placement=placement, units=_units(model, spec, mp),
-        dp_comm=groups.dp, parallel=par, comm=config.comm, seed=train.seed,
+        module=module, placement=placement, units=mp.cut.units(model),
+        replicas=replicas, parallel=par, comm=config.comm, seed=train.seed,
         tracer=tracer, fresh=fresh))
     if fresh:  # what the strategy left (parameters that do not train)
-        allocate(module, groups.dp.device)
+        allocate(module, replicas.device)
     followers = []
     wrap = OPTIMIZERS.get(train.optimizer).wrap_grads
     if wrap is not None:  # the gradient side the optimizer needs
-        grads = wrap(grads, groups.dp)
+        grads = wrap(grads, replicas)
         followers.append(grads)
-    if mp is not None:
-        grads = ModelParallelGrads(grads, mp, groups.world, par.tp_check_grads)
+    if mp.applied:
+        grads = ModelParallelGrads(grads, mp, groups.world)
     sync = SYNC_MODES.get(train.sync).build(SyncContext(
-        model=model, dp_comm=groups.dp, num_samples=num_samples, train=train,
+        model=model, replicas=replicas, num_samples=num_samples, train=train,
         comm=config.comm))
-    passes: StepPass = (PipelinePass(mp, grads, groups.world, tracer)
-                        if mp is not None and mp.chunks
-                        else WholeModelPass(module, grads, groups.dp, tracer))
-    fused = (fuse_output_head(spec.head, _head_holder(model, mp))
+    passes: StepPass = mp.cut.step_pass(grads, groups.world, groups.samples, tracer,
+                                        mp.activation_length, mp.counts_loss)
+    fused = (fuse_output_head(spec.head, mp.cut.head_holder())
              if refusal is None and spec.head is not None else None)
-    token_loss = (fused.token_loss if fused is not None
-                  else mp.tp.token_loss if mp is not None and mp.tp and mp.tp.vocab_sharded
-                  else None)
+    token_loss = fused.token_loss if fused is not None else mp.token_loss()
     return Parallelized(module=module, grads=grads, state=state, sync=sync, passes=passes,
                         mp=mp, placement=placement, strategy=strategy.name, groups=groups,
-                        zero_stage=lay.zero, token_loss=token_loss, followers=followers,
-                        layout_head=_layout_head(config, lay, micro_batches), fused=fused,
+                        zero_stage=topology.layout.zero, token_loss=token_loss,
+                        followers=followers, fused=fused,
+                        layout_head=_layout_head(topology.layout, mp, micro_batches),
                         loss_line=loss_line(spec.head, refusal))
 
 
@@ -342,31 +356,10 @@ def _fused_refusal(model: nn.Module, spec: ModelSpec, train: TrainConfig,
     return head_refusal(model, spec)
 
 
-def _head_holder(model: nn.Module, mp: ModelParallel | None
-                 ) -> tuple[nn.Module, Callable[[str, nn.Module], nn.Module]] | None:
-    """Where this rank runs the output head, with how to replace a module there: the
-    last pipeline chunk (None if another rank holds it), or the whole model."""
-    if mp is not None and mp.chunks:
-        return next(((c, c.replace_module) for c in mp.chunks if c.is_last), None)
-    return model, functools.partial(replace_submodule, model)
-
-
-def _layout_head(config: Config, lay: Any, micro_batches: int) -> str:
-    """The banner's layout line under pp or tp > 1 (empty otherwise)."""
-    if lay.pp == 1 and lay.tp == 1:
+def _layout_head(lay: Layout, mp: ModelParallel, micro_batches: int) -> str:
+    """The banner's layout line where a dimension changed the model (empty otherwise):
+    every degree in rank order, and what the cut adds (a pipeline's schedule)."""
+    if not mp.applied:
         return ""
-    return (f"\nlayout pp={lay.pp} x dp={lay.dp} x tp={lay.tp}"
-            + (f", schedule {config.parallel.pp_schedule} with {micro_batches} "
-               f"micro-batches" if lay.pp > 1 else ""))
-
-
-def _units(model: nn.Module, spec: ModelSpec, mp: ModelParallel | None) -> list[Unit]:
-    """Parameters grouped for sharding: per pipeline chunk (a backward scope each), its
-    blocks then the rest; a tied weight whose copies live on two stages gets a unit of
-    its own, so both copies are sharded alike."""
-    if mp is None or not mp.chunks:
-        blocks = block_list(model, spec)
-        return build_units([(0, model, list(blocks) if blocks is not None else [])])
-    scopes = [(c.index, c, c.chunk_blocks()) for c in mp.chunks]
-    tied = {id(w) for c in mp.chunks for w, _ in c.tied_weights()}
-    return build_units(scopes, separate=tied)
+    degrees = " x ".join(f"{d.key}={lay.degree(d.key)}" for d in mesh_order())
+    return f"\nlayout {degrees}" + mp.cut.headline(micro_batches)

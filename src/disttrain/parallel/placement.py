@@ -1,9 +1,10 @@
 """Where this rank's parameters sit in the global model, and pieces of global tensors.
 
 A :class:`Placement` answers, for every parameter this rank holds: its name in the full
-model, the boxes placing its local tensor in the global one (tensor parallelism), whether
-it is a copy of a weight saved elsewhere (a tied weight's second copy in a pipeline) or
-identical on every tp rank (written by tp rank 0 only), and the share of its squared
+model, the boxes placing its local tensor in the global one (the dimension that shards
+tensors, tensor parallelism, gives them), whether it is a copy of a weight saved
+elsewhere (a tied weight's second copy in a pipeline) or identical on every rank of the
+sharding group (written by that group's rank 0 only), and the share of its squared
 gradient norm this rank contributes. The whole model on one rank is the trivial case.
 
 :func:`range_pieces` cuts a flat range of a local tensor into boxes of the global tensor,
@@ -19,7 +20,31 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .tensor.layers import Box, whole_box
+
+@dataclass(frozen=True, kw_only=True)
+class Box:
+    """A block shared by a local tensor and the global tensor it is a shard of:
+    ``local[local_offsets + i] == global[global_offsets + i]`` for every i < ``shape``
+    (all tuples have one entry per dimension)."""
+
+    local_offsets: tuple[int, ...]
+    global_offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    def local_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape, strict=True))
+
+    def global_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape, strict=True))
+
+
+def whole_box(shape: tuple[int, ...]) -> list[Box]:
+    """A replicated tensor: one box covering all of it."""
+    zeros = (0,) * len(shape)
+    return [Box(local_offsets=zeros, global_offsets=zeros, shape=tuple(shape),
+                global_shape=tuple(shape))]
+
 
 BoxesFn = Callable[[str, torch.Tensor], list[Box]]
 
@@ -39,16 +64,17 @@ class Placement:
 
     ``names``: id(parameter) -> full-model name. ``copies``: ids of parameters that
     duplicate one saved by another rank (never saved, weight 0 in norms).
-    ``tp_replicated``: ids identical on every tp rank (saved by tp rank 0 only, weight
-    1/tp in norms). ``boxes`` / ``to_local``: tensor parallelism's boxes per name and
-    the cut of a global tensor to this rank's local one (identity without tp).
+    ``replicated``: ids identical on every rank of the sharding group, rank
+    ``shard_rank`` of ``shards`` (saved by its rank 0 only, weight 1/shards in norms).
+    ``boxes`` / ``to_local``: the sharding's boxes per name and the cut of a global
+    tensor to this rank's local one (identity without sharding).
     """
 
     names: dict[int, str]
     copies: set[int] = field(default_factory=set)
-    tp_replicated: set[int] = field(default_factory=set)
-    tp_rank: int = 0
-    tp_size: int = 1
+    replicated: set[int] = field(default_factory=set)
+    shard_rank: int = 0
+    shards: int = 1
     boxes_fn: BoxesFn | None = None
     to_local_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
@@ -66,19 +92,25 @@ class Placement:
         """This rank's local tensor for ``name``, cut from the global ``full``."""
         return full if self.to_local_fn is None else self.to_local_fn(name, full)
 
+    @property
+    def leads(self) -> bool:
+        """Whether this rank writes what every rank of its sharding group holds alike
+        (a replicated tensor, a scalar of optimizer state, a buffer): its rank 0."""
+        return self.shard_rank == 0
+
     def writes(self, param: torch.Tensor) -> bool:
         """Whether this rank (among the ranks holding ``param``'s data, before any data
-        parallelism) saves it: never a copy; a tp-replicated one on tp rank 0 only."""
+        parallelism) saves it: never a copy; a replicated one on the group's rank 0."""
         if id(param) in self.copies:
             return False
-        return id(param) not in self.tp_replicated or self.tp_rank == 0
+        return id(param) not in self.replicated or self.leads
 
     def norm_weight(self, param: torch.Tensor) -> float:
         """The share of ``param``'s squared gradient norm this rank contributes (before
         dividing out data-parallel replicas)."""
         if id(param) in self.copies:
             return 0.0
-        return 1.0 / self.tp_size if id(param) in self.tp_replicated else 1.0
+        return 1.0 / self.shards if id(param) in self.replicated else 1.0
 
 
 def whole_model_placement(module: nn.Module,

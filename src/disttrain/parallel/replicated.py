@@ -57,8 +57,8 @@ class ReplicatedState:
             tensors = [(MODEL + name, p.detach())]
             for key, value in optimizer.state.get(p, {}).items():
                 t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-                if t.dim() == 0:  # a scalar (Adam's step): once, from tp rank 0
-                    if self.placement.tp_rank == 0:
+                if t.dim() == 0:  # a scalar (Adam's step): once, from the group's rank 0
+                    if self.placement.leads:
                         candidates.append(StatePiece(f"{OPTIM}{name}/{key}", t.detach(),
                                                      (), ()))
                 else:
@@ -66,7 +66,7 @@ class ReplicatedState:
             for full, t in tensors:
                 candidates += [StatePiece(full, g.tensor, g.global_shape, g.offsets)
                                for g in tensor_pieces(boxes, t)]
-        if self.placement.tp_rank == 0:
+        if self.placement.leads:
             candidates += [StatePiece(MODEL + n, b.detach(), tuple(b.shape),
                                       (0,) * b.dim(), eager=True)
                            for n, b in self.buffers().items()]

@@ -65,24 +65,31 @@ class StrategyContext:
     ``module``: this rank's part of the model (the model, or its pipeline chunks);
     ``placement``: its parameters' names and boxes in the full model; ``units``: its
     parameters grouped per block and per backward scope (for sharding);
-    ``dp_comm``: the dp group; ``parallel`` / ``comm``: its config sections;
+    ``replicas``: the replica group (the ranks holding the same parameters: dp, or
+    the flattened group of every dimension whose ranks do; ``dp_comm`` is its older
+    name); ``parallel`` / ``comm``: its config sections;
     ``seed``: for codecs that sample; ``tracer``: a span recorder (or None);
     ``fresh``: the parameters are filled after the build from a source that gives every
     rank the same values (a model built on the meta device): nothing to broadcast.
     A strategy registered with ``allocates`` gets any parameter still on the meta device
     and gives it storage itself (ZeRO: only this rank's shard); the others get the
-    parameters with storage, on the dp group's device.
+    parameters with storage, on the replica group's device.
     """
 
     module: nn.Module
     placement: Placement
     units: list[Unit]
-    dp_comm: Communicator
+    replicas: Communicator
     parallel: ParallelConfig
     comm: CommConfig
     seed: int = 0
     tracer: SpanRecorder | None = None
     fresh: bool = False
+
+    @property
+    def dp_comm(self) -> Communicator:
+        """:attr:`replicas` under its older name."""
+        return self.replicas
 
 
 @dataclass(frozen=True)
@@ -98,15 +105,21 @@ class DataParallelStrategy:
 
 @dataclass(frozen=True, kw_only=True)
 class SyncContext:
-    """What a sync mode is built from: the whole model (replicas keep it whole), the dp
-    group (the world for a mode whose ranks play different roles), the training set's
-    size (federated partitions), the ``train`` and ``comm`` sections."""
+    """What a sync mode is built from: the whole model (replicas keep it whole), the
+    replica group ``replicas`` (``dp_comm``: its older name; the world for a mode whose
+    ranks play different roles), the training set's size (federated partitions), the
+    ``train`` and ``comm`` sections."""
 
     model: nn.Module
-    dp_comm: Communicator
+    replicas: Communicator
     num_samples: int
     train: TrainConfig
     comm: CommConfig
+
+    @property
+    def dp_comm(self) -> Communicator:
+        """:attr:`replicas` under its older name."""
+        return self.replicas
 
 
 @dataclass(frozen=True)
@@ -123,12 +136,18 @@ class SyncMode:
 class OptimizerContext:
     """What an optimizer is built from: ``groups`` (the composed state's parameter
     groups: matrices decayed, the rest not; ZeRO's flat shards), the peak ``lr``, the
-    ``train`` section and the dp group (an optimizer that communicates uses it)."""
+    ``train`` section and the replica group ``replicas`` (an optimizer that
+    communicates uses it; ``dp_comm``: its older name)."""
 
     groups: list[dict]
     lr: float
     train: TrainConfig
-    dp_comm: Communicator | None
+    replicas: Communicator | None
+
+    @property
+    def dp_comm(self) -> Communicator | None:
+        """:attr:`replicas` under its older name."""
+        return self.replicas
 
 
 class FollowsOptimizer(Protocol):

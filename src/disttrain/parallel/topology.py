@@ -1,23 +1,28 @@
-"""The layout of ranks made live: the DeviceMesh built from a validated (dp, pp, tp, zero).
+"""The layout of ranks made live: the DeviceMesh built from a validated layout.
 
 A :class:`~disttrain.config.layout.Layout` is pure data, checked against a world size
 before any process group exists. :class:`Topology` pairs it with the live ``DeviceMesh``
-(named axes ``pp``, ``dp``, ``tp``, outermost first) and this rank's coordinates; it is
-passed explicitly to every strategy that needs a group. Nothing here is module-level
-state.
+(one named axis per declared dimension, :data:`MESH_AXES`, outermost first) and this
+rank's coordinates; it is passed explicitly to every strategy that needs a group. The
+groups of a role (the replica group a data-parallel strategy reduces over, the ranks a
+batch is split over) are the flattened axes of the dimensions that take it. Nothing here
+is module-level state.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config.layout import Layout
+from ..dimensions import Role, mesh_order, with_role
 from ..errors import ConfigError
 
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = tuple(d.axis for d in mesh_order())
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -36,13 +41,30 @@ class Topology:
     def coordinate(self, axis: str) -> int:
         return self.mesh.get_local_rank(axis)
 
-    @property
-    def dp_rank(self) -> int:
-        return self.coordinate("dp")
+    def role_axes(self, role: Role) -> tuple[str, ...]:
+        """The mesh axes of the dimensions that take ``role``, outermost first."""
+        return tuple(d.axis for d in with_role(role))
 
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
+    def role_group(self, role: Role) -> dist.ProcessGroup:
+        """The group of the ranks that differ from this one only on ``role``'s axes (one
+        axis: that axis's group; several: their flattened group)."""
+        axes = self.role_axes(role)
+        return self.mesh[axes]._flatten().get_group()
+
+    def role_index(self, role: Role) -> int:
+        """This rank's index among the ranks of :meth:`role_group` (row-major over the
+        role's axes, outermost first)."""
+        index = 0
+        for axis in self.role_axes(role):
+            index = index * self._size(axis) + self.coordinate(axis)
+        return index
+
+    def role_size(self, role: Role) -> int:
+        """The number of ranks in :meth:`role_group`."""
+        return math.prod(self._size(axis) for axis in self.role_axes(role))
+
+    def _size(self, axis: str) -> int:
+        return self.mesh.size(MESH_AXES.index(axis))
 
 
 def build_topology(layout: Layout, device_type: str) -> Topology:

@@ -160,13 +160,14 @@ def run_layout(run: RunRecord) -> tuple[Layout, PlannedLayout, int]:
     from ..parallel.pipeline.check import virtual_stages
 
     p = cfg.parallel
-    mesh = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world)
+    mesh = resolve_layout(p, world)
     batch = resolve_batch(cfg.train, cfg.explicit, data_parallel_degree(cfg, mesh))
-    lay = PlannedLayout(tp=mesh.tp, pp=mesh.pp, dp=mesh.dp,
-                        v=virtual_stages(p) if mesh.pp > 1 else 1, mbs=batch.micro_batch,
+    tp, pp, dp = (mesh.degree(k) for k in ("tp", "pp", "dp"))
+    lay = PlannedLayout(tp=tp, pp=pp, dp=dp,
+                        v=virtual_stages(p) if pp > 1 else 1, mbs=batch.micro_batch,
                         zero=mesh.zero, recompute=cfg.train.activation_checkpointing,
-                        sp=p.sequence_parallel and mesh.tp > 1,
-                        gpipe=mesh.pp > 1 and p.pp_schedule == SCHEDULE_GPIPE)
+                        sp=p.sequence_parallel and tp > 1,
+                        gpipe=pp > 1 and p.pp_schedule == SCHEDULE_GPIPE)
     return mesh, lay, batch.global_batch
 
 
@@ -231,7 +232,7 @@ def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
     """The JSON object of the comparison (see the module docstring)."""
     ranks = []
     for rank, measured in enumerate(_rank_memory(run, notes)):
-        stage = mesh.coordinates(rank)[0]
+        stage = mesh.coordinates(rank)["pp"]
         mem = est.stage_memory(stage)
         ranks.append({"rank": rank, "stage": stage,
                       "model_states": _pair(mem.model_states,

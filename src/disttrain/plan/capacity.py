@@ -50,8 +50,7 @@ def check_model_fits(config: Config, world_size: int, local_ranks: int,
     size furthest above its default. Needs only the layout, so it runs before
     :func:`disttrain.run_checks.resolve` (whose model spec grows with n_layer)."""
     memory = memory or rank_memory(config, local_ranks)
-    p = config.parallel
-    layout = resolve_layout(dp=p.dp, pp=p.pp, tp=p.tp, zero=p.zero, world_size=world_size)
+    layout = resolve_layout(config.parallel, world_size)
     states = _state_bytes(config, layout)
     if states > memory.bytes:
         field, value = _largest_dimension(config)
@@ -69,7 +68,8 @@ def check_batch_fits(config: Config, plan: RunPlan, local_ranks: int,
     activations = 0 if model is None else gpt_activation_bytes(
         model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
         activation_checkpointing=t.activation_checkpointing,
-        every_k=t.activation_checkpointing_k) // (plan.layout.pp * plan.layout.tp)
+        every_k=t.activation_checkpointing_k) // (plan.layout.degree("pp")
+                                                   * plan.layout.degree("tp"))
     need = _state_bytes(config, plan.layout) + activations
     if need > memory.bytes:
         _refuse(*_batch_field(config, micro), need, memory, "model states and the "
@@ -116,9 +116,10 @@ def _state_bytes(config: Config, layout: Layout) -> int:
         params = 0 if shape is None else shape.num_params()
     else:
         params = num_params(config.model)
-    states = model_state_bytes(params, dp=layout.dp, zero=layout.zero,
+    states = model_state_bytes(params, dp=layout.degree("dp"), zero=layout.zero,
                                optimizer=kind, momentum=t.momentum > 0).model_states
-    return int(states // (layout.pp * layout.tp))  # an int already: params is one
+    # an int already: params is one
+    return int(states // (layout.degree("pp") * layout.degree("tp")))
 
 
 def _hf_shape(config: Config) -> ModelShape | None:

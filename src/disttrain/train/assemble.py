@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from ..comm import CollectiveLedger, Communicator, control_beside
 from ..config import Config, RunPlan
+from ..dimensions import DIMENSIONS, Role
 from ..errors import UserError
 from ..models import token_loss
 from ..monitor import MetricsWriter, ProgressBar
@@ -93,9 +94,7 @@ class Mesh:
 def build_mesh(inputs: RunInputs, runtime: Runtime) -> Mesh:
     topology = build_topology(inputs.plan.layout, runtime.device.type)
     ledger = CollectiveLedger()
-    world = Communicator(None, ledger, "world")
-    return Mesh(topology, ledger, Groups(world=world, **{
-        axis: Communicator(topology.group(axis), ledger, axis) for axis in ("dp", "pp", "tp")}))
+    return Mesh(topology, ledger, Groups.build(topology, ledger))
 
 
 def finished_summary(inputs: RunInputs, mesh: Mesh, run_dir: Path | None
@@ -119,11 +118,12 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
                  subject: CallbackSubject, closing: ExitStack) -> Run:
     """Every part of the run on this rank (see the module docstring)."""
     config, plan, world = inputs.config, inputs.plan, mesh.world
-    # the random streams (dropout masks) from train.seed, the same on every rank of a
-    # tp group, whose replicated activations need the same masks (a resume then
-    # restores the checkpoint's streams)
-    torch.manual_seed(stream_seed(config.train.seed, mesh.topology.dp_rank,
-                                  mesh.topology.coordinate("pp")))
+    # the random streams (dropout masks) from train.seed, keyed by this rank's
+    # coordinate on the axes whose ranks draw their own (the same on every rank of a tp
+    # group, whose replicated activations need the same masks; a resume then restores
+    # the checkpoint's streams)
+    torch.manual_seed(stream_seed(config.train.seed, [
+        (d.axis, mesh.topology.coordinate(d.axis)) for d in DIMENSIONS if d.own_streams]))
     _start_watchdog(config, runtime, mesh, closing)
     tracer = Tracer(config.monitor.trace, runtime.rank)
     signals = SignalStop(control_beside(world))  # no GPU sync per step
@@ -132,7 +132,8 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
                         in_worker=directory.forget_in_child)
     closing.callback(loader.close)
     cursor = DataCursor(_num_samples(inputs.dataset), config.train.seed, plan.batch,
-                        mesh.topology.dp_rank, config.parallel.balance == "dynamic", loader)
+                        mesh.topology.role_index(Role.SAMPLES),
+                        config.parallel.balance == "dynamic", loader)
     model, loss_fn = _build_model(inputs, runtime, mesh, cursor, tracer)
     run_dir = directory.claim(world, config, plan, inputs.spec.config_json)
     closing.callback(directory.release)

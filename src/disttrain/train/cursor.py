@@ -1,9 +1,10 @@
 """Where a run is in the global sample order, and this rank's share of each step.
 
 The order is one permutation of the training set per epoch (train.seed), the same on
-every rank; each step takes the next ``global_batch`` samples of it, split over the dp
-ranks by the splitter (equal shares, or rebalanced by measured speed), then cut into
-micro-batches. The loader is told the coming steps' lists, so its workers read ahead.
+every rank; each step takes the next ``global_batch`` samples of it, split over the
+ranks that share it (the data-parallel ranks) by the splitter (equal shares, or
+rebalanced by measured speed), then cut into micro-batches. The loader is told the
+coming steps' lists, so its workers read ahead.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ from .loading import StepLoader, planned_lists
 
 class DataCursor:
     """The sample order from ``position`` (global index of the next global batch) for
-    dp rank ``dp_rank``; ``dynamic``: shares follow each rank's measured speed."""
+    the rank that takes share ``index`` of each batch; ``dynamic``: shares follow each
+    rank's measured speed."""
 
-    def __init__(self, num_samples: int, seed: int, batch: BatchPlan, dp_rank: int,
+    def __init__(self, num_samples: int, seed: int, batch: BatchPlan, index: int,
                  dynamic: bool, loader: StepLoader) -> None:
         self.sampler = GlobalOrderSampler(num_samples, seed)
         self._ahead = GlobalOrderSampler(num_samples, seed)  # the loader's read-ahead
-        self.splitter = BatchSplitter(batch.global_batch, batch.dp, dynamic)
-        self.batch, self.dp_rank, self.loader = batch, dp_rank, loader
+        self.splitter = BatchSplitter(batch.global_batch, batch.shares, dynamic)
+        self.batch, self.index, self.loader = batch, index, loader
         self.position = 0
 
     def share(self) -> list[int]:
         """This rank's dataset indices of the step at :attr:`position`."""
-        share = self.splitter.shares[self.dp_rank]
-        offset = self.splitter.offsets()[self.dp_rank]
+        share = self.splitter.shares[self.index]
+        offset = self.splitter.offsets()[self.index]
         return self.sampler.indices(self.position + offset, share)
 
     def micro_batches(self, indices: list[int]) -> list[list[int]]:
@@ -45,9 +47,9 @@ class DataCursor:
 
     def follow(self, lists: list[list[int]]) -> None:
         """Hand the loader this step's lists and the coming steps' plan."""
-        share = self.splitter.shares[self.dp_rank]
+        share = self.splitter.shares[self.index]
         self.loader.follow(lists, planned_lists(
-            self._ahead, self.position, self.splitter.offsets()[self.dp_rank], share,
+            self._ahead, self.position, self.splitter.offsets()[self.index], share,
             self.batch.global_batch, self.micro_batches))
 
     def advance(self) -> None:

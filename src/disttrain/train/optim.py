@@ -17,17 +17,17 @@ from ..parallel.strategy import OptimizerContext
 
 def build_optimizer(model: nn.Module, train: TrainConfig, lr: float,
                     groups: list[dict] | None = None,
-                    dp: Communicator | None = None) -> torch.optim.Optimizer:
+                    replicas: Communicator | None = None) -> torch.optim.Optimizer:
     """The optimizer ``train.optimizer`` names over ``model``'s parameters (weight decay
     on matrices, dim >= 2, only), or over ``groups`` (a composed state's optimizer
-    groups); ``dp``: the group an optimizer that communicates uses."""
+    groups); ``replicas``: the group an optimizer that communicates uses."""
     if groups is None:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2],
                    "weight_decay": train.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return OPTIMIZERS.get(train.optimizer).build(
-        OptimizerContext(groups=groups, lr=lr, train=train, dp_comm=dp))
+        OptimizerContext(groups=groups, lr=lr, train=train, replicas=replicas))
 
 
 def lr_at(step: int, train: TrainConfig, peak_lr: float) -> float:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..dimensions import Role, with_role
 from ..monitor import MetricsRecord, ProgressBar
 from ..monitor.callbacks import Callbacks
 from ..monitor.callbacks import Trainer as CallbackSubject
@@ -73,11 +74,13 @@ def banner_text(world_size: int, device: torch.device, backend: str, plan: Any,
                 parameters: int, run_dir: Path, layout_lines: str,
                 initial_eval: float | None) -> str:
     """The start-up banner: the world, the batch triple, the model's size, where it
-    writes, who holds what (pp / tp), the first held-out loss."""
+    writes, who holds what (where a dimension changed the model), the first held-out
+    loss."""
     lay, b = plan.layout, plan.batch
-    text = (f"disttrain: {world_size} rank(s) on {device.type}/{backend}, dp={lay.dp}; "
+    split = ", ".join(f"{d.key}={lay.degree(d.key)}" for d in with_role(Role.SAMPLES))
+    text = (f"disttrain: {world_size} rank(s) on {device.type}/{backend}, {split}; "
             f"global batch {b.global_batch} = {b.micro_batch} x {b.grad_accum} x "
-            f"{b.dp}; {parameters:,} parameters; run dir {run_dir}")
+            f"{b.shares}; {parameters:,} parameters; run dir {run_dir}")
     text += layout_lines
     if initial_eval is not None:
         text += f"\ninitial held-out loss {initial_eval:.4f}"

@@ -160,8 +160,9 @@ class Run:
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
-        """Mean held-out loss over ``train.eval_samples`` samples, split across dp ranks;
-        one all-reduce at the end, so uneven shares never desynchronise ranks."""
+        """Mean held-out loss over ``train.eval_samples`` samples, split across the ranks
+        that split the batch; one all-reduce at the end, so uneven shares never
+        desynchronise ranks."""
         value = self._held_out_loss()
         self.reporter.evaluated(step, value)
         return value
@@ -170,10 +171,10 @@ class Run:
         ev = self.evaluation
         if ev.dataset is None:
             return None
-        module, dp = self.parallel.module, self.parallel.groups.dp
+        module, samples = self.parallel.module, self.parallel.groups.samples
         module.eval()
-        indices = eval_indices(len(ev.dataset), self.config.train.eval_samples, dp.rank,
-                               dp.size)
+        indices = eval_indices(len(ev.dataset), self.config.train.eval_samples,
+                               samples.rank, samples.size)
         totals = torch.zeros(2, dtype=torch.float64, device=self.runtime.device)
         size = self.plan.batch.micro_batch
         for start in range(0, len(indices), size):
@@ -223,7 +224,7 @@ class Run:
         train, b = self.config.train, self.plan.batch
         return OwnLoopInputs(
             optimizer=self.model.optimizer, steps=train.steps, sampler=self.cursor.sampler,
-            per_worker=b.global_batch // b.dp, micro_batch=b.micro_batch,
+            per_worker=b.global_batch // b.shares, micro_batch=b.micro_batch,
             compute=compute, lr_at=lambda s: lr_at(s, train, self.plan.lr),
             log=self._own_loop_record, log_every=train.log_every)
 

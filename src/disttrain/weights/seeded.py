@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -40,11 +40,12 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 
 
-def stream_seed(seed: int, dp_rank: int, pp_rank: int) -> int:
-    """The seed of a rank's random streams during training (dropout): distinct per data-
-    parallel replica and pipeline stage, the same on every rank of a tensor-parallel
-    group (their replicated activations must draw the same masks)."""
-    return tensor_seed(seed, f"streams/dp{dp_rank}/pp{pp_rank}")
+def stream_seed(seed: int, coordinates: Sequence[tuple[str, int]]) -> int:
+    """The seed of a rank's random streams during training (dropout), from its
+    (axis, coordinate) on every axis whose ranks draw distinct streams (data-parallel
+    replicas, pipeline stages: ``streams/dp0/pp1``); the same on every rank of a
+    tensor-parallel group (their replicated activations must draw the same masks)."""
+    return tensor_seed(seed, "streams/" + "/".join(f"{a}{i}" for a, i in coordinates))
 
 
 class SeededInit:

@@ -10,6 +10,7 @@ import html
 from collections.abc import Callable
 from typing import Any
 
+from ...dimensions import DIMENSIONS
 from ..peaks import CONFIGURED, MEASURED_CPU
 from ..record import (
     ACTIVATIONS,
@@ -144,7 +145,8 @@ def _spread(totals: list[float]) -> str:
 
 # --------------------------------------------------------------------------- summary
 def _layout(n: int, lay: dict[str, Any]) -> str:
-    parts = " × ".join(f"{k} {lay[k]}" for k in ("dp", "pp", "tp") if k in lay)
+    """``lay``: a run's recorded layout (config key -> degree, and zero)."""
+    parts = " × ".join(f"{d.key} {lay[d.key]}" for d in DIMENSIONS if d.key in lay)
     zero = f", ZeRO-{lay['zero']}" if lay.get("zero") else ""
     return f"{n} = {parts}{zero}"
 

@@ -22,17 +22,17 @@ def build_ddp(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
     reduce_dtype = WIRE_DTYPES[ctx.parallel.grad_reduce_dtype]
     codec = build_codec(ctx.comm, ctx.seed)
     grads: GradSync
-    if ctx.dp_comm.size == 1 and codec is None and reduce_dtype == torch.float32:
+    if ctx.replicas.size == 1 and codec is None and reduce_dtype == torch.float32:
         # nothing to reduce: the gradients autograd accumulates, as a plain loop's
         # (a lower-precision wire or a codec still rounds them as a larger dp would)
-        grads = LocalGradients(ctx.module, ctx.dp_comm, broadcast=False,
+        grads = LocalGradients(ctx.module, ctx.replicas, broadcast=False,
                                zeros_for_unused=True)
         return grads, ReplicatedState(ctx.module, ctx.placement, 0, 1)
-    grads = apply_data_parallel(ctx.module, ctx.dp_comm, bucket_mb=ctx.parallel.bucket_mb,
+    grads = apply_data_parallel(ctx.module, ctx.replicas, bucket_mb=ctx.parallel.bucket_mb,
                                 broadcast=not ctx.fresh, tracer=ctx.tracer,
                                 reduce_dtype=reduce_dtype, codec=codec)
-    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
-                                  ctx.dp_comm.size)
+    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.replicas.rank,
+                                  ctx.replicas.size)
 
 
 DDP = DataParallelStrategy(STRATEGY_DDP, build_ddp, check_replica(STRATEGY_DDP, False))

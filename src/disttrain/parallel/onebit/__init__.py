@@ -16,11 +16,11 @@ from .grads import OnebitGrads
 
 
 def build_onebit_adam(ctx: OptimizerContext) -> OnebitAdam:
-    """1-bit Adam over ``ctx.dp_comm`` (the group it averages its momentum over)."""
-    if ctx.dp_comm is None:
-        raise ValueError("onebit_adam averages its momentum over a dp group: pass dp_comm")
+    """1-bit Adam over ``ctx.replicas`` (the group it averages its momentum over)."""
+    if ctx.replicas is None:
+        raise ValueError("onebit_adam averages its momentum over a dp group: pass replicas")
     t = ctx.train
-    return OnebitAdam(ctx.groups, ctx.dp_comm,
+    return OnebitAdam(ctx.groups, ctx.replicas,
                       freeze_step=freeze_step_for(t.freeze_step, t.steps), lr=ctx.lr,
                       betas=(t.beta1, t.beta2))
 

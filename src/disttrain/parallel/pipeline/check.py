@@ -16,21 +16,23 @@ def virtual_stages(parallel: ParallelConfig) -> int:
     return parallel.pp_virtual if parallel.pp_schedule == SCHEDULE_INTERLEAVED else 1
 
 
-def check_pipeline(config: Config, layout: Layout, micro_batches: int,
-                   spec: ModelSpec) -> None:
-    """Refuse, with the fix, a pipeline the schedule or the model cannot run."""
-    if layout.pp == 1:
+def check_pipeline(config: Config, layout: Layout, spec: ModelSpec,
+                   micro_batches: int) -> None:
+    """Refuse, with the fix, a pipeline the schedule or the model cannot run
+    (``micro_batches``: per step and replica, the schedule's m)."""
+    pp = layout.degree("pp")
+    if pp == 1:
         return
     p = config.parallel
     if not spec.can_pipeline:
-        raise ConfigError("parallel.pp", layout.pp, "this model cannot be cut into "
+        raise ConfigError("parallel.pp", pp, "this model cannot be cut into "
                           "pipeline stages (its spec names no block list with the "
                           "modules before and after it)", "pass a ModelSpec with blocks, "
                           "before, after and inject (or embed / finish), or set "
                           "parallel.pp=1")
     v = virtual_stages(p)
     try:
-        validate_schedule(p.pp_schedule, layout.pp, micro_batches, v, spec.n_blocks)
+        validate_schedule(p.pp_schedule, pp, micro_batches, v, spec.n_blocks)
     except ValueError as exc:
         field: str = "parallel.pp_schedule"
         value: object = p.pp_schedule
@@ -42,7 +44,7 @@ def check_pipeline(config: Config, layout: Layout, micro_batches: int,
         raise ConfigError(field, value, problem, f"{fix or 'see the schedule'}; the "
                           "micro-batches per step are train.grad_accum, v is "
                           "parallel.pp_virtual") from None
-    pipeline_starts(p.pp_split, layout.pp * v, spec.n_blocks)
+    pipeline_starts(p.pp_split, pp * v, spec.n_blocks)
 
 
 def pipeline_starts(split: str, chunks: int, n_layer: int) -> list[int] | None:

@@ -35,25 +35,25 @@ from .local_sgd import LocalSGD
 
 
 def _local_sgd(ctx: SyncContext) -> LocalSGD:
-    return LocalSGD(ctx.model, ctx.dp_comm, ctx.train.sync_every,
+    return LocalSGD(ctx.model, ctx.replicas, ctx.train.sync_every,
                     build_codec(ctx.comm, ctx.train.seed))
 
 
 def _diloco(ctx: SyncContext) -> DiLoCo:
     t = ctx.train
-    return DiLoCo(ctx.model, ctx.dp_comm, t.sync_every, t.outer_lr, t.outer_momentum,
+    return DiLoCo(ctx.model, ctx.replicas, t.sync_every, t.outer_lr, t.outer_momentum,
                   build_codec(ctx.comm, t.seed))
 
 
 def _fedavg(ctx: SyncContext) -> FedAvg:
     t = ctx.train
-    return FedAvg(ctx.model, ctx.dp_comm, num_samples=ctx.num_samples, every=t.sync_every,
+    return FedAvg(ctx.model, ctx.replicas, num_samples=ctx.num_samples, every=t.sync_every,
                   fraction=t.fed_fraction, seed=t.seed)
 
 
 def _async(ctx: SyncContext) -> AsyncParameterServer:
     t = ctx.train
-    return AsyncParameterServer(ctx.model, ctx.dp_comm, servers=t.ps_servers,
+    return AsyncParameterServer(ctx.model, ctx.replicas, servers=t.ps_servers,
                                 staleness_bound=t.staleness_bound,
                                 accumulate=t.ps_accumulate, on_nonfinite=t.on_nonfinite)
 
@@ -69,9 +69,9 @@ SYNC_MODES_BUILTIN = (
 
 def build_local(ctx: StrategyContext) -> tuple[GradSync, ShardedState]:
     """Replicas on their own gradients (broadcast from dp rank 0 once, unless fresh)."""
-    grads = LocalGradients(ctx.module, ctx.dp_comm, broadcast=not ctx.fresh)
-    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.dp_comm.rank,
-                                  ctx.dp_comm.size)
+    grads = LocalGradients(ctx.module, ctx.replicas, broadcast=not ctx.fresh)
+    return grads, ReplicatedState(ctx.module, ctx.placement, ctx.replicas.rank,
+                                  ctx.replicas.size)
 
 
 LOCAL = DataParallelStrategy(STRATEGY_LOCAL, build_local,

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from ...config.layout import Layout
 from ...config.schema import Config
+from ...dimensions import DIMENSIONS, Role
 from ...errors import ConfigError
 from ...names import CODEC_NONE, CODEC_SYNC_MODES
 from ..strategy import Check
 
 
 def apart_check(takes_codec: bool, then: Check | None = None) -> Check:
-    """A mode whose replicas train apart: whole, unsharded replicas (no zero / pp / tp);
-    ``takes_codec``: it compresses its per-round updates with ``comm.codec`` (else it
-    sends parameters uncompressed and refuses one); ``then``: the mode's own check."""
+    """A mode whose replicas train apart: whole, unsharded replicas (no zero, and no
+    dimension beyond the one splitting the samples: every other changes the model or
+    ties ranks that must step together); ``takes_codec``: it compresses its per-round
+    updates with ``comm.codec`` (else it sends parameters uncompressed and refuses one);
+    ``then``: the mode's own check."""
     def check(config: Config, layout: Layout) -> None:
         mode, codec, p = config.train.sync, config.comm.codec, config.parallel
-        for key, value, off in (("zero", p.zero, 0), ("pp", p.pp, 1), ("tp", p.tp, 1)):
+        others = [(d.key, getattr(p, d.key), 1) for d in DIMENSIONS
+                  if not d.has(Role.SAMPLES)]
+        for key, value, off in [("zero", p.zero, 0), *others]:
             if value != off:
                 raise ConfigError(f"parallel.{key}", value,
                                   f"is not supported with train.sync={mode} (replicas keep "
@@ -36,9 +41,10 @@ def apart_check(takes_codec: bool, then: Check | None = None) -> Check:
 def check_async(config: Config, layout: Layout) -> None:
     """Parameter servers need workers beside them and write no checkpoints."""
     t = config.train
-    if layout.dp <= t.ps_servers:
+    ranks = layout.role(Role.SAMPLES)
+    if ranks <= t.ps_servers:
         raise ConfigError("train.ps_servers", t.ps_servers,
-                          f"leaves no worker among {layout.dp} rank(s)",
+                          f"leaves no worker among {ranks} rank(s)",
                           f"use at least {t.ps_servers + 1} ranks, or fewer servers")
     every = config.checkpoint.every
     if every and "checkpoint.every" in config.explicit:

@@ -5,6 +5,7 @@ cross-entropy), ``layers`` the sharded modules, ``apply`` the plan-driven swap o
 model's modules and the :class:`TensorParallel` handle the trainer and checkpoints use.
 """
 
+from ..placement import Box
 from .apply import (
     STYLES,
     TensorParallel,
@@ -24,7 +25,6 @@ from .functions import (
     vocab_parallel_token_loss,
 )
 from .layers import (
-    Box,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from ...config.layout import Layout
 from ...config.schema import Config
+from ...dimensions import dimension
 from ...errors import ConfigError
 from ...spec import ModelSpec
 from .apply import check_divisible
 
+ENTRY = dimension("tp")
 
-def check_tensor(config: Config, layout: Layout, spec: ModelSpec) -> None:
+
+def check_tensor(config: Config, layout: Layout, spec: ModelSpec, micro_batches: int) -> None:
     """Refuse a tp degree the model has no plan for, or one that does not divide its
-    heads, widths or vocabulary (sequence length too under sequence parallelism)."""
-    if layout.tp == 1:
+    heads, widths or vocabulary (sequence length too under sequence parallelism), and
+    ``train.compile`` beside it (``micro_batches``: unused, every dimension's check
+    takes them)."""
+    tp = layout.degree(ENTRY.key)
+    if tp == 1:
         return
     if spec.tp_plan is None:
-        raise ConfigError("parallel.tp", layout.tp, "this model has no tensor-parallel "
+        raise ConfigError("parallel.tp", tp, "this model has no tensor-parallel "
                           "plan", "pass a plan (module-name pattern -> style) in its "
                           "ModelSpec, or set parallel.tp=1")
     if config.parallel.sequence_parallel and spec.sequence_divisor is None:
@@ -24,5 +30,12 @@ def check_tensor(config: Config, layout: Layout, spec: ModelSpec) -> None:
                           "by the full sequence length)", "set "
                           "parallel.sequence_parallel=false; tp still applies")
     if spec.tp_refusal is not None:
-        raise ConfigError("parallel.tp", layout.tp, spec.tp_refusal)
-    check_divisible(spec, layout.tp, sequence_parallel=config.parallel.sequence_parallel)
+        raise ConfigError("parallel.tp", tp, spec.tp_refusal)
+    check_divisible(spec, tp, sequence_parallel=config.parallel.sequence_parallel)
+    if config.train.compile:
+        raise ConfigError("train.compile", True, f"does not apply with parallel.tp={tp} "
+                          "(tensor-parallel layers run collectives through "
+                          "disttrain's communicator inside every block: torch.compile "
+                          "would split each block at each of them, or trace them past "
+                          "the communicator's ledger and checks)",
+                          "set train.compile=false, or parallel.tp=1")

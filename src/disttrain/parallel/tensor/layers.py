@@ -9,7 +9,6 @@ gradient on each rank (``partial_grad_params``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -17,36 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm.collectives import Communicator
+from ..placement import Box, whole_box
 from .functions import (
     column_parallel_linear,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Box:
-    """A block shared by a local tensor and the global tensor it is a shard of:
-    ``local[local_offsets + i] == global[global_offsets + i]`` for every i < ``shape``
-    (all tuples have one entry per dimension)."""
-
-    local_offsets: tuple[int, ...]
-    global_offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-
-    def local_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.local_offsets, self.shape, strict=True))
-
-    def global_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.global_offsets, self.shape, strict=True))
-
-
-def whole_box(shape: tuple[int, ...]) -> list[Box]:
-    """A replicated tensor: one box covering all of it."""
-    zeros = (0,) * len(shape)
-    return [Box(local_offsets=zeros, global_offsets=zeros, shape=tuple(shape),
-                global_shape=tuple(shape))]
 
 
 def dim_boxes(global_shape: tuple[int, ...], dim: int, rank: int, size: int,

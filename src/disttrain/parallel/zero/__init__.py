@@ -249,7 +249,7 @@ def apply_zero(model: nn.Module, comm: Communicator, stage: int, names: dict[int
 def build_zero(ctx: StrategyContext) -> tuple[ZeroDataParallel, ZeroDataParallel]:
     """The registry's builder: :func:`apply_zero` on the composition's units."""
     wire = CAST_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
-    zero = apply_zero(ctx.module, ctx.dp_comm, ctx.parallel.zero, ctx.placement.names, wire,
+    zero = apply_zero(ctx.module, ctx.replicas, ctx.parallel.zero, ctx.placement.names, wire,
                       units=ctx.units, placement=ctx.placement, fresh=ctx.fresh)
     return zero, zero
 

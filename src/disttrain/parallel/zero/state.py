@@ -40,7 +40,7 @@ def shard_pieces(flats: list[FlatParam], rank: int, placement: Placement,
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     tensors.append((f"{OPTIM}{name}/{key}", value[where]))
-                elif a == 0 and placement.tp_rank == 0:  # a scalar (Adam's step): once
+                elif a == 0 and placement.leads:  # a scalar (Adam's step): once
                     t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
                     out.append(StatePiece(f"{OPTIM}{name}/{key}", t.detach(), (), ()))
             for global_name, data in tensors:

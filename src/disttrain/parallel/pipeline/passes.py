@@ -1,7 +1,7 @@
-"""A step's micro-batches through a pipeline schedule: the :class:`~.interfaces.StepPass`
+"""A step's micro-batches through a pipeline schedule: the :class:`~..interfaces.StepPass`
 of a layout with pipeline chunks.
 
-Every micro-batch of this dp rank's share goes through ``mp.schedule``; each chunk's
+Every micro-batch of this replica's share goes through the cut's schedule; each chunk's
 backward passes run inside the gradient synchronisation's ``backward(chunk, last)``
 scope, so data parallelism and every ZeRO stage reduce as they do without a pipeline.
 The loss terms are counted on the last stage; held-out totals are summed over the
@@ -13,22 +13,44 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..comm.collectives import Communicator
-from .hybrid import ModelParallel
-from .interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
-from .pipeline import FORWARD, ActionTiming, run_pipeline
+from ...comm.collectives import Communicator
+from ..interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
+from .runner import ActionTiming, run_pipeline
+from .schedules import FORWARD, Schedule
+from .stages import PipelineChunk, StagePlan
+
+
+@dataclass(frozen=True)
+class ChunksRun:
+    """What a pass needs of a cut: this rank's ``chunks``, the ``stages`` and
+    ``schedule`` they follow over ``comm`` (the pp group), the activations' width
+    ``hidden``, and the composition's ``activation_length`` (positions per rank between
+    blocks) and ``counts_loss`` (this rank's loss enters the global sum)."""
+
+    chunks: list[PipelineChunk]
+    stages: StagePlan
+    schedule: Schedule
+    comm: Communicator
+    hidden: int
+    activation_length: Callable[[int], int]
+    counts_loss: bool
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.comm.rank == self.comm.size - 1
 
 
 class PipelinePass:
-    """This rank's chunks of ``mp`` run by its schedule."""
+    """This rank's chunks run by their schedule."""
 
-    def __init__(self, mp: ModelParallel, grads: GradSync, world: Communicator,
+    def __init__(self, run: ChunksRun, grads: GradSync, world: Communicator,
                  tracer: StepTracer | None = None) -> None:
-        self.mp, self.grads, self.eval_comm = mp, grads, world
+        self.run, self.grads, self.eval_comm = run, grads, world
         self.tracer = tracer or NoTrace()
 
     def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
@@ -37,11 +59,11 @@ class PipelinePass:
                          measure: bool) -> tuple[Work | None, int | None]:
         loaded = [load() for load in batches]
         b, t = tokens_shape(loaded[0])
-        shape = (b, self.mp.activation_length(t), self.mp.spec.hidden_size)
+        run = self.run
+        shape = (b, run.activation_length(t), run.hidden)
         with autocast():
-            _, schedule = self.mp.pipeline()
-            result = run_pipeline(self.mp.chunks, [(m, m) for m in loaded], loss,
-                                  self.mp.pp_comm, schedule, activation_shape=shape,
+            result = run_pipeline(run.chunks, [(m, m) for m in loaded], loss,
+                                  run.comm, run.schedule, activation_shape=shape,
                                   loss_scale=loss_scale, grad_sync=self.grads.backward,
                                   clock=time.time, measure_activations=measure)
         self._trace(result.timings)
@@ -52,11 +74,11 @@ class PipelinePass:
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:
         """Counted on one rank only (every tp rank of the last stage joins the
         vocabulary-parallel loss)."""
-        out = pipeline_logits(self.mp, batch)
+        out = pipeline_logits(self.run, batch)
         if out is None:
             return 0.0, 0.0
         loss_sum, count = loss(out, batch)
-        return (float(loss_sum), float(count)) if self.mp.counts_loss else (0.0, 0.0)
+        return (float(loss_sum), float(count)) if self.run.counts_loss else (0.0, 0.0)
 
     def _trace(self, timings: list[ActionTiming]) -> None:
         """Each forward / backward of the schedule, and the wait for its input message,
@@ -84,14 +106,14 @@ def tokens_shape(batch: Any) -> tuple[int, int]:
     return int(first.shape[0]), int(first.shape[1])
 
 
-def pipeline_logits(mp: ModelParallel, inputs: Any) -> torch.Tensor | None:
+def pipeline_logits(run: ChunksRun, inputs: Any) -> torch.Tensor | None:
     """Forward only, chunk after chunk (no schedule needed): the last stage gets the
     output [B, T, V(/tp)], the other stages None. ``inputs``: a micro-batch (or its
     token ids)."""
-    comm, (stages, _) = mp.pp_comm, mp.pipeline()
-    mine = {c.index: c for c in mp.chunks}
+    comm, stages = run.comm, run.stages
+    mine = {c.index: c for c in run.chunks}
     b, t = inputs.shape[:2] if isinstance(inputs, torch.Tensor) else tokens_shape(inputs)
-    t = mp.activation_length(t)
+    t = run.activation_length(t)
     x: torch.Tensor | None = None
     for c in range(stages.n_chunks):
         if stages.rank_of(c) != comm.rank:
@@ -99,9 +121,9 @@ def pipeline_logits(mp: ModelParallel, inputs: Any) -> torch.Tensor | None:
         if c == 0:
             x = mine[c](None, inputs)
         else:
-            x = comm.empty(b, t, mp.spec.hidden_size)
+            x = comm.empty(b, t, run.hidden)
             comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
             x = mine[c](x, inputs)
         if c < stages.n_chunks - 1:
             comm.isend(x.contiguous(), stages.rank_of(c + 1), tag=c + 1).wait()
-    return x if mp.is_last_stage else None
+    return x if run.is_last_stage else None

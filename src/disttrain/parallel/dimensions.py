@@ -1,0 +1,97 @@
+"""Each declared dimension's behaviour, attached to its entry: what it applies to a
+model and its check.
+
+:data:`disttrain.dimensions.DIMENSIONS` declares the dimensions as pure data, low enough
+for ``config`` to read. Their behaviour lives in each one's home package
+(``Dimension.home``) and is attached here, in one place: a :class:`Behaviour` per entry,
+:data:`BEHAVIOURS` in the declaration's order. Importing this module checks that every
+entry has exactly one, from its own home.
+
+- ``apply``: what the dimension does to a model replica (:mod:`.applied`); None for
+  one that applies nothing itself (dp: the data-parallel strategy runs over the replica
+  group). The composition (:mod:`.hybrid`) applies the in-place ones innermost axis
+  first (tp), then activation checkpointing, then the one that cuts the layers (pp).
+- ``check``: its compatibility check against the config, the model's spec and the
+  resolved layout (before any process group exists; ``micro_batches`` per step and
+  replica); validation runs them in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..config.layout import Layout
+from ..config.schema import Config
+from ..dimensions import DIMENSIONS, Dimension, Role
+from ..spec import ModelSpec
+from .applied import AppliedDimension, ApplyContext
+from .data.dimension import ENTRY as DATA
+from .pipeline.check import check_pipeline
+from .pipeline.dimension import ENTRY as PIPELINE
+from .pipeline.dimension import apply_pipeline_dimension
+from .tensor.check import check_tensor
+from .tensor.dimension import ENTRY as TENSOR
+from .tensor.dimension import apply_tensor_dimension
+
+Apply = Callable[[nn.Module, ApplyContext], AppliedDimension]
+Check = Callable[[Config, Layout, ModelSpec, int], None]
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """One entry's behaviour (see the module docstring)."""
+
+    dimension: Dimension
+    apply: Apply | None
+    check: Check | None
+
+
+BEHAVIOURS: tuple[Behaviour, ...] = (
+    Behaviour(DATA, apply=None, check=None),
+    Behaviour(PIPELINE, apply=apply_pipeline_dimension, check=check_pipeline),
+    Behaviour(TENSOR, apply=apply_tensor_dimension, check=check_tensor),
+)
+
+
+def _attached() -> None:
+    """Every declared entry has exactly one behaviour, defined in its own home."""
+    declared = [d.key for d in DIMENSIONS]
+    attached = [b.dimension.key for b in BEHAVIOURS]
+    if sorted(declared) != sorted(attached):
+        raise RuntimeError(f"dimensions declared {declared} but behaviours attached to "
+                           f"{attached}: attach one per entry in {__name__}")
+    for b in BEHAVIOURS:
+        for fn in (b.apply, b.check):
+            if fn is not None and not fn.__module__.startswith(b.dimension.home):
+                raise RuntimeError(f"{b.dimension.key}'s {fn.__name__} lives in "
+                                   f"{fn.__module__}, outside its home {b.dimension.home}")
+
+
+_attached()
+
+
+def in_apply_order() -> tuple[Behaviour, ...]:
+    """The behaviours in the order the composition applies and validation checks them:
+    innermost axis first, the one that cuts the layers last."""
+    return tuple(sorted(BEHAVIOURS, key=lambda b: (b.dimension.has(Role.LAYERS),
+                                                   -b.dimension.rank_order)))
+
+
+def check_dimensions(config: Config, layout: Layout, spec: ModelSpec,
+                     micro_batches: int) -> None:
+    """Every dimension's own check (see the module docstring)."""
+    for b in in_apply_order():
+        if b.check is not None:
+            b.check(config, layout, spec, micro_batches)
+
+
+_BY_KEY = {b.dimension.key: b for b in BEHAVIOURS}
+
+
+def behaviour(dimension: Dimension) -> Behaviour:
+    """The behaviour attached to ``dimension``."""
+    return _BY_KEY[dimension.key]
+

@@ -283,7 +283,7 @@ def test_optimizer_memory_is_what_the_planner_counts(four_ranks, case, zero):
     cfg = tiny_config()
     torch.manual_seed(0)
     n = sum(p.numel() for p in GPT(cfg.model).parameters())
-    planned = model_state_bytes(n, dp=4, zero=zero, optimizer="onebit_adam").optimizer
+    planned = model_state_bytes(n, replicas=4, zero=zero, optimizer="onebit_adam").optimizer
     for rank in summary["memory_bytes_per_rank"]:
         assert planned <= rank["optimizer"] <= planned * 1.01
 

@@ -77,7 +77,7 @@ def test_model_state_bytes_follow_the_zero_formulas():
 
     measures = run_distributed(_measure_stages, 4, timeout=180)[1]
     for stage, measured in zip(STAGES, measures, strict=True):
-        expected = model_state_bytes(measured["psi"], dp=4, zero=stage)
+        expected = model_state_bytes(measured["psi"], replicas=4, zero=stage)
         for part in ("params", "grads", "optimizer"):
             want = getattr(expected, part)
             assert abs(measured[part] - want) <= 0.1 * want, (stage, part, measured[part],

@@ -24,7 +24,7 @@ PSI = 1000
     (3, 1, 4000, 4000, 8000), (3, 2, 2000, 2000, 4000), (3, 4, 1000, 1000, 2000),
 ])
 def test_adamw_fp32_states(zero, dp, params, grads, optimizer):
-    est = model_state_bytes(PSI, dp=dp, zero=zero)
+    est = model_state_bytes(PSI, replicas=dp, zero=zero)
     assert (est.params, est.grads, est.optimizer, est.activations) == (
         params, grads, optimizer, 0)
 
@@ -34,22 +34,23 @@ def test_adamw_fp32_states(zero, dp, params, grads, optimizer):
     (2, 2, 9000), (2, 4, 5500), (3, 2, 8000), (3, 4, 4000),
 ])
 def test_adamw_master_copy_matches_zero_paper(zero, dp, total):
-    est = model_state_bytes(PSI, dp=dp, zero=zero, master_copy=True)
+    est = model_state_bytes(PSI, replicas=dp, zero=zero, master_copy=True)
     assert est.model_states == total
     assert est.params == (2 * PSI if zero < 3 else 2 * PSI // dp)
 
 
 def test_sgd_state_is_the_momentum_buffer_or_nothing():
-    assert model_state_bytes(PSI, dp=2, zero=1, optimizer="sgd").optimizer == 2000
-    assert model_state_bytes(PSI, dp=2, zero=0, optimizer="sgd").model_states == 12000
-    assert model_state_bytes(PSI, dp=2, zero=0, optimizer="sgd", momentum=False).optimizer == 0
+    assert model_state_bytes(PSI, replicas=2, zero=1, optimizer="sgd").optimizer == 2000
+    assert model_state_bytes(PSI, replicas=2, zero=0, optimizer="sgd").model_states == 12000
+    assert model_state_bytes(PSI, replicas=2, zero=0, optimizer="sgd",
+                             momentum=False).optimizer == 0
     # with master copy: fp32 master weights 4 + momentum 4
-    assert model_state_bytes(PSI, dp=1, zero=0, optimizer="sgd",
+    assert model_state_bytes(PSI, replicas=1, zero=0, optimizer="sgd",
                              master_copy=True).optimizer == 8000
 
 
 def test_shards_are_padded_to_a_multiple_of_dp():
-    est = model_state_bytes(1001, dp=4, zero=3)
+    est = model_state_bytes(1001, replicas=4, zero=3)
     assert (est.params, est.grads, est.optimizer) == (4 * 251, 4 * 251, 8 * 251)
 
 
@@ -57,7 +58,7 @@ def test_shards_are_padded_to_a_multiple_of_dp():
     ("adamw", False), ("adamw", True), ("sgd", False), ("sgd", True)])
 @pytest.mark.parametrize("dp", [1, 2, 4, 3])
 def test_each_stage_holds_no_more_than_the_one_before(optimizer, master_copy, dp):
-    totals = [model_state_bytes(1001, dp=dp, zero=z, optimizer=optimizer,
+    totals = [model_state_bytes(1001, replicas=dp, zero=z, optimizer=optimizer,
                                 master_copy=master_copy).model_states for z in range(4)]
     assert totals == sorted(totals, reverse=True)
     assert dp == 1 or totals[3] < totals[0]
@@ -65,17 +66,17 @@ def test_each_stage_holds_no_more_than_the_one_before(optimizer, master_copy, dp
 
 def test_bad_values_name_the_field():
     with pytest.raises(ValueError, match="zero=4"):
-        model_state_bytes(PSI, dp=1, zero=4)
+        model_state_bytes(PSI, replicas=1, zero=4)
     with pytest.raises(ValueError, match="optimizer='lion'"):
-        model_state_bytes(PSI, dp=1, zero=0, optimizer="lion")
+        model_state_bytes(PSI, replicas=1, zero=0, optimizer="lion")
     with pytest.raises(ValueError, match="activation_checkpointing='some'"):
         gpt_activation_bytes(ModelConfig(), micro_batch=1, activation_checkpointing="some")
 
 
 def test_estimate_gpt_combines_states_and_activations():
     cfg = ModelConfig()
-    est = estimate_gpt(cfg, micro_batch=8, dp=2, zero=2, precision="bf16")
-    states = model_state_bytes(num_params(cfg), dp=2, zero=2)
+    est = estimate_gpt(cfg, micro_batch=8, replicas=2, zero=2, precision="bf16")
+    states = model_state_bytes(num_params(cfg), replicas=2, zero=2)
     assert isinstance(est, MemoryEstimate)
     assert est.model_states == states.model_states
     assert est.activations == gpt_activation_bytes(cfg, micro_batch=8, precision="bf16")

@@ -35,9 +35,9 @@ from support import TINY_MODEL, SyntheticTokens
 
 from disttrain.cli import main
 from disttrain.config import load_config
+from disttrain.parallel.pipeline.pricing import in_flight, peak_held_bytes
 from disttrain.parallel.pipeline.schedules import FORWARD, build_schedule
-from disttrain.plan import PRESETS, Options, PlannedLayout, estimate, gpt_shape, in_flight
-from disttrain.plan.estimate import peak_held_bytes
+from disttrain.plan import PRESETS, Options, PlannedLayout, estimate, gpt_shape
 from disttrain.testing import run_distributed
 
 pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
@@ -113,7 +113,7 @@ def test_every_rank_matches_the_prediction_for_its_stage(runs, name):
     measured = _summary(runs, name)["memory_bytes_per_rank"]
     assert len(measured) == world
     for rank, got in enumerate(measured):
-        stage = est.stages[rank // (lay.dp * lay.tp)]  # ranks ordered pp, dp, tp
+        stage = est.stages[rank // (lay.degree("dp") * lay.degree("tp"))]  # ranks: pp, dp, tp
         states = got["params"] + got["grads"] + got["optimizer"]
         assert stage.model_states == pytest.approx(states, rel=STATES_TOLERANCE), \
             f"{name} rank {rank}: model states"

@@ -12,13 +12,13 @@ from disttrain.cli import main
 from disttrain.config.schema import ModelConfig
 from disttrain.models import num_params
 from disttrain.parallel.pipeline import build_schedule
+from disttrain.parallel.pipeline.pricing import in_flight
 from disttrain.plan import (
     PRESETS,
     ModelShape,
     Options,
     PlannedLayout,
     estimate,
-    in_flight,
     layer_activation_bytes,
     parse_model,
     search,
@@ -32,10 +32,10 @@ def test_zero_paper_example_exactly():
     # mixed-precision Adam (K = 12): 120, 31.4, 16.6 and 1.9 GB per device
     want = {0: 120.0, 1: 31.40625, 2: 16.640625, 3: 1.875}
     for zero, gb in want.items():
-        got = model_state_bytes(7.5e9, dp=64, zero=zero, master_copy=True).model_states / 1e9
+        got = model_state_bytes(7.5e9, replicas=64, zero=zero, master_copy=True).model_states / 1e9
         assert got == pytest.approx(gb, rel=1e-12)
     # disttrain's own accounting: fp32 parameters and gradients, 8 B of Adam state
-    assert model_state_bytes(7.5e9, dp=64, zero=0).model_states == 16 * 7.5e9
+    assert model_state_bytes(7.5e9, replicas=64, zero=0).model_states == 16 * 7.5e9
 
 
 # Korthikanti et al. 2022, Table 2: activation bytes per layer (16-bit activations,
@@ -58,7 +58,7 @@ def test_activation_formulas_of_korthikanti(recompute, sp):
             continue
         shape = ModelShape(layers=2, hidden=h, heads=a, seq=s, vocab=51200, dropout=True,
                            flash=False)
-        got = layer_activation_bytes(shape, b=b, tp=t, sp=sp, recompute=recompute,
+        got = layer_activation_bytes(shape, b=b, shards=t, sp=sp, recompute=recompute,
                                      precision="bf16", accounting="mixed")
         assert got == pytest.approx(KORTHIKANTI[recompute, sp](s, b, h, a, t), rel=1e-12)
 

@@ -33,7 +33,7 @@ def test_summary_memory_matches_the_estimate(tmp_path):
     summary = run_distributed(_fit_summary, 2, args=(str(tmp_path),), timeout=120)[0]
     cfg = _config()
     plan = resolve(cfg, 2)
-    est = estimate_gpt(cfg.model, micro_batch=plan.batch.micro_batch, dp=2, zero=0)
+    est = estimate_gpt(cfg.model, micro_batch=plan.batch.micro_batch, replicas=2, zero=0)
     measured = summary["memory_bytes"]
     for part in ("params", "grads", "optimizer"):
         assert measured[part] == getattr(est, part)

@@ -1,5 +1,5 @@
 """Each declared dimension's behaviour, attached to its entry: what it applies to a
-model and its check.
+model, its check, and how the planner prices it.
 
 :data:`disttrain.dimensions.DIMENSIONS` declares the dimensions as pure data, low enough
 for ``config`` to read. Their behaviour lives in each one's home package
@@ -14,12 +14,17 @@ entry has exactly one, from its own home.
 - ``check``: its compatibility check against the config, the model's spec and the
   resolved layout (before any process group exists; ``micro_batches`` per step and
   replica); validation runs them in the same order.
+- ``pricing``: what the planner asks it (:mod:`.pricing`: candidates, rules, search
+  keys; the holder of the tensor-sharding role its communication, the holder of the
+  layer-cutting role its stages), pure Python, importing nothing of the planner.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -29,12 +34,16 @@ from ..dimensions import DIMENSIONS, Dimension, Role
 from ..spec import ModelSpec
 from .applied import AppliedDimension, ApplyContext
 from .data.dimension import ENTRY as DATA
+from .data.pricing import PRICING as DATA_PRICING
 from .pipeline.check import check_pipeline
 from .pipeline.dimension import ENTRY as PIPELINE
 from .pipeline.dimension import apply_pipeline_dimension
+from .pipeline.pricing import PRICING as PIPELINE_PRICING
+from .pricing import DimensionPricing, StagePricing, TensorPricing
 from .tensor.check import check_tensor
 from .tensor.dimension import ENTRY as TENSOR
 from .tensor.dimension import apply_tensor_dimension
+from .tensor.pricing import PRICING as TENSOR_PRICING
 
 Apply = Callable[[nn.Module, ApplyContext], AppliedDimension]
 Check = Callable[[Config, Layout, ModelSpec, int], None]
@@ -47,12 +56,15 @@ class Behaviour:
     dimension: Dimension
     apply: Apply | None
     check: Check | None
+    pricing: DimensionPricing
 
 
 BEHAVIOURS: tuple[Behaviour, ...] = (
-    Behaviour(DATA, apply=None, check=None),
-    Behaviour(PIPELINE, apply=apply_pipeline_dimension, check=check_pipeline),
-    Behaviour(TENSOR, apply=apply_tensor_dimension, check=check_tensor),
+    Behaviour(DATA, apply=None, check=None, pricing=DATA_PRICING),
+    Behaviour(PIPELINE, apply=apply_pipeline_dimension, check=check_pipeline,
+              pricing=PIPELINE_PRICING),
+    Behaviour(TENSOR, apply=apply_tensor_dimension, check=check_tensor,
+              pricing=TENSOR_PRICING),
 )
 
 
@@ -64,7 +76,7 @@ def _attached() -> None:
         raise RuntimeError(f"dimensions declared {declared} but behaviours attached to "
                            f"{attached}: attach one per entry in {__name__}")
     for b in BEHAVIOURS:
-        for fn in (b.apply, b.check):
+        for fn in (b.apply, b.check, type(b.pricing)):
             if fn is not None and not fn.__module__.startswith(b.dimension.home):
                 raise RuntimeError(f"{b.dimension.key}'s {fn.__name__} lives in "
                                    f"{fn.__module__}, outside its home {b.dimension.home}")
@@ -95,3 +107,22 @@ def behaviour(dimension: Dimension) -> Behaviour:
     """The behaviour attached to ``dimension``."""
     return _BY_KEY[dimension.key]
 
+
+def _role_pricing(role: Role) -> DimensionPricing:
+    found = [b.pricing for b in BEHAVIOURS if b.dimension.has(role)]
+    if len(found) != 1:
+        raise RuntimeError(f"the planner prices one dimension of role {role.name}, "
+                           f"{len(found)} are declared")
+    return found[0]
+
+
+@functools.cache
+def shard_pricing() -> TensorPricing:
+    """The pricing of the dimension that shards tensors (its communication)."""
+    return cast(TensorPricing, _role_pricing(Role.TENSORS))
+
+
+@functools.cache
+def stage_pricing() -> StagePricing:
+    """The pricing of the dimension that cuts the layers (its stages)."""
+    return cast(StagePricing, _role_pricing(Role.LAYERS))

@@ -1,7 +1,11 @@
 """Planning without running: estimates a planner uses to choose a layout.
 
 Pure Python over configs and formulas; nothing here creates a process group or
-allocates model memory (``plan calibrate`` aside, which measures the machine).
+allocates model memory (``plan calibrate`` aside, which measures the machine). A layout
+is a degree per declared dimension (:mod:`disttrain.dimensions`); each dimension's own
+candidates, rules and messages are its pricing (:mod:`disttrain.parallel.dimensions`),
+the rest is priced here over the roles' degrees. The pipeline schedules' in-flight
+counts are the pipeline's own (:mod:`disttrain.parallel.pipeline.pricing`).
 
     shape = parse_model("layers=32,hidden=4096,heads=32,seq=4096,vocab=32000")
     cluster = parse_cluster("gpu=h100-80gb,gpus_per_node=8,nodes=4")
@@ -10,7 +14,7 @@ allocates model memory (``plan calibrate`` aside, which measures the machine).
 """
 
 from .cluster import PRESETS, Cluster, parse_cluster
-from .estimate import Estimate, estimate, in_flight, layer_activation_bytes
+from .estimate import Estimate, estimate, layer_activation_bytes
 from .layout import PlannedLayout
 from .memory import MemoryEstimate, estimate_gpt, gpt_activation_bytes, model_state_bytes
 from .options import Options
@@ -19,5 +23,5 @@ from .shape import ModelShape, gpt_shape, hf_shape, parse_model
 
 __all__ = ["PRESETS", "Cluster", "Estimate", "MemoryEstimate", "ModelShape", "Options",
            "PlannedLayout", "SearchResult", "estimate", "estimate_gpt", "gpt_activation_bytes",
-           "gpt_shape", "hf_shape", "in_flight", "layer_activation_bytes",
+           "gpt_shape", "hf_shape", "layer_activation_bytes",
            "layout_problem", "model_state_bytes", "parse_cluster", "parse_model", "search"]

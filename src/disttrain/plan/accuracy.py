@@ -28,6 +28,7 @@ from ..config import Config, load_config
 from ..config.consistency import data_parallel_degree, resolve_batch
 from ..config.layout import Layout, resolve_layout
 from ..config.schema import ModelConfig
+from ..dimensions import DIMENSIONS, Role, with_role
 from ..errors import UserError
 from ..monitor.record import (
     ACTIVATIONS,
@@ -41,12 +42,12 @@ from ..names import (
     CONFIG_FILE,
     METRICS_FILE,
     MODEL_CONFIG_FILE,
-    SCHEDULE_GPIPE,
     SUMMARY_FILE,
     SYNC_EVERY_STEP,
 )
+from ..parallel.dimensions import behaviour, stage_pricing
 from .cluster import PRESETS, Cluster, parse_cluster, preset_for_device
-from .estimate import Estimate, estimate
+from .estimate import Estimate, estimate, layout_fields
 from .layout import PlannedLayout
 from .options import Options
 from .shape import ModelShape, gpt_shape, hf_shape
@@ -147,6 +148,10 @@ def _named_shape(model: ModelConfig) -> ModelShape:
                       qkv_bias=False, norm="rmsnorm", tied=False)
 
 
+# a rank's stage: its coordinate on the axis that cuts the layers
+_STAGE_KEY = with_role(Role.LAYERS)[0].key
+
+
 def run_layout(run: RunRecord) -> tuple[Layout, PlannedLayout, int]:
     """(the run's mesh, the planner's layout of it, the global batch)."""
     cfg, world = run.config, run.world_size
@@ -157,37 +162,31 @@ def run_layout(run: RunRecord) -> tuple[Layout, PlannedLayout, int]:
         raise UserError(f"--validate {run.run_dir}: train.activation_checkpointing="
                         f"{cfg.train.activation_checkpointing}; the planner models "
                         f"{' or '.join(_RECOMPUTE)}")
-    from ..parallel.pipeline.check import virtual_stages
-
     p = cfg.parallel
     mesh = resolve_layout(p, world)
     batch = resolve_batch(cfg.train, cfg.explicit, data_parallel_degree(cfg, mesh))
-    tp, pp, dp = (mesh.degree(k) for k in ("tp", "pp", "dp"))
-    lay = PlannedLayout(tp=tp, pp=pp, dp=dp,
-                        v=virtual_stages(p) if pp > 1 else 1, mbs=batch.micro_batch,
-                        zero=mesh.zero, recompute=cfg.train.activation_checkpointing,
-                        sp=p.sequence_parallel and tp > 1,
-                        gpipe=pp > 1 and p.pp_schedule == SCHEDULE_GPIPE)
+    degrees = mesh.by_key()
+    options = {k: v for d in DIMENSIONS
+               for k, v in behaviour(d).pricing.options_from_config(p, degrees[d.key]).items()}
+    lay = PlannedLayout(**degrees, **options, mbs=batch.micro_batch, zero=mesh.zero,
+                        recompute=cfg.train.activation_checkpointing)
     return mesh, lay, batch.global_batch
 
 
 def run_chunks(config: Config, lay: PlannedLayout) -> tuple[int, ...] | None:
-    """Layers in each pipeline chunk as the run cut them (``parallel.pp_split``, or
-    balanced by the model's costs); None without a pipeline, or for a transformers
-    model when transformers cannot build it here."""
-    if lay.pp == 1:
+    """Layers in each chunk as the run cut them (``parallel.pp_split``, or balanced by
+    the model's costs: the stage pricing's); None when the layers are not cut, or for a
+    transformers model when transformers cannot build it here."""
+    if lay.stages == 1:
         return None
     from ..models.gpt import gpt_spec
     from ..models.hf import hf_config_spec, is_hf
-    from ..parallel.pipeline.check import pipeline_cuts
-    from ..parallel.pipeline.stages import plan_stages
 
     try:
         spec = hf_config_spec(config.model) if is_hf(config.model) else gpt_spec(config.model)
     except (ImportError, OSError, ValueError):
         return None
-    stages = plan_stages(spec, pp=lay.pp, v=lay.v, cuts=pipeline_cuts(config.parallel, spec))
-    return tuple(b - a for a, b in zip(stages.bounds, stages.bounds[1:], strict=False))
+    return stage_pricing().run_chunks(config.parallel, spec, lay.stages)
 
 
 def run_cluster(text: str | None, run: RunRecord) -> Cluster:
@@ -232,7 +231,7 @@ def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
     """The JSON object of the comparison (see the module docstring)."""
     ranks = []
     for rank, measured in enumerate(_rank_memory(run, notes)):
-        stage = mesh.coordinates(rank)["pp"]
+        stage = mesh.coordinates(rank)[_STAGE_KEY]
         mem = est.stage_memory(stage)
         ranks.append({"rank": rank, "stage": stage,
                       "model_states": _pair(mem.model_states,
@@ -248,9 +247,7 @@ def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
     time = _pair(est.step_time_s, statistics.median(steps) if steps else None)
     lay = est.layout
     return {"run_dir": str(run.run_dir), "model": run.config.model.name,
-            "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "v": lay.v,
-                       "mbs": lay.mbs, "zero": lay.zero, "recompute": lay.recompute,
-                       "sp": int(lay.sp), "schedule": lay.schedule},
+            "layout": layout_fields(lay),
             "global_batch": global_batch, "precision": run.config.train.precision,
             "cluster": cluster.name, "cluster_source": cluster.source, "ranks": ranks,
             "step_time_s": {**time, "steps": len(steps),
@@ -311,7 +308,7 @@ def validate_run(run_dir: Path, cluster_text: str | None = None) -> dict[str, An
         notes.append(f"train.optimizer={cfg.train.optimizer}: the planner counts AdamW's "
                      "8 bytes of state per parameter")
     chunks = run_chunks(cfg, lay)
-    if lay.pp > 1 and chunks is None:
+    if lay.stages > 1 and chunks is None:
         notes.append("the run's pipeline cut is not known here (transformers cannot "
                      "build its model): layers assumed evenly split")
     options = Options(precision=cfg.train.precision, accounting="disttrain",

@@ -15,6 +15,7 @@ anything proportional to it is computed.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from ..config.consistency import RunPlan, on_gpu
 from ..config.layout import Layout, resolve_layout
 from ..config.schema import Config, ModelConfig
+from ..dimensions import DIMENSIONS, Role
 from ..errors import ConfigError, UserError
 from ..models import num_params
 from .memory import gpt_activation_bytes, model_state_bytes
@@ -68,8 +70,7 @@ def check_batch_fits(config: Config, plan: RunPlan, local_ranks: int,
     activations = 0 if model is None else gpt_activation_bytes(
         model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
         activation_checkpointing=t.activation_checkpointing,
-        every_k=t.activation_checkpointing_k) // (plan.layout.degree("pp")
-                                                   * plan.layout.degree("tp"))
+        every_k=t.activation_checkpointing_k) // _model_split(plan.layout)
     need = _state_bytes(config, plan.layout) + activations
     if need > memory.bytes:
         _refuse(*_batch_field(config, micro), need, memory, "model states and the "
@@ -108,7 +109,8 @@ def host_available_bytes() -> int:
 
 
 def _state_bytes(config: Config, layout: Layout) -> int:
-    """fp32 model states on one rank, split evenly over pp x tp (a lower bound)."""
+    """fp32 model states on one rank, split evenly over the dimensions that change the
+    model (pp x tp: a lower bound)."""
     t = config.train
     kind = _STATE_KIND.get(t.optimizer, "adamw")
     if config.model.hf_config:
@@ -116,10 +118,15 @@ def _state_bytes(config: Config, layout: Layout) -> int:
         params = 0 if shape is None else shape.num_params()
     else:
         params = num_params(config.model)
-    states = model_state_bytes(params, dp=layout.degree("dp"), zero=layout.zero,
+    states = model_state_bytes(params, replicas=layout.role(Role.REPLICAS), zero=layout.zero,
                                optimizer=kind, momentum=t.momentum > 0).model_states
-    # an int already: params is one
-    return int(states // (layout.degree("pp") * layout.degree("tp")))
+    return int(states // _model_split(layout))  # an int already: params is one
+
+
+def _model_split(layout: Layout) -> int:
+    """Ranks one replica's model is split over: the degrees of the dimensions that
+    change the model."""
+    return math.prod(layout.degree(d.key) for d in DIMENSIONS if d.changes_model)
 
 
 def _hf_shape(config: Config) -> ModelShape | None:

@@ -7,30 +7,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..dimensions import Role, derived_dimension, joined, plan_order
 from ..errors import UserError
 from .cluster import Cluster, parse_cluster
 from .estimate import Estimate, estimate
-from .layout import RECOMPUTE, PlannedLayout
+from .layout import OPTIONS, RECOMPUTE, PlannedLayout, figure
 from .options import Options
 from .search import SearchResult, layout_problem, search
 from .shape import ModelShape, parse_model
 
 _GIB = 2**30
-_LAYOUT_KEYS = ("tp", "pp", "dp", "mbs", "v", "zero", "recompute", "sp", "gpipe")
+_FLAGS = {o.name for o in OPTIONS if o.flag}
 DEFAULT_CLUSTER = "gpu=a100-80gb,gpus_per_node=8,nodes=1"
 
 
+def _layout_keys() -> tuple[str, ...]:
+    """What ``--layout`` takes: every dimension's key and search keys, and the
+    planner's own (label order)."""
+    return tuple(k for k, _ in PlannedLayout().items())
+
+
 def parse_layout(text: str, n_devices: int) -> PlannedLayout:
+    """``--layout tp=2,pp=2,mbs=4``: keys left out take their default; the derived
+    dimension (data parallelism), if left out, the devices the others leave."""
+    keys = _layout_keys()
     values: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or key not in _LAYOUT_KEYS:
+        if not eq or key not in keys:
             raise UserError(f"--layout item {item!r}: expected key=value with a key among "
-                            f"{', '.join(_LAYOUT_KEYS)}")
+                            f"{', '.join(keys)}")
         if key == "recompute":
             if value not in RECOMPUTE:
                 raise UserError(f"--layout recompute={value!r}: use one of "
@@ -41,16 +52,17 @@ def parse_layout(text: str, n_devices: int) -> PlannedLayout:
             values[key] = int(value)
         except ValueError:
             raise UserError(f"--layout {key}={value!r} is not an integer") from None
-        if values[key] < (0 if key in ("zero", "sp", "gpipe") else 1):
+        if values[key] < (0 if key in ("zero", *_FLAGS) else 1):
             raise UserError(f"--layout {key}={value} is out of range")
-    values["sp"] = bool(values.get("sp", 0))
-    values["gpipe"] = bool(values.get("gpipe", 0))
-    tp, pp = values.get("tp", 1), values.get("pp", 1)
-    if "dp" not in values:
-        if n_devices % (tp * pp):
-            raise UserError(f"--layout tp x pp = {tp * pp} does not divide the cluster's "
-                            f"{n_devices} devices")
-        values["dp"] = n_devices // (tp * pp)
+    values.update({k: int(bool(values[k])) for k in _FLAGS if k in values})
+    rest = derived_dimension()
+    if rest.key not in values:
+        fixed = [d for d in plan_order() if not d.derived]
+        others = math.prod(values.get(d.key, 1) for d in fixed)
+        if n_devices % others:
+            raise UserError(f"--layout {joined(fixed)} = {others} does not divide the "
+                            f"cluster's {n_devices} devices")
+        values[rest.key] = n_devices // others
     return PlannedLayout(**values)
 
 
@@ -131,15 +143,14 @@ def _table(shape: ModelShape, cluster: Cluster, global_batch: int, options: Opti
             f"layers, hidden {shape.hidden}, seq {shape.seq}; {cluster.n_devices} x "
             f"{cluster.name} ({cluster.source}); global batch {global_batch}, "
             f"{options.precision}, {options.accounting} accounting")
-    cols = ("tp", "pp", "dp", "v", "mbs", "zero", "recompute", "sp", "step_s", "TF/s/gpu",
-            "MFU", "tokens/s", "mem_GiB", "bottleneck")
+    keys = [k for k, _ in PlannedLayout().items(shown=True)]
+    cols = (*keys, "step_s", "TF/s/gpu", "MFU", "tokens/s", "mem_GiB", "bottleneck")
     lines = [head, "  ".join(f"{c:>9}" for c in cols)]
     for e in rows:
         r = e.row()
-        vals = (r["tp"], r["pp"], r["dp"], r["v"], r["mbs"], r["zero"], r["recompute"],
-                r["sp"], f"{r['step_time_s']:.3f}", f"{r['tflops_per_gpu']:.1f}",
-                f"{100 * r['mfu']:.1f}%", f"{r['tokens_per_s']:.0f}",
-                f"{r['memory_gib']:.1f}", r["bottleneck"])
+        vals = (*(r[k] for k in keys), f"{r['step_time_s']:.3f}",
+                f"{r['tflops_per_gpu']:.1f}", f"{100 * r['mfu']:.1f}%",
+                f"{r['tokens_per_s']:.0f}", f"{r['memory_gib']:.1f}", r["bottleneck"])
         lines.append("  ".join(f"{v:>9}" for v in vals))
     if result.considered > 1:
         why = "; ".join(f"{k}: {v}" for k, v in result.rejections().items())
@@ -150,9 +161,16 @@ def _table(shape: ModelShape, cluster: Cluster, global_batch: int, options: Opti
     return "\n".join(lines)
 
 
-_WORDS = {"compute": "compute", "recompute": "recomputation", "tp_comm":
-          "tensor-parallel communication", "pp_bubble": "the pipeline bubble",
-          "pp_p2p": "pipeline messages", "dp_comm_exposed":
+def _key(role: Role) -> str:
+    """The name a role's figures carry (:func:`~.layout.figure`): ``tp``, ``pp``, ``dp``."""
+    return figure(role, "").rstrip("_")
+
+
+_WORDS = {"compute": "compute", "recompute": "recomputation",
+          figure(Role.TENSORS, "comm"): "tensor-parallel communication",
+          figure(Role.LAYERS, "bubble"): "the pipeline bubble",
+          figure(Role.LAYERS, "p2p"): "pipeline messages",
+          figure(Role.REPLICAS, "comm_exposed"):
           "data-parallel communication not hidden by the backward", "step_sync":
           "per-step synchronisation (loss counts, stop flag, gradient norm, tied "
           "embedding)", "optimizer":
@@ -161,9 +179,12 @@ _WORDS = {"compute": "compute", "recompute": "recomputation", "tp_comm":
 # StepTime.split's parts, as --explain names them
 _SPLIT_WORDS = {"matmul": "matmul", "attention": "attention", "memory_bound":
                 "memory-bound ops", "overhead": "framework and launch overhead",
-                "tp_comm": "tp communication", "pp_p2p": "pp messages", "pp_bubble":
-                "pipeline bubble", "dp_all_reduce": "exposed dp all-reduce",
-                "dp_reduce_scatter": "exposed reduce-scatter", "dp_all_gather":
+                figure(Role.TENSORS, "comm"): f"{_key(Role.TENSORS)} communication",
+                figure(Role.LAYERS, "p2p"): f"{_key(Role.LAYERS)} messages",
+                figure(Role.LAYERS, "bubble"): "pipeline bubble",
+                figure(Role.REPLICAS, "all_reduce"): f"exposed {_key(Role.REPLICAS)} "
+                "all-reduce", figure(Role.REPLICAS, "reduce_scatter"):
+                "exposed reduce-scatter", figure(Role.REPLICAS, "all_gather"):
                 "exposed all-gather", "step_sync": "per-step sync", "optimizer":
                 "optimizer"}
 

@@ -12,7 +12,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..dimensions import plan_order
 from ..errors import UserError
+from ..parallel.dimensions import behaviour
 from .estimate import Estimate
 from .shape import ModelShape
 
@@ -38,12 +40,10 @@ def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate) -> 
         raise UserError("--emit-config: disttrain builds this shape only from a "
                         "transformers config.json; pass --model path/config.json")
     m = lay.micro_batches(ns.global_batch)
-    parallel: dict[str, Any] = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
-                "sequence_parallel": lay.sp}
-    if lay.pp > 1:
-        parallel["pp_schedule"] = lay.schedule
-        if lay.v > 1:
-            parallel["pp_virtual"] = lay.v
+    parallel: dict[str, Any] = {d.key: lay.degree(d.key) for d in plan_order()}
+    parallel["zero"] = lay.zero
+    for d in plan_order():  # the rest of each dimension's part of the section
+        parallel.update(behaviour(d).pricing.config_values(lay))
     train = {"global_batch": ns.global_batch, "micro_batch": lay.mbs, "grad_accum": m,
              "precision": ns.precision,
              "activation_checkpointing": _CHECKPOINTING[lay.recompute]}

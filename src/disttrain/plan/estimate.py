@@ -1,20 +1,27 @@
 """One layout's predicted memory and step time (the layout: :class:`~.layout.PlannedLayout`).
 
-**Memory, per pipeline stage** (the largest is the layout's):
+The layout's dimensions enter through their roles (:class:`~.layout.PlannedLayout`):
+the tensor shards (the weight matrices cut this many ways; with sequence parallelism the
+activations between blocks too), the stages (the cut of the layers, its chunks and
+schedule: the stage pricing of the dimension that cuts them,
+:func:`disttrain.parallel.dimensions.stage_pricing`), the replicas (ZeRO shards over
+them, the gradients are reduced over them).
 
-- model states of the stage's parameters on one tp rank (weight matrices split by tp;
-  norms, row-parallel biases and a learned position table replicated; the
-  vocabulary-parallel embedding on the first stage, the head, and under pp > 1 a tied
-  copy of the embedding, on the last):
-  with the ``disttrain`` accounting, fp32 parameters, gradients and AdamW state (4 + 4
-  + 8 bytes), sharded over dp from ZeRO stage 3, 2, 1 respectively; with ``mixed`` the
-  ZeRO paper's 2 + 2 + 12;
+**Memory, per stage** (the largest is the layout's):
+
+- model states of the stage's parameters on one shard (weight matrices split over the
+  shards; norms, row-parallel biases and a learned position table replicated; the
+  vocabulary-parallel embedding on the first stage, the head, and with more than one
+  stage a tied copy of the embedding, on the last): with the ``disttrain`` accounting,
+  fp32 parameters, gradients and AdamW state (4 + 4 + 8 bytes), sharded over the
+  replicas from ZeRO stage 3, 2, 1 respectively; with ``mixed`` the ZeRO paper's
+  2 + 2 + 12;
 - activations per Korthikanti et al. 2022 (:func:`layer_activation_bytes`) for the
-  micro-batches the schedule keeps in flight on that stage (1F1B: pp - stage;
+  micro-batches the schedule keeps in flight on that stage (1F1B: stages - stage;
   interleaved: the warmup of that rank + 1, in chunks; GPipe: all), plus the
   embedding's for each first-chunk micro-batch in flight on the first stage and the
   head's and the loss's for each last-chunk one on the last, at the schedule's peak
-  mix of chunks (:func:`peak_held_bytes`); autocast's cast weights once per layer of
+  mix of chunks (the cut's ``peak_held``); autocast's cast weights once per layer of
   the stage (every micro-batch in flight shares them); with ``full`` recomputation,
   one layer rebuilt in full during its backward (``StageMemory.rebuilt``, part of
   ``activations``);
@@ -30,9 +37,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..dimensions import Role
+from ..parallel.dimensions import shard_pricing, stage_pricing
 from .cluster import Cluster
 from .costs import ACT_BYTES
-from .layout import PlannedLayout
+from .layout import PlannedLayout, figure
 from .memory import model_state_bytes
 from .options import DEFAULT_OPTIONS, Options
 from .shape import ModelShape, rank_params
@@ -113,9 +122,10 @@ class Estimate:
         return self.model_flops / self.step_time_s / self.n_devices / self.peak_flops
 
     @property
-    def dp_exposed_s(self) -> float:
-        """The dp communication the backward does not hide, after the pipeline."""
-        return self.times.get("dp_comm_exposed", 0.0)
+    def reduction_exposed_s(self) -> float:
+        """The replica group's gradient reduction the backward does not hide, after the
+        pipeline."""
+        return self.times.get(figure(Role.REPLICAS, "comm_exposed"), 0.0)
 
     @property
     def step_sync_s(self) -> float:
@@ -137,10 +147,7 @@ class Estimate:
         return "compute" if self.times.get("compute", 0) >= parts.get(name, 0) else name
 
     def row(self) -> dict:
-        lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "v": lay.v, "mbs": lay.mbs,
-                "zero": lay.zero, "recompute": lay.recompute, "sp": int(lay.sp),
-                "schedule": lay.schedule,
+        return {**layout_fields(self.layout),
                 "step_time_s": round(self.step_time_s, 6),
                 "tflops_per_gpu": round(self.tflops_per_gpu, 2),
                 "mfu": round(self.mfu, 4), "tokens_per_s": round(self.tokens_per_s, 1),
@@ -152,15 +159,22 @@ class Estimate:
                 "bottleneck": self.bottleneck}
 
 
+def layout_fields(lay: PlannedLayout) -> dict[str, int | str]:
+    """A layout as rows and reports show it: every key always shown (label order), and
+    the schedule its stages run."""
+    return {**dict(lay.items(shown=True)), "schedule": stage_pricing().cut(lay).schedule}
+
+
 # activations -------------------------------------------------------------------
 
-def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool = False,
+def layer_activation_bytes(shape: ModelShape, *, b: int, shards: int = 1, sp: bool = False,
                            recompute: str = "none", precision: str = "bf16",
                            accounting: str = "mixed") -> float:
     """Bytes one layer keeps for backward for one micro-batch of ``b`` sequences, on
-    one tp rank (Korthikanti et al. 2022, Section 4, generalised).
+    one of ``shards`` tensor shards (Korthikanti et al. 2022, Section 4, generalised;
+    ``sp``: sequence parallelism over the shards).
 
-    With s = seq, h = hidden, a = heads, t = tp and 16-bit activations, the paper's
+    With s = seq, h = hidden, a = heads, t = shards and 16-bit activations, the paper's
     layer (dropout, GELU MLP of 4h, no fused attention) keeps sbh(34 + 5as/h):
 
     - replicated across tp unless sp: the two norms' inputs 4sbh, the inputs of the
@@ -187,7 +201,7 @@ def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool =
     disttrain = accounting == "disttrain"
     norm_in = (4 if disttrain else a) * sbh  # each of the two norms' input
     if recompute == "full":
-        return (4 if disttrain else a) * sbh / (tp if sp else 1)
+        return (4 if disttrain else a) * sbh / (shards if sp else 1)
     dropout_masks = 2 * sbh if shape.dropout else 0
     matmul_inputs = 2 * a * sbh  # of the qkv and first MLP matmuls
     replicated = 2 * norm_in + dropout_masks
@@ -208,7 +222,7 @@ def layer_activation_bytes(shape: ModelShape, *, b: int, tp: int = 1, sp: bool =
     if recompute == "selective":
         scores = 0
     weights = _layer_cast_bytes(shape, precision, accounting)
-    return replicated / (tp if sp else 1) + whole + (split + scores + weights) / tp
+    return replicated / (shards if sp else 1) + whole + (split + scores + weights) / shards
 
 
 @functools.lru_cache(maxsize=4096)
@@ -223,138 +237,52 @@ def _layer_cast_bytes(shape: ModelShape, precision: str, accounting: str) -> flo
     return a * sum(i * o for _, i, o in shape.matmul_shapes())
 
 
-def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
-    """Micro-batch chunks whose activations pp rank ``stage`` holds at its peak (the
-    schedules of :mod:`disttrain.parallel.pipeline.schedules`)."""
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return m
-    if schedule == "interleaved":
-        return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
-    return min(pp - stage, m)
-
-
-def peak_held_bytes(schedule: str, pp: int, m: int, v: int, stage: int,
-                    chunk_bytes: tuple[float, ...]) -> float:
-    """The most bytes pp rank ``stage`` holds for backward during a step, when each
-    micro-batch of its local chunk L keeps ``chunk_bytes[L]`` from its forward to its
-    backward (the schedules of :mod:`disttrain.parallel.pipeline.schedules`). The peak
-    is not always where the most chunks are held: with v > 1 the mix of chunks
-    changes, and the first and last chunk also hold the embedding's and the head's
-    activations, and chunks may differ in layers."""
-    mixes = held_mixes(schedule, pp, m, v, stage)
-    if v == 1:
-        return mixes[0][0] * chunk_bytes[0]
-    return max(sum(n * b for n, b in zip(mix, chunk_bytes, strict=True)) for mix in mixes)
-
-
-@functools.lru_cache(maxsize=65536)
-def held_mixes(schedule: str, pp: int, m: int, v: int, stage: int
-               ) -> tuple[tuple[int, ...], ...]:
-    """Micro-batches of each local chunk that pp rank ``stage`` holds at the moments
-    one of which is its peak, whatever each chunk's bytes (none held chunk by chunk
-    by another).
-
-    After a warmup of w forwards the rank alternates one forward, one backward; its
-    j-th forward runs local chunk (j mod pp v) // pp and its j-th backward the mirror
-    chunk v - 1 - that. From k to k + 1 backwards the rank adds forward w + k + 1's
-    chunk and drops backward k's; both change only every pp steps, so what is held is
-    linear in k between those k, and the mixes repeat with period pp v."""
-    if pp == 1:
-        return ((1,),)  # a plain step: one micro-batch at a time
-    if schedule != "interleaved":
-        return ((m if schedule == "gpipe" else min(pp - stage, m),),)
-    total, group = m * v, pp * v
-    warmup = min(total, 2 * (pp - stage - 1) + (v - 1) * pp)
-    span = min(group, total - warmup)  # the k whose mixes can differ
-
-    def ran(n: int, local: int) -> int:  # of the first n forwards, those of ``local``
-        return n // group * pp + min(max(n % group - local * pp, 0), pp)
-    if span <= 0:  # every forward is in the warmup
-        return (tuple(ran(total, L) for L in range(v)),)
-    ks = {0, span - 1, *range(0, span, pp), *range((-warmup - 1) % pp, span, pp)}
-    mixes = {tuple(ran(warmup + k + 1, L) - ran(k, v - 1 - L) for L in range(v))
-             for k in ks}
-    return tuple(a for a in mixes if not any(
-        b != a and all(x <= y for x, y in zip(a, b, strict=True)) for b in mixes))
-
-
-@functools.lru_cache(maxsize=4096)
-def chunk_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
-    """Layers of each of the pp * v chunks: even, the remainder on the middle chunks
-    (the ends also hold the embedding and the head)."""
-    n = pp * v
-    base, extra = divmod(layers, n)
-    sizes = [base] * n
-    order = sorted(range(n), key=lambda c: (abs(c - (n - 1) / 2), c))
-    for c in order[:extra]:
-        sizes[c] += 1
-    return tuple(sizes)
-
-
-@functools.lru_cache(maxsize=4096)
-def rank_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
-    """Layers on each pp rank (its v chunks together)."""
-    return _rank_counts(chunk_layers(layers, pp, v), pp)
-
-
-@functools.lru_cache(maxsize=4096)
-def _rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
-    """Layers on each pp rank, of chunks of ``sizes`` layers (chunk c on rank c % pp)."""
-    return tuple(sum(sizes[c::pp]) for c in range(pp))
-
-
 def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_batch: int,
              options: Options = DEFAULT_OPTIONS, *, memory_only: bool = False,
              all_stages: bool = False, chunk_sizes: tuple[int, ...] | None = None
              ) -> Estimate:
     """Predicted memory of the largest stage (of every stage with ``all_stages``; the
     others are left empty) and, unless ``memory_only``, the step time. ``chunk_sizes``:
-    the layers of each of the pp x v chunks, where a run cut them otherwise than
-    :func:`chunk_layers` (``parallel.pp_split``, or balanced by cost)."""
+    the layers of each chunk, where a run cut them otherwise than the cut's even split
+    (``parallel.pp_split``, or balanced by cost)."""
     lay, o = layout, options
+    cut, sp = stage_pricing().cut(lay), shard_pricing().sequence_parallel(lay)
+    shards, replicas = lay.shards, lay.replicas
     m = lay.micro_batches(global_batch)
-    sizes = chunk_sizes or chunk_layers(shape.layers, lay.pp, lay.v)
-    if chunk_sizes and (len(sizes) != lay.pp * lay.v or sum(sizes) != shape.layers):
-        raise ValueError(f"chunk_sizes {sizes} must give {lay.pp * lay.v} chunks of "
+    sizes = chunk_sizes or cut.chunk_layers(shape.layers)
+    if chunk_sizes and (len(sizes) != cut.n_chunks or sum(sizes) != shape.layers):
+        raise ValueError(f"chunk_sizes {sizes} must give {cut.n_chunks} chunks of "
                          f"{shape.layers} layers in all")
-    counts = list(_rank_counts(sizes, lay.pp))
-    per_layer = layer_activation_bytes(shape, b=lay.mbs, tp=lay.tp, sp=lay.sp,
+    counts = list(cut.stage_layers(sizes))
+    per_layer = layer_activation_bytes(shape, b=lay.mbs, shards=shards, sp=sp,
                                        recompute=lay.recompute, precision=o.precision,
                                        accounting=o.accounting)
     rebuilt = 0.0
     if lay.recompute == "full":  # one layer rebuilt in full during its backward
-        rebuilt = layer_activation_bytes(shape, b=lay.mbs, tp=lay.tp, sp=lay.sp,
+        rebuilt = layer_activation_bytes(shape, b=lay.mbs, shards=shards, sp=sp,
                                          precision=o.precision, accounting=o.accounting)
     # the cast weights are held once per layer of the stage, not per micro-batch
     cast = 0.0 if lay.recompute == "full" else \
-        _layer_cast_bytes(shape, o.precision, o.accounting) / lay.tp
-    layer_bytes = rank_params(shape, lay.tp, 1, False, False, lay.pp) * o.act_bytes
-    if not all_stages and lay.pp > 2:
-        # the largest can only be the first stage, the last, or the first that holds
-        # the most layers or the largest chunk (in flight decreases with the stage,
-        # and the middle stages' parameters depend on their layers only)
-        biggest = sizes.index(max(sizes)) % lay.pp  # the stage of the largest chunk
-        which = sorted({0, lay.pp - 1, counts.index(max(counts)), biggest})
-    else:
-        which = list(range(lay.pp))
-    embedding, head, head_once = _end_activations(shape, lay, o)
-    n_chunks = lay.pp * lay.v
+        _layer_cast_bytes(shape, o.precision, o.accounting) / shards
+    layer_bytes = rank_params(shape, shards, 1, False, False, cut.stages) * o.act_bytes
+    which = (list(range(cut.stages)) if all_stages
+             else cut.stages_to_estimate(sizes, counts))
+    embedding, head, head_once = _end_activations(shape, lay, o, shards, sp)
+    n_chunks = cut.n_chunks
     stages: dict[int, StageMemory] = {}
     for stage in which:
-        first, last = stage == 0, stage == lay.pp - 1
-        params = rank_params(shape, lay.tp, counts[stage], first, last, lay.pp)
-        states = model_state_bytes(params, dp=lay.dp, zero=lay.zero,
+        first, last = stage == 0, stage == cut.stages - 1
+        params = rank_params(shape, shards, counts[stage], first, last, cut.stages)
+        states = model_state_bytes(params, replicas=replicas, zero=lay.zero,
                                    master_copy=o.master_copy)
         held = tuple((per_layer - cast) * sizes[c] + (embedding if c == 0 else 0)
                      + (head if c == n_chunks - 1 else 0)
-                     for c in range(stage, n_chunks, lay.pp))
-        buckets = min(o.bucket_mb * 2**20, states.grads) * 2 if lay.dp > 1 else 0
-        gathered = 2 * layer_bytes if lay.zero >= 3 and lay.dp > 1 else 0
+                     for c in cut.local_chunks(stage))
+        buckets = min(o.bucket_mb * 2**20, states.grads) * 2 if replicas > 1 else 0
+        gathered = 2 * layer_bytes if lay.zero >= 3 and replicas > 1 else 0
         stages[stage] = StageMemory(
             params=states.params, grads=states.grads, optimizer=states.optimizer,
-            activations=(peak_held_bytes(lay.schedule, lay.pp, m, lay.v, stage, held)
+            activations=(cut.peak_held(m, stage, held)
                          + cast * counts[stage] + rebuilt + (head_once if last else 0)),
             rebuilt=rebuilt, communication=buckets + gathered,
             other=cluster.reserved_gib * _GIB)
@@ -363,7 +291,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                                                     sizes, counts)
     tokens, model_flops, hardware_flops = ((0, 0.0, 0.0) if memory_only
                                            else _flops(shape, lay, global_batch))
-    return Estimate(layout=lay, stages=[stages.get(st) for st in range(lay.pp)],
+    return Estimate(layout=lay, stages=[stages.get(st) for st in range(cut.stages)],
                     worst_stage=worst, n_devices=lay.ranks,
                     peak_flops=cluster.peak_flops(o.precision),
                     fits=stages[worst].total <= cluster.memory_gib * _GIB,
@@ -374,35 +302,35 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                     model_flops=model_flops, hardware_flops=hardware_flops)
 
 
-def _end_activations(shape: ModelShape, lay: PlannedLayout, o: Options
-                     ) -> tuple[float, float, float]:
+def _end_activations(shape: ModelShape, lay: PlannedLayout, o: Options, shards: int,
+                     sp: bool) -> tuple[float, float, float]:
     """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
     the head's and the loss's (last chunk); and what the last stage keeps once per
     step (autocast's cast of the head weight)."""
     s, b, h, a = shape.seq, lay.mbs, shape.hidden, o.act_bytes
-    split = lay.tp if lay.sp else 1
+    split = shards if sp else 1
     embedding = 8 * s * b + (s * b * h / split if shape.dropout else 0)  # ids, mask
     if o.accounting == "disttrain":
-        return _disttrain_ends(shape, lay, a, embedding)
+        return _disttrain_ends(shape, lay, a, embedding, shards, sp)
     head = (2 * a * s * b * h / split  # final norm's input, head's input
-            + 4 * s * b * shape.vocab / lay.tp)  # fp32 logits for the loss
+            + 4 * s * b * shape.vocab / shards)  # fp32 logits for the loss
     return embedding, head, 0.0
 
 
-def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: float
-                    ) -> tuple[float, float, float]:
+def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: float,
+                    shards: int, sp: bool) -> tuple[float, float, float]:
     """:func:`_end_activations` of disttrain's own embedding, head and loss: beyond
     the token ids, the position ids [s] (a learned table) and the
-    vocabulary-parallel lookup's mask of ids outside the shard (tp > 1); the final
+    vocabulary-parallel lookup's mask of ids outside the shard (sharded); the final
     norm's fp32 input and statistics, the head's input (whole under sp, as for the
-    layers), the loss's fp32 softmax [sb, V/tp] and targets (tp > 1: local ids and
-    two masks); the cast head weight (16-bit)."""
-    s, b, h, tp = shape.seq, lay.mbs, shape.hidden, lay.tp
-    split = tp if lay.sp else 1
-    embedding += (8 * s if shape.positions else 0) + (s * b if tp > 1 else 0)
+    layers), the loss's fp32 softmax [sb, V / shards] and targets (sharded: local ids
+    and two masks); the cast head weight (16-bit)."""
+    s, b, h = shape.seq, lay.mbs, shape.hidden
+    split = shards if sp else 1
+    embedding += (8 * s if shape.positions else 0) + (s * b if shards > 1 else 0)
     head = ((4 * h + 2 * 4) * s * b / split + a * s * b * h
-            + 4 * s * b * shape.vocab / tp + 8 * s * b + (2 * s * b if tp > 1 else 0))
-    return embedding, head, a * shape.vocab * h / tp if a < 4 else 0.0
+            + 4 * s * b * shape.vocab / shards + 8 * s * b + (2 * s * b if shards > 1 else 0))
+    return embedding, head, a * shape.vocab * h / shards if a < 4 else 0.0
 
 
 def _flops(shape: ModelShape, lay: PlannedLayout, global_batch: int

@@ -1,6 +1,7 @@
 """Per-rank memory of a training step, estimated from the model and layout alone.
 
-Model states on one rank (Ψ parameters, N = dp, S = ceil(Ψ/N) the padded ZeRO shard):
+Model states on one rank (Ψ parameters, N = the replicas ZeRO shards over: the
+data-parallel ranks, S = ceil(Ψ/N) the padded ZeRO shard):
 
     ZeRO stage          params  grads  optimizer   AdamW total
     0  replica          4Ψ      4Ψ     8Ψ          16Ψ
@@ -60,15 +61,16 @@ class MemoryEstimate:
         return self.model_states + self.activations
 
 
-def model_state_bytes(num_params: float, *, dp: int, zero: int, optimizer: str = "adamw",
-                      momentum: bool = True, master_copy: bool = False) -> MemoryEstimate:
+def model_state_bytes(num_params: float, *, replicas: int, zero: int,
+                      optimizer: str = "adamw", momentum: bool = True,
+                      master_copy: bool = False) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer state (activations = 0)
-    for ``num_params`` parameters under ZeRO stage ``zero`` over ``dp`` ranks."""
+    for ``num_params`` parameters under ZeRO stage ``zero`` over ``replicas`` ranks."""
     _check("num_params", num_params, num_params >= 0, "a parameter count >= 0")
-    _check("dp", dp, dp >= 1, "a data-parallel degree >= 1")
+    _check("replicas", replicas, replicas >= 1, "a data-parallel degree >= 1")
     _check("zero", zero, zero in (0, 1, 2, 3), "a ZeRO stage: 0, 1, 2 or 3")
     _check("optimizer", optimizer, optimizer in _STATE_BYTES, f"one of {tuple(_STATE_BYTES)}")
-    shard = -(-num_params // dp)
+    shard = -(-num_params // replicas)
 
     def held(sharded_from_stage: int) -> float:
         return shard if zero >= sharded_from_stage else num_params
@@ -79,7 +81,7 @@ def model_state_bytes(num_params: float, *, dp: int, zero: int, optimizer: str =
         state += _FP32  # the fp32 master weights live with the optimizer state
     extra: float = 0
     if optimizer == "onebit_adam":
-        extra = _FP32 * num_params * (2 if zero else 1) + -(-_FP32 * num_params // dp)
+        extra = _FP32 * num_params * (2 if zero else 1) + -(-_FP32 * num_params // replicas)
     return MemoryEstimate(params=weight * held(3), grads=weight * held(2),
                           optimizer=state * held(1) + extra)
 
@@ -135,13 +137,14 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
     return max(end_of_forward, embedding + before_last + block)
 
 
-def estimate_gpt(model: ModelConfig, *, micro_batch: int, dp: int, zero: int,
+def estimate_gpt(model: ModelConfig, *, micro_batch: int, replicas: int, zero: int,
                  precision: str = "fp32", optimizer: str = "adamw", momentum: bool = True,
                  activation_checkpointing: str = "none", every_k: int = 2) -> MemoryEstimate:
     """Per-rank memory of training GPT(model): disttrain's fp32 model states (see
     :func:`model_state_bytes`) and one micro-batch's peak activations (gradient
-    accumulation adds none). Activations do not depend on dp or the ZeRO stage."""
-    states = model_state_bytes(gpt_num_params(model), dp=dp, zero=zero,
+    accumulation adds none; ``replicas``: the ranks ZeRO shards over). Activations do
+    not depend on the replicas or the ZeRO stage."""
+    states = model_state_bytes(gpt_num_params(model), replicas=replicas, zero=zero,
                                optimizer=optimizer, momentum=momentum)
     return replace(states, activations=gpt_activation_bytes(
         model, micro_batch=micro_batch, precision=precision,

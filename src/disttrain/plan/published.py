@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import PlannedLayout
+from .layout import OPTIONS, PlannedLayout
 from .shape import ModelShape
+
+_OPTION_NAMES = {o.name for o in OPTIONS}
 
 LLM_FOUNDRY_SOURCE = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ "
                       "8c8dd48f, 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)'")
@@ -69,8 +71,8 @@ class PublishedRun:
     def layout(self) -> PlannedLayout:
         """The published layout: FSDP full shard over every GPU (ZeRO-3), whole-block
         recomputation when checkpointing."""
-        return PlannedLayout(tp=1, pp=1, dp=self.gpus, mbs=self.mbs, zero=3,
-                             recompute="full" if self.checkpointing else "none")
+        return PlannedLayout.whole(self.gpus, mbs=self.mbs, zero=3,
+                                   recompute="full" if self.checkpointing else "none")
 
     def cluster_spec(self) -> str:
         """``--cluster``: A100 80GB nodes of 8 (1600 Gb/s per node: 8 x 200 Gb/s, the
@@ -80,9 +82,8 @@ class PublishedRun:
 
     def layout_spec(self) -> str:
         """``--layout`` as ``disttrain plan`` takes it."""
-        lay = self.layout()
-        return (f"tp=1,pp=1,dp={lay.dp},mbs={lay.mbs},zero=3,"
-                f"recompute={lay.recompute}")
+        return ",".join(f"{k}={v}" for k, v in self.layout().items(shown=True)
+                        if k not in _OPTION_NAMES)
 
 
 LLM_FOUNDRY_A100 = (

@@ -8,15 +8,20 @@ so the search over a trillion-parameter model on thousands of devices stays fast
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..dimensions import DIMENSIONS, Dimension, Role, joined, plan_order, with_role
 from ..errors import UserError
+from ..parallel.dimensions import behaviour
+from ..parallel.pricing import DimensionPricing, SearchLimits
 from .cluster import Cluster
 from .estimate import Estimate, estimate
-from .layout import RECOMPUTE, PlannedLayout
+from .layout import OPTIONS, RECOMPUTE, PlannedLayout
 from .options import DEFAULT_OPTIONS, Options
 from .shape import ModelShape
 
@@ -35,68 +40,94 @@ class SearchResult:
         return dict(self.rejected.most_common())
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layout_problem(shape: ModelShape, cluster: Cluster, lay: PlannedLayout,
                    global_batch: int) -> str | None:
     """The first of disttrain's rules ``lay`` breaks for this model, cluster and
-    batch (a short reason, used to count rejections), or None."""
+    batch (a short reason, used to count rejections), or None: the device count, each
+    dimension's own rules, ZeRO's replicas, the batch's split, each dimension's rules on
+    the micro-batches, the recomputation."""
     n = cluster.n_devices
     if lay.ranks != n:
-        return f"tp x pp x dp != {n} devices"
-    if shape.heads % lay.tp:
-        return "tp does not divide the heads"
-    if shape.kv % lay.tp:
-        return "tp does not divide the kv heads"
-    if shape.ffn_width % lay.tp:
-        return "tp does not divide the MLP width"
-    if shape.vocab % lay.tp:
-        return "tp does not divide the vocabulary"
-    if lay.tp > cluster.gpus_per_node:
-        return "tp spans nodes"
-    if lay.sp and lay.tp == 1:
-        return "sp needs tp > 1"
-    if lay.sp and shape.seq % lay.tp:
-        return "tp does not divide the sequence (sp)"
-    if lay.pp * lay.v > shape.layers:
-        return "pp x v exceeds the layers"
-    if lay.v > 1 and lay.pp == 1:
-        return "interleaving needs pp > 1"
-    if lay.gpipe and (lay.pp == 1 or lay.v > 1):
-        return "gpipe needs pp > 1 and v = 1"
-    if lay.zero and lay.dp == 1:
-        return "ZeRO needs dp > 1"
-    if global_batch % (lay.dp * lay.mbs):
-        return "dp x mbs does not divide the global batch"
+        return f"{joined(plan_order())} != {n} devices"
+    limits = _limits(cluster)
+    for pricing in _pricings():
+        problem = pricing.problem(shape, lay, limits)
+        if problem:
+            return problem
+    if lay.zero and lay.replicas == 1:
+        return f"ZeRO needs {joined(with_role(Role.REPLICAS))} > 1"
+    if global_batch % (lay.role(Role.SAMPLES) * lay.mbs):
+        return f"{joined(with_role(Role.SAMPLES))} x mbs does not divide the global batch"
     m = lay.micro_batches(global_batch)
-    if lay.v > 1 and m % lay.pp:
-        return "interleaved needs micro-batches divisible by pp"
+    for pricing in _pricings():
+        problem = pricing.batch_problem(lay, m)
+        if problem:
+            return problem
     if lay.recompute not in RECOMPUTE:
         return "unknown recompute"
     return None
 
 
+@functools.cache
+def _pricings() -> tuple[DimensionPricing, ...]:
+    """Each dimension's pricing, in label order (the order its rules are asked in)."""
+    return tuple(behaviour(d).pricing for d in plan_order())
+
+
+def _limits(cluster: Cluster, max_v: int = 8) -> SearchLimits:
+    return _limits_of(cluster.n_devices, cluster.gpus_per_node, max_v)
+
+
+@functools.cache
+def _limits_of(devices: int, gpus_per_node: int, max_v: int) -> SearchLimits:
+    return SearchLimits(devices=devices, gpus_per_node=gpus_per_node, max_v=max_v)
+
+
+def _degrees(dims: tuple[Dimension, ...], ranks: int, limits: SearchLimits
+             ) -> Iterator[dict[str, int]]:
+    """Every choice of degrees for ``dims`` (label order) on ``ranks`` devices: each
+    dimension over its candidates for what the ones before it leave, the derived one
+    the rest."""
+    if not dims:
+        yield {}
+        return
+    first, rest = dims[0], dims[1:]
+    if first.derived:
+        for tail in _degrees(rest, ranks, limits):
+            left = ranks // math.prod(tail.values())
+            if left * math.prod(tail.values()) == ranks:
+                yield {first.key: left, **tail}
+        return
+    for n in behaviour(first).pricing.candidates(ranks, limits):
+        for tail in _degrees(rest, ranks // n, limits):
+            yield {first.key: n, **tail}
+
+
 def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
                max_v: int = 8, max_mbs: int = 16,
                recompute: tuple[str, ...] = RECOMPUTE) -> Iterator[PlannedLayout]:
-    """Every (tp, pp, dp, v, mbs, zero, recompute, sp) whose degrees multiply to the
-    cluster's size: tp over the divisors up to a node, mbs over powers of two."""
-    n = cluster.n_devices
+    """Every choice of degrees whose product is the cluster's size (each dimension's
+    candidates), of each dimension's search keys, of the micro-batch (powers of two),
+    the ZeRO stage and the recomputation; the keys vary in label order, the last
+    fastest."""
+    limits = _limits(cluster, max_v)
     mbs_options = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_mbs]
-    for tp in _divisors(n):
-        if tp > cluster.gpus_per_node:
-            continue
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
-            vs = [1] if pp == 1 else range(1, max_v + 1)
-            for v, mbs, zero, rc, sp in itertools.product(
-                    vs, mbs_options, range(4), recompute, (False, True)):
-                if sp and tp == 1:
-                    continue
-                yield PlannedLayout(tp=tp, pp=pp, dp=dp, v=v, mbs=mbs, zero=zero,
-                                    recompute=rc, sp=sp)
+    owners = {o.name: d for d in DIMENSIONS for o in d.plan_options}
+    planner: dict[str, Sequence[int | str]] = {"mbs": mbs_options, "zero": range(4),
+                                               "recompute": recompute}
+    keys = [k for k, _ in PlannedLayout().items() if k not in {d.key for d in DIMENSIONS}]
+    at = {k: i for i, k in enumerate(keys)}
+    option_at = [at[o.name] for o in OPTIONS]
+    mbs_at, zero_at, recompute_at = at["mbs"], at["zero"], at["recompute"]
+    for degrees in _degrees(plan_order(), cluster.n_devices, limits):
+        held = tuple(degrees[d.key] for d in DIMENSIONS)
+        values = [planner[k] if k in planner else
+                  behaviour(owners[k]).pricing.option_values(k, degrees[owners[k].key],
+                                                             limits)
+                  for k in keys]
+        for c in itertools.product(*values):
+            yield PlannedLayout.of(held, tuple(int(c[i]) for i in option_at),
+                                   int(c[mbs_at]), int(c[zero_at]), str(c[recompute_at]))
 
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,

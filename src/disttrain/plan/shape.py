@@ -236,24 +236,25 @@ def hf_shape(path: Path) -> ModelShape:
 # parameters on one rank ------------------------------------------------------------
 
 @functools.lru_cache(maxsize=65536)
-def rank_params(shape: ModelShape, tp: int, layers: int, first: bool, last: bool,
-                pp: int) -> float:
-    """Parameters one tp rank of a stage holds: its layers, the vocabulary-parallel
-    embedding if first, the final norm and head (or the tied copy) if last."""
+def rank_params(shape: ModelShape, shards: int, layers: int, first: bool, last: bool,
+                stages: int) -> float:
+    """Parameters one of ``shards`` tensor shards of a stage (of ``stages``) holds: its
+    layers, the vocabulary-parallel embedding if first, the final norm and head (or the
+    tied copy, with more than one stage) if last."""
     h = shape.hidden
     n = 0.0
     for name, i, o in shape.matmul_shapes():
-        n += i * o / tp
+        n += i * o / shards
         if shape.bias and (name != "qkv" or shape.qkv_bias):
-            n += o / tp if name in ("qkv", "gate", "up") else o
+            n += o / shards if name in ("qkv", "gate", "up") else o
     n += 2 * shape.norm_params()
     n *= layers
     if first:
-        n += shape.vocab * h / tp + shape.positions * h
+        n += shape.vocab * h / shards + shape.positions * h
     if last:
         n += shape.norm_params()
-        if not shape.tied or (pp > 1 and not first):
-            n += shape.vocab * h / tp
+        if not shape.tied or (stages > 1 and not first):
+            n += shape.vocab * h / shards
     return n
 
 
@@ -264,7 +265,7 @@ def zero_flats(layers: int, first: bool, last: bool) -> int:
     return 2 * (layers + int(first or last))
 
 
-def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, pp: int,
+def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, stages: int,
                  zero: int) -> int:
     """Parameter tensors the optimizer of one rank walks: each weight, bias and norm
     parameter, or under ZeRO its flat shards (:func:`zero_flats`)."""
@@ -278,5 +279,5 @@ def rank_tensors(shape: ModelShape, layers: int, first: bool, last: bool, pp: in
     if first:
         n += 1 + int(shape.positions > 0)
     if last:
-        n += norm + int(not shape.tied or (pp > 1 and not first))
+        n += norm + int(not shape.tied or (stages > 1 and not first))
     return n

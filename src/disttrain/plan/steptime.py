@@ -1,15 +1,17 @@
 """A layout's step time, from the costs of its pieces (:mod:`.work` for a layer and
-the head by kind of work, :mod:`.costs` for collectives).
+the head by kind of work, :mod:`.costs` for collectives), over the roles' degrees of
+the layout (:class:`~.layout.PlannedLayout`).
 
-Per micro-batch and pipeline rank: each layer's kernels and framework time (slowed
-in proportion when a CPU's ranks share fewer cores than they compute with), its tensor
--parallel all-reduces (two forward, two backward, two more when a full recomputation
-reruns the forward), and under tp the ends' own: the vocabulary-parallel embedding's
-(forward), the head input's gradient (backward), the loss's max and sum (tiny). The
-pipeline runs m micro-batches at the pace of its slowest rank plus the bubble, (pp -
-1) / v stage times, and one activation and one gradient message per chunk boundary.
+Per micro-batch and stage: each layer's kernels and framework time on one tensor shard
+(slowed in proportion when a CPU's ranks share fewer cores than they compute with),
+and the tensor-sharding dimension's messages (its pricing's ``communication``: tensor
+parallelism's all-reduces, two forward, two backward, two more when a full
+recomputation reruns the forward, and those of the ends: the vocabulary-parallel
+embedding's, the head input's gradient, the loss's max and sum). The stages run m
+micro-batches at the pace of the slowest plus the bubble, and one activation and one
+gradient message per chunk boundary (the cut's ``step``: (stages - 1) / v stage times).
 
-After the pipeline: the data-parallel reduction the backward does not hide (none on
+After the pipeline: the replica group's reduction the backward does not hide (none on
 a CPU whose cores the ranks' compute threads fill; plain:
 one all-reduce per bucket; ZeRO: one reduce-scatter per flat buffer (:func:`~.shape.
 zero_flats`), once (stage 1) or per micro-batch (2, 3), then one all-gather per flat
@@ -28,6 +30,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..dimensions import DIMENSIONS, Role
+from ..parallel.dimensions import shard_pricing, stage_pricing
+from ..parallel.pricing import StageCut
 from .cluster import Cluster
 from .costs import (
     collective_time,
@@ -36,7 +41,7 @@ from .costs import (
     node_ranks,
     overlaps_compute,
 )
-from .layout import PlannedLayout
+from .layout import PlannedLayout, figure
 from .options import Options
 from .shape import ModelShape, rank_params, rank_tensors, zero_flats
 from .work import SPLIT_KEYS, Work, head_work, layer_work
@@ -47,12 +52,13 @@ _CONTROL_BYTES = 16  # a few counters: the size of disttrain's per-step small co
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
-    """One step's predicted seconds and its parts (``times``: compute, recompute,
-    tp_comm, pp_bubble, pp_p2p, dp_comm_exposed, step_sync, optimizer; ``split``: the
-    same step by kind of work, :data:`SPLIT`, summing to it), and what a trace
-    replays: one micro-batch on pp rank r's j-th chunk (global chunk j * pp + r),
-    compute and its tp communication, the backward including recomputation; p2p: one
-    activation or gradient message between neighbouring stages."""
+    """One step's predicted seconds and its parts (``times``: compute, recompute, the
+    tensor shards' communication, the stages' bubble and messages, the replica group's
+    exposed reduction, step_sync, optimizer: :data:`TIMES`; ``split``: the same step by
+    kind of work, :data:`SPLIT`, summing to it), and what a trace replays: one
+    micro-batch on stage r's j-th chunk (global chunk j * stages + r), compute and its
+    shards' communication, the backward including recomputation; p2p: one activation
+    or gradient message between neighbouring stages."""
 
     step_time_s: float = 0.0
     times: dict[str, float] = field(default_factory=dict)
@@ -62,104 +68,94 @@ class StepTime:
     p2p_message_s: float = 0.0
 
 
-# the step by kind of work (StepTime.split); the dp_* keys: collectives of data
-# parallelism and ZeRO that the backward (or ZeRO-3's prefetch) does not hide
-SPLIT = (*SPLIT_KEYS, "tp_comm", "pp_p2p", "pp_bubble", "dp_all_reduce",
-         "dp_reduce_scatter", "dp_all_gather", "step_sync", "optimizer")
+# the figures of the roles' parts of a step, named after their dimensions (tp_comm, ...)
+SHARD_COMM = figure(Role.TENSORS, "comm")
+STAGE_BUBBLE, STAGE_P2P = figure(Role.LAYERS, "bubble"), figure(Role.LAYERS, "p2p")
+REDUCTION_EXPOSED = figure(Role.REPLICAS, "comm_exposed")
+_REDUCTION_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+# the step by its parts (StepTime.times)
+TIMES = ("compute", "recompute", SHARD_COMM, STAGE_BUBBLE, STAGE_P2P, REDUCTION_EXPOSED,
+         "step_sync", "optimizer")
+# the step by kind of work (StepTime.split); the replica group's (dp_*) keys:
+# collectives of data parallelism and ZeRO that the backward (or ZeRO-3's prefetch)
+# does not hide
+SPLIT = (*SPLIT_KEYS, SHARD_COMM, STAGE_P2P, STAGE_BUBBLE,
+         *(figure(Role.REPLICAS, op) for op in _REDUCTION_OPS), "step_sync", "optimizer")
 
 
 def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Options,
               global_batch: int, sizes: tuple[int, ...], counts: list[int]) -> StepTime:
     """The step time of ``lay``, its parts and per-chunk costs; ``sizes``: layers of
-    each global chunk; ``counts``: layers on each pp rank."""
+    each global chunk; ``counts``: layers on each stage."""
     busy = node_ranks(cluster, lay.ranks)
     share = compute_share(cluster, busy)
     async_ = cluster.async_dispatch
+    cut, sp = stage_pricing().cut(lay), shard_pricing().sequence_parallel(lay)
+    shards, n = lay.shards, cut.stages
     m = lay.micro_batches(global_batch)
     tokens, a = lay.mbs * shape.seq, o.act_bytes
     act = tokens * shape.hidden * a
-    fwd, bwd, attn = layer_work(shape, cluster, lay.tp, lay.mbs, o.precision, lay.sp)
+    fwd, bwd, attn = layer_work(shape, cluster, shards, lay.mbs, o.precision, sp)
     rework = {"none": Work(), "selective": attn, "full": fwd}[lay.recompute]
     layer_fwd = share * fwd.seconds(async_)
     layer_bwd = share * bwd.seconds(async_)
     recompute = share * rework.seconds(async_)
-    one = collective_time(cluster, "all_reduce", act, lay.tp, busy)
-    tp_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
-    small = collective_time(cluster, "all_reduce", 4 * tokens, lay.tp, busy)
+    comm = shard_pricing().communication(
+        lay, act, 4 * tokens, lambda op, nbytes, ranks: collective_time(
+            cluster, op, nbytes, ranks, busy))
     # framework time of the ends, half on the embedding's chunk, half on the head's
     end = share * cluster.microbatch_overhead_s / 2
-    ends_fwd = (one + end / 3, 2 * small + end / 3)  # (first chunk, last chunk)
-    ends_bwd = (end * 2 / 3, one + end * 2 / 3)
-    head_w = head_work(shape, cluster, lay.mbs, o.precision, lay.tp)
+    ends_fwd = (comm.first_forward + end / 3, comm.last_forward + end / 3)
+    ends_bwd = (end * 2 / 3, comm.last_backward + end * 2 / 3)
+    head_w = head_work(shape, cluster, lay.mbs, o.precision, shards)
     head = share * head_w.device
-    chunk_forward_s, chunk_backward_s = chunk_times(
-        lay, sizes, layer_fwd + 2 * one, layer_bwd + recompute + tp_layer - 2 * one, head,
-        ends_fwd, ends_bwd)
+    chunk_forward_s, chunk_backward_s = cut.chunk_times(
+        sizes, layer_fwd + comm.layer_forward,
+        layer_bwd + recompute + comm.layer_backward, head, ends_fwd, ends_bwd)
     compute_rank = [layers * (layer_fwd + layer_bwd + recompute)
-                    + (head if st == lay.pp - 1 else 0.0)
-                    + (end if st in (0, lay.pp - 1) else 0.0) * (1 + (lay.pp == 1))
+                    + (head if st == n - 1 else 0.0)
+                    + (end if st in (0, n - 1) else 0.0) * (1 + (n == 1))
                     for st, layers in enumerate(counts)]
     per_rank = [sum(f) + sum(b) for f, b in zip(chunk_forward_s, chunk_backward_s, strict=True)]
-    p2p_message_s = p2p_message_time(cluster, lay, act / (lay.tp if lay.sp else 1))
-    p2p = 2 * lay.v * p2p_message_s
+    messages = cut.messages_per_micro_batch()
+    p2p_message_s = (p2p_message_time(cluster, lay, act / (shards if sp else 1))
+                     if messages else 0.0)
+    p2p = messages * p2p_message_s
     slowest = max(per_rank) + p2p
-    pipeline = m * slowest + (lay.pp - 1) * (sum(per_rank) / lay.pp + p2p) / lay.v
-    bubble = pipeline - m * slowest
-    params = max(rank_params(shape, lay.tp, layers, st == 0, st == lay.pp - 1, lay.pp)
+    pipeline, bubble = cut.step(m, per_rank, p2p)
+    params = max(rank_params(shape, shards, layers, st == 0, st == n - 1, n)
                  for st, layers in enumerate(counts))
-    top = max(range(lay.pp), key=lambda st: compute_rank[st])
+    top = max(range(n), key=lambda st: compute_rank[st])
     passes = (layer_fwd * counts[top], (layer_bwd + recompute) * counts[top])
-    dp = _dp_exposed(shape, cluster, o, lay, m, busy, params, counts, passes)
-    sync = _step_sync(shape, cluster, o, lay, busy)
-    optimizer = share * _optimizer_time(shape, cluster, lay, params, counts)
+    reduction = _reduction_exposed(shape, cluster, o, lay, cut, m, busy, params, counts,
+                                   passes)
+    sync = _step_sync(shape, cluster, o, lay, cut, busy)
+    optimizer = share * _optimizer_time(shape, cluster, lay, n, params, counts)
     compute_only = m * compute_rank[top]
     recomputed = m * recompute * max(counts)
-    dp_exposed = sum(dp.values())
+    exposed = sum(reduction.values())
     times = {"compute": compute_only - recomputed, "recompute": recomputed,
-             "tp_comm": m * (slowest - p2p) - compute_only if lay.tp > 1 else 0.0,
-             "pp_bubble": bubble, "pp_p2p": m * p2p, "dp_comm_exposed": dp_exposed,
+             SHARD_COMM: m * (slowest - p2p) - compute_only if shards > 1 else 0.0,
+             STAGE_BUBBLE: bubble, STAGE_P2P: m * p2p, REDUCTION_EXPOSED: exposed,
              "step_sync": sync, "optimizer": optimizer}
     work = ((fwd + bwd + rework).scaled(counts[top])
-            + (head_w if top == lay.pp - 1 else Work()))
+            + (head_w if top == n - 1 else Work()))
     split = {k: m * share * v for k, v in work.split(async_).items()}
     split["overhead"] += compute_only - sum(split.values())  # the ends' framework time
-    split |= {"tp_comm": max(0.0, m * (slowest - p2p) - compute_only), "pp_p2p": m * p2p,
-              "pp_bubble": bubble, **{f"dp_{k}": v for k, v in dp.items()},
+    split |= {SHARD_COMM: max(0.0, m * (slowest - p2p) - compute_only), STAGE_P2P: m * p2p,
+              STAGE_BUBBLE: bubble,
+              **{figure(Role.REPLICAS, k): v for k, v in reduction.items()},
               "step_sync": sync, "optimizer": optimizer}
-    return StepTime(step_time_s=pipeline + dp_exposed + sync + optimizer, times=times,
+    return StepTime(step_time_s=pipeline + exposed + sync + optimizer, times=times,
                     split=split, chunk_forward_s=chunk_forward_s,
                     chunk_backward_s=chunk_backward_s, p2p_message_s=p2p_message_s)
 
 
-def chunk_times(lay: PlannedLayout, sizes: tuple[int, ...], layer_fwd: float,
-                layer_bwd: float, head: float, ends_fwd: tuple[float, float] = (0.0, 0.0),
-                ends_bwd: tuple[float, float] = (0.0, 0.0)
-                ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
-    """(forward, backward) seconds of one micro-batch on each pp rank's chunks, local
-    order; ``sizes``: layers of each global chunk; ``layer_fwd``/``layer_bwd``: one
-    layer's, with its tp communication (and recomputation, backward). The last chunk
-    adds the head and loss, a third forward (one of its three matmuls and logit
-    passes) and two thirds backward; ``ends_*``: what the (first, last) chunk adds in
-    each direction beyond that (tp's communication at the ends)."""
-    last = lay.pp * lay.v - 1
-
-    def per_rank(layer: float, head_part: float, ends: tuple[float, float]
-                 ) -> tuple[tuple[float, ...], ...]:
-        return tuple(tuple(sizes[c] * layer + (ends[0] if c == 0 else 0.0)
-                           + (head_part + ends[1] if c == last else 0.0)
-                           for c in range(r, last + 1, lay.pp)) for r in range(lay.pp))
-
-    return per_rank(layer_fwd, head / 3, ends_fwd), per_rank(layer_bwd, head * 2 / 3,
-                                                             ends_bwd)
-
-
 def p2p_message_time(cluster: Cluster, lay: PlannedLayout, nbytes: float) -> float:
     """One message of ``nbytes`` (an activation or its gradient) to the neighbouring
-    stage; 0 without pp."""
-    if lay.pp == 1:
-        return 0.0
-    # neighbouring stages' ranks are tp x dp apart; once the pipeline spans nodes, some
-    # boundary crosses one, and the slowest boundary paces the schedule
+    stage."""
+    # neighbouring stages' ranks are the other dimensions' degrees apart; once the
+    # stages span nodes, some boundary crosses one, and the slowest boundary paces them
     intra = lay.ranks <= cluster.gpus_per_node
     gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps) if intra else
             (cluster.p2p_inter_gbps or cluster.inter_gbps))
@@ -168,29 +164,30 @@ def p2p_message_time(cluster: Cluster, lay: PlannedLayout, nbytes: float) -> flo
     return nbytes / (gbps * 1e9) + latency
 
 
-def _dp_exposed(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
-                m: int, busy: int, params: float, counts: list[int],
-                passes: tuple[float, float]) -> dict[str, float]:
-    """The data-parallel communication of one step that compute does not hide, per
-    collective (all_reduce, reduce_scatter, all_gather); ``passes``: the slowest pp
-    rank's layers' (forward, backward with recomputation) per micro-batch."""
-    none = dict.fromkeys(("all_reduce", "reduce_scatter", "all_gather"), 0.0)
-    if lay.dp == 1:
+def _reduction_exposed(shape: ModelShape, cluster: Cluster, o: Options,
+                       lay: PlannedLayout, cut: StageCut, m: int, busy: int, params: float,
+                       counts: list[int], passes: tuple[float, float]) -> dict[str, float]:
+    """The replica group's communication of one step that compute does not hide, per
+    collective (all_reduce, reduce_scatter, all_gather); ``passes``: the slowest
+    stage's layers' (forward, backward with recomputation) per micro-batch."""
+    none = dict.fromkeys(_REDUCTION_OPS, 0.0)
+    replicas = lay.replicas
+    if replicas == 1:
         return none
-    span = lay.dp * lay.tp
+    span = lay.span(Role.REPLICAS)
     grads = params * o.grad_bytes
     hides = overlaps_compute(cluster, busy)
     forward, backward = passes if hides else (0.0, 0.0)
     if lay.zero == 0:
         buckets = max(1, math.ceil(grads / (o.bucket_mb * 2**20)))
-        total = collective_time(cluster, "all_reduce", grads, lay.dp, busy, calls=buckets,
-                                span=span)
+        total = collective_time(cluster, "all_reduce", grads, replicas, busy,
+                                calls=buckets, span=span)
         return none | {"all_reduce": _hidden_behind(total, backward, buckets)}
-    flats = max(zero_flats(layers, st == 0, st == lay.pp - 1)
+    flats = max(zero_flats(layers, st == 0, st == cut.stages - 1)
                 for st, layers in enumerate(counts))
-    reduce = collective_time(cluster, "reduce_scatter", grads, lay.dp, busy,
+    reduce = collective_time(cluster, "reduce_scatter", grads, replicas, busy,
                              calls=flats, span=span)
-    gather = collective_time(cluster, "all_gather", params * o.grad_bytes, lay.dp, busy,
+    gather = collective_time(cluster, "all_gather", params * o.grad_bytes, replicas, busy,
                              calls=flats, span=span)
     if lay.zero < 3:  # stage 1 reduces in the last backward only; the shards after
         rounds = m if lay.zero == 2 else 1
@@ -227,31 +224,32 @@ def _hidden_behind(total: float, window: float, calls: int) -> float:
 
 
 def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
-               busy: int) -> float:
+               cut: StageCut, busy: int) -> float:
     """The small collectives of every step over the world (loss and token counts, the
-    stop flag, telemetry on logged steps, the norm of sharded gradients) and the tied
-    embedding's gradient between the first and last stage."""
+    stop flag, telemetry on logged steps, the global norm of gradients that ZeRO or a
+    dimension changing the model splits) and the tied embedding's gradient between the
+    first and last stage."""
     world = lay.ranks
-    small = 2 + 1 / max(1, o.log_every) + (1 if lay.zero or lay.tp > 1 or lay.pp > 1
-                                           else 0)
+    split = lay.zero or any(lay.degree(d.key) > 1 for d in DIMENSIONS if d.changes_model)
+    small = 2 + 1 / max(1, o.log_every) + (1 if split else 0)
     sync = small * collective_time(cluster, "all_reduce", _CONTROL_BYTES, world, busy)
-    if lay.pp > 1 and shape.tied:
+    if cut.stages > 1 and shape.tied:
         sync += 2 * p2p_message_time(cluster, lay,
-                                     shape.vocab * shape.hidden / lay.tp * o.grad_bytes)
+                                     shape.vocab * shape.hidden / lay.shards * o.grad_bytes)
     return sync
 
 
-def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: PlannedLayout, params: float,
-                    counts: list[int]) -> float:
+def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: PlannedLayout, stages: int,
+                    params: float, counts: list[int]) -> float:
     """The optimizer step on one rank's shard, memory-bound: AdamW reads the
     gradient and reads and writes the parameter and both moments (28 bytes per fp32
     parameter); clipping reads the gradient for its norm and zeroing writes it (8
     more); a few kernels, and framework time per parameter tensor."""
-    shard = params / (lay.dp if lay.zero >= 1 else 1)
+    shard = params / (lay.replicas if lay.zero >= 1 else 1)
     seconds = elementwise_time(cluster, shard * _OPTIMIZER_BYTES, 4)
     seconds += cluster.kernel_overhead_s * 4
     if cluster.tensor_overhead_s:
-        tensors = max(rank_tensors(shape, layers, st == 0, st == lay.pp - 1, lay.pp,
+        tensors = max(rank_tensors(shape, layers, st == 0, st == stages - 1, stages,
                                    lay.zero) for st, layers in enumerate(counts))
         seconds += tensors * cluster.tensor_overhead_s
     return seconds

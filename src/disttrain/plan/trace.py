@@ -1,16 +1,18 @@
 """``disttrain plan --trace``: one simulated step of a layout as a Chrome trace.
 
 The trace (``{"traceEvents": [...], "otherData": {...}}``, for chrome://tracing or
-Perfetto) has one process per pp rank; the tp x dp ranks of a stage run alike, so one
-stands for all. The pipeline part is the schedule :mod:`disttrain.parallel.pipeline`
-runs (:func:`build_schedule`), timed by its :func:`simulate` with the estimate's
-per-chunk forward and backward costs and its p2p message time; after each rank's last
-backward come the dp communication the backward did not hide and the optimizer step.
+Perfetto) has one process per stage (pp rank); the ranks of the other dimensions of a
+stage run alike, so one stands for all. The pipeline part is the schedule the stages
+run, simulated by the cut of the dimension that cuts the layers (its pricing's
+``simulate``: the pipeline's own schedule and simulator) with the estimate's per-chunk
+forward and backward costs and its p2p message time; after each rank's last backward
+come the replica group's communication the backward did not hide and the optimizer
+step.
 
 The simulation charges each p2p message as a delay between ranks, where the estimate
-adds the messages to every stage's busy time and counts the bubble as ``(pp - 1) / v``
-mean stage times, so the simulated step differs somewhat from the predicted one; both
-are in ``otherData``. A step of more than :data:`MAX_TRACED_ACTIONS` forwards and
+adds the messages to every stage's busy time and counts the bubble as ``(stages - 1) /
+v`` mean stage times, so the simulated step differs somewhat from the predicted one;
+both are in ``otherData``. A step of more than :data:`MAX_TRACED_ACTIONS` forwards and
 backwards is traced over its first micro-batches only (``otherData`` says how many).
 """
 
@@ -19,31 +21,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..dimensions import Role, plan_order, with_role
 from ..errors import UserError
-from ..parallel.pipeline.schedules import FORWARD, Schedule, build_schedule
-from ..parallel.pipeline.simulate import TimedAction, simulate
+from ..parallel.dimensions import stage_pricing
+from ..parallel.pricing import SimulatedAction
 from .cluster import Cluster
 from .estimate import Estimate
+from .layout import figure
 from .options import Options
 from .shape import ModelShape
 
-MAX_TRACED_ACTIONS = 2**14  # forwards and backwards over all pp ranks
+MAX_TRACED_ACTIONS = 2**14  # forwards and backwards over all stages
+_REPLICAS = figure(Role.REPLICAS, "").rstrip("_")  # the name of the replica group's figures
 _PIPELINE_TID, _AFTER_TID = 0, 1
-_THREADS = {_PIPELINE_TID: "forward / backward", _AFTER_TID: "dp communication, optimizer"}
+_THREADS = {_PIPELINE_TID: "forward / backward",
+            _AFTER_TID: f"{_REPLICAS} communication, optimizer"}
 
 
 def traced_micro_batches(est: Estimate, m: int, max_actions: int = MAX_TRACED_ACTIONS
                          ) -> int:
     """How many of the step's ``m`` micro-batches a trace simulates: all, unless that
-    is more than ``max_actions`` forwards and backwards; never fewer than ``pp`` (the
-    steady state starts there), a multiple of pp when interleaved."""
-    lay = est.layout
-    fit = max_actions // (2 * lay.v * lay.pp)
-    if fit >= m:
-        return m
-    if lay.v > 1:
-        fit -= fit % lay.pp
-    return min(m, max(fit, lay.pp))
+    is more than ``max_actions`` forwards and backwards; never fewer than the stages
+    (the steady state starts there), a multiple of them when interleaved."""
+    return stage_pricing().cut(est.layout).traced_micro_batches(m, max_actions)
 
 
 def build_trace(est: Estimate, global_batch: int, *,
@@ -55,10 +55,9 @@ def build_trace(est: Estimate, global_batch: int, *,
     lay = est.layout
     m = lay.micro_batches(global_batch)
     traced = traced_micro_batches(est, m, max_actions)
-    schedule = build_schedule(lay.schedule, pp=lay.pp, m=traced, v=lay.v)
-    timeline = simulate(schedule, forward_time=_global(est.chunk_forward_s),
-                        backward_time=_global(est.chunk_backward_s),
-                        message_time=est.p2p_message_s)
+    name, timeline, actions_traced = stage_pricing().cut(lay).simulate(
+        traced, _global(est.chunk_forward_s), _global(est.chunk_backward_s),
+        est.p2p_message_s)
     events = _metadata(est)
     end = 0.0
     for rank, actions in enumerate(timeline):
@@ -67,7 +66,7 @@ def build_trace(est: Estimate, global_batch: int, *,
         events += after
         end = max(end, rank_end)
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": _other_data(est, schedule, m, end)}
+            "otherData": _other_data(est, name, m, traced, actions_traced, end)}
 
 
 def write_trace(path: Path, shape: ModelShape, cluster: Cluster, est: Estimate,
@@ -85,10 +84,10 @@ def write_trace(path: Path, shape: ModelShape, cluster: Cluster, est: Estimate,
 
 
 def _global(per_rank: tuple[tuple[float, ...], ...]) -> list[float]:
-    """Per-rank, local-order chunk costs as one list indexed by global chunk
-    (rank r's j-th chunk is j * pp + r)."""
-    pp = len(per_rank)
-    return [per_rank[c % pp][c // pp] for c in range(pp * len(per_rank[0]))]
+    """Per-stage, local-order chunk costs as one list indexed by global chunk
+    (stage r's j-th chunk is j * stages + r)."""
+    n = len(per_rank)
+    return [per_rank[c % n][c // n] for c in range(n * len(per_rank[0]))]
 
 
 def _us(seconds: float) -> float:
@@ -101,20 +100,20 @@ def _complete(name: str, cat: str, rank: int, tid: int, start: float, dur: float
             "ts": _us(start), "dur": _us(dur), "args": args}
 
 
-def _action_event(t: TimedAction) -> dict:
-    a = t.action
-    kind = "forward" if a.kind == FORWARD else "backward"
-    return _complete(f"{a.kind} c{a.chunk} mb{a.micro}", kind, t.rank, _PIPELINE_TID,
+def _action_event(t: SimulatedAction) -> dict:
+    kind = "forward" if t.forward else "backward"
+    return _complete(f"{t.symbol} c{t.chunk} mb{t.micro}", kind, t.rank, _PIPELINE_TID,
                      t.start, t.end - t.start,
-                     {"chunk": a.chunk, "micro_batch": a.micro, "kind": kind})
+                     {"chunk": t.chunk, "micro_batch": t.micro, "kind": kind})
 
 
 def _after_pipeline(est: Estimate, rank: int, start: float) -> tuple[list[dict], float]:
-    """The exposed dp communication (when there is any), the per-step synchronisation
-    and the optimizer step after ``rank``'s last backward at ``start``; and when they
-    end."""
+    """The replica group's exposed communication (when there is any), the per-step
+    synchronisation and the optimizer step after ``rank``'s last backward at ``start``;
+    and when they end."""
     events = []
-    for name, cat, dur in (("dp reduction (exposed)", "dp", est.dp_exposed_s),
+    for name, cat, dur in ((f"{_REPLICAS} reduction (exposed)", _REPLICAS,
+                            est.reduction_exposed_s),
                            ("step synchronisation", "sync", est.step_sync_s),
                            ("optimizer step", "optimizer", est.optimizer_s)):
         if dur > 0:
@@ -125,9 +124,11 @@ def _after_pipeline(est: Estimate, rank: int, start: float) -> tuple[list[dict],
 
 def _metadata(est: Estimate) -> list[dict]:
     lay = est.layout
+    cutter = with_role(Role.LAYERS)[0]
+    alike = " x ".join(f"{d.key} {lay.degree(d.key)}" for d in plan_order() if d != cutter)
     events = []
-    for rank in range(lay.pp):
-        name = f"pp rank {rank} (tp {lay.tp} x dp {lay.dp} replicas alike)"
+    for rank in range(lay.stages):
+        name = f"{cutter.key} rank {rank} ({alike} replicas alike)"
         events += [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                     "args": {"name": name}},
                    {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
@@ -137,20 +138,20 @@ def _metadata(est: Estimate) -> list[dict]:
     return events
 
 
-def _other_data(est: Estimate, schedule: Schedule, m: int, end: float) -> dict:
-    traced = schedule.m
-    data = {"layout": est.layout.label(), "schedule": schedule.name,
+def _other_data(est: Estimate, schedule: str, m: int, traced: int, actions: int,
+                end: float) -> dict:
+    data = {"layout": est.layout.label(), "schedule": schedule,
             "predicted_step_time_s": est.step_time_s,
             "simulated_step_time_s": end,
             "micro_batches": m, "traced_micro_batches": traced,
             "chunk_forward_s": est.chunk_forward_s,
             "chunk_backward_s": est.chunk_backward_s,
             "p2p_message_s": est.p2p_message_s,
-            "dp_exposed_s": est.dp_exposed_s, "optimizer_s": est.optimizer_s}
+            f"{_REPLICAS}_exposed_s": est.reduction_exposed_s,
+            "optimizer_s": est.optimizer_s}
     if traced < m:
-        actions = sum(map(len, schedule.actions))
         data["capped"] = (f"traced the first {traced} of {m} micro-batches ({actions} of "
-                          f"{actions // traced * m} forwards and backwards); the dp "
-                          "communication and the optimizer step follow the traced ones, "
-                          "so simulated_step_time_s covers only those")
+                          f"{actions // traced * m} forwards and backwards); the "
+                          f"{_REPLICAS} communication and the optimizer step follow the "
+                          "traced ones, so simulated_step_time_s covers only those")
     return data

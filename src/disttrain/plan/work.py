@@ -61,15 +61,16 @@ def _matmuls(cluster: Cluster, shapes: Sequence[tuple[float, float, float]],
     return Work(matmul=kernel, launch=overhead)
 
 
-def layer_elementwise(shape: ModelShape, tp: int, sp: bool, tokens: int, a: int
+def layer_elementwise(shape: ModelShape, shards: int, sp: bool, tokens: int, a: int
                       ) -> tuple[float, int]:
-    """(bytes, kernels) of one layer's memory-bound forward on one tp rank: the two
+    """(bytes, kernels) of one layer's memory-bound forward on one of ``shards`` tensor
+    shards: the two
     norms (read, write), the two residual adds (two reads, a write), the attention
     output's copy back to [tokens, hidden], the activation of the MLP (gated: the
     gate's activation and the product), and with dropout two dropouts (read, write, a
-    byte of mask); sequence parallelism splits the hidden-wide ones over tp."""
-    h, f = shape.hidden, shape.ffn_width / tp
-    split = tp if sp else 1
+    byte of mask); sequence parallelism splits the hidden-wide ones over the shards."""
+    h, f = shape.hidden, shape.ffn_width / shards
+    split = shards if sp else 1
     nbytes = (2 * 2 * h + 2 * 3 * h + 2 * h) * a / split
     nbytes += (4 if shape.gated else 2) * f * a
     kernels = 5 + int(shape.gated)
@@ -79,11 +80,12 @@ def layer_elementwise(shape: ModelShape, tp: int, sp: bool, tokens: int, a: int
     return nbytes * tokens, kernels
 
 
-def layer_work(shape: ModelShape, cluster: Cluster, tp: int, b: int, precision: str,
+def layer_work(shape: ModelShape, cluster: Cluster, shards: int, b: int, precision: str,
                sp: bool = False) -> tuple[Work, Work, Work]:
-    """(forward, backward, attention's forward) of one layer on one tp rank for a
-    micro-batch of ``b`` sequences. Weight [in, out] split by columns (qkv, gate,
-    up) or rows (out, down); forward [tokens, in/tp or in] x [.., out/tp or out]; the
+    """(forward, backward, attention's forward) of one layer on one of ``shards``
+    tensor shards for a micro-batch of ``b`` sequences. Weight [in, out] split by
+    columns (qkv, gate, up) or rows (out, down); forward [tokens, in/t or in] x
+    [.., out/t or out] (t = shards); the
     backward's input gradient and weight gradient are their own shapes. Attention:
     fused (:func:`~.costs.attention_time`; its backward takes
     ``attention_backward_ratio`` times its forward) or not
@@ -94,16 +96,16 @@ def layer_work(shape: ModelShape, cluster: Cluster, tp: int, b: int, precision: 
     tokens, a = b * shape.seq, ACT_BYTES[precision]
     forward, backward = [], []
     for name, i, out in shape.matmul_shapes():
-        n, k = (out / tp, i) if name in ("qkv", "gate", "up") else (out, i / tp)
+        n, k = (out / shards, i) if name in ("qkv", "gate", "up") else (out, i / shards)
         forward.append((tokens, n, k))
         backward += [(tokens, k, n), (k, n, tokens)]  # input grad, weight grad
     if shape.flash:
-        attn = Work(attention=attention_time(cluster, b, shape.seq, shape.hidden / tp,
+        attn = Work(attention=attention_time(cluster, b, shape.seq, shape.hidden / shards,
                                              precision),
                     launch=cluster.elementwise_overhead_s)
     else:
-        attn = unfused_attention(shape, cluster, tp, b, precision)
-    nbytes, kernels = layer_elementwise(shape, tp, sp, tokens, a)
+        attn = unfused_attention(shape, cluster, shards, b, precision)
+    nbytes, kernels = layer_elementwise(shape, shards, sp, tokens, a)
     memory = elementwise_time(cluster, nbytes, kernels)
     host = cluster.layer_overhead_s
     launch = kernels * cluster.elementwise_overhead_s
@@ -115,15 +117,15 @@ def layer_work(shape: ModelShape, cluster: Cluster, tp: int, b: int, precision: 
     return fwd, bwd, attn
 
 
-def unfused_attention(shape: ModelShape, cluster: Cluster, tp: int, b: int,
+def unfused_attention(shape: ModelShape, cluster: Cluster, shards: int, b: int,
                       precision: str) -> Work:
-    """Attention without a fused kernel, forward, on one tp rank: per sequence and
+    """Attention without a fused kernel, forward, on one tensor shard: per sequence and
     head, the scores [s, d] x [d, s] and the weighted sum [s, s] x [s, d] as batched
     matmuls, and between them the memory-bound passes over the s x s scores: the
     scores' write, the softmax's read and write, and with dropout its read, write and
     byte of mask."""
     s, d, a = shape.seq, shape.head_dim, ACT_BYTES[precision]
-    batch = b * shape.heads / tp
+    batch = b * shape.heads / shards
     mm = _matmuls(cluster, [(s, s, d), (s, d, s)], precision).scaled(batch)
     passes = 3 * a + (2 * a + 1 if shape.dropout else 0)
     kernels = 2 + int(shape.dropout)
@@ -132,14 +134,15 @@ def unfused_attention(shape: ModelShape, cluster: Cluster, tp: int, b: int,
     return Work(attention=mm.matmul + memory - launch, launch=mm.launch + launch)
 
 
-def head_work(shape: ModelShape, cluster: Cluster, b: int, precision: str, tp: int = 1
+def head_work(shape: ModelShape, cluster: Cluster, b: int, precision: str, shards: int = 1
               ) -> Work:
     """Kernels of the head and loss, forward and backward, for a micro-batch of ``b``
-    on one tp rank: the logits' matmul, its input and weight gradients, and the loss
-    over the [tokens, vocab/tp] logits: three passes over them in fp32 (softmax's
+    on one of ``shards`` tensor shards: the logits' matmul, its input and weight
+    gradients, and the loss over the [tokens, vocab / shards] logits: three passes over
+    them in fp32 (softmax's
     forward, its gradient), and with 16-bit activations the logits' cast up and their
     gradient's cast down."""
-    tokens, v, h = b * shape.seq, shape.vocab / tp, shape.hidden
+    tokens, v, h = b * shape.seq, shape.vocab / shards, shape.hidden
     a = ACT_BYTES[precision]
     work = _matmuls(cluster, [(tokens, v, h), (tokens, h, v), (h, v, tokens)], precision)
     per_logit = 3 * 4 + (2 * (a + 4) if a < 4 else 0)
@@ -150,9 +153,9 @@ def head_work(shape: ModelShape, cluster: Cluster, b: int, precision: str, tp: i
 
 
 def head_kernel_time(shape: ModelShape, cluster: Cluster, b: int, precision: str,
-                     tp: int = 1) -> float:
+                     shards: int = 1) -> float:
     """Kernel seconds of :func:`head_work`."""
-    return head_work(shape, cluster, b, precision, tp).device
+    return head_work(shape, cluster, b, precision, shards).device
 
 
 def kernel_time_of_layer(shape: ModelShape, cluster: Cluster, b: int,

@@ -1,0 +1,254 @@
+"""How the planner prices pipeline parallelism (``pp``): its candidates and rules, and
+the maths of its schedules (pure Python, the schedules of :mod:`.schedules`).
+
+:class:`PipelineStages` is a layout's cut: the layers of each chunk (even, the
+remainder on the middle chunks: the ends also hold the embedding and the head), the
+micro-batches each stage keeps for backward at its peak (:func:`in_flight`,
+:func:`held_mixes`), each chunk's time per micro-batch, the pipelined step with its
+bubble, ``(pp - 1) / v`` mean stage times, and a simulated step for a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from ...config.schema import ParallelConfig
+from ...dimensions import dimension
+from ...names import SCHEDULE_1F1B, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
+from ...spec import ModelSpec
+from ..pricing import LayoutFacts, SearchLimits, ShapeFacts, SimulatedAction
+from .check import pipeline_cuts, virtual_stages
+from .schedules import FORWARD, build_schedule
+from .simulate import simulate
+from .stages import plan_stages
+
+ENTRY = dimension("pp")
+INTERLEAVED, GPIPE, ONE_F_ONE_B = SCHEDULE_INTERLEAVED, SCHEDULE_GPIPE, SCHEDULE_1F1B
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> int:
+    """Micro-batch chunks whose activations pp rank ``stage`` holds at its peak."""
+    if pp == 1:
+        return 1
+    if schedule == GPIPE:
+        return m
+    if schedule == INTERLEAVED:
+        return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    return min(pp - stage, m)
+
+
+def peak_held_bytes(schedule: str, pp: int, m: int, v: int, stage: int,
+                    chunk_bytes: tuple[float, ...]) -> float:
+    """The most bytes pp rank ``stage`` holds for backward during a step, when each
+    micro-batch of its local chunk L keeps ``chunk_bytes[L]`` from its forward to its
+    backward. The peak is not always where the most chunks are held: with v > 1 the
+    mix of chunks changes, and the first and last chunk also hold the embedding's and
+    the head's activations, and chunks may differ in layers."""
+    mixes = held_mixes(schedule, pp, m, v, stage)
+    if v == 1:
+        return mixes[0][0] * chunk_bytes[0]
+    return max(sum(n * b for n, b in zip(mix, chunk_bytes, strict=True)) for mix in mixes)
+
+
+@functools.lru_cache(maxsize=65536)
+def held_mixes(schedule: str, pp: int, m: int, v: int, stage: int
+               ) -> tuple[tuple[int, ...], ...]:
+    """Micro-batches of each local chunk that pp rank ``stage`` holds at the moments
+    one of which is its peak, whatever each chunk's bytes (none held chunk by chunk
+    by another).
+
+    After a warmup of w forwards the rank alternates one forward, one backward; its
+    j-th forward runs local chunk (j mod pp v) // pp and its j-th backward the mirror
+    chunk v - 1 - that. From k to k + 1 backwards the rank adds forward w + k + 1's
+    chunk and drops backward k's; both change only every pp steps, so what is held is
+    linear in k between those k, and the mixes repeat with period pp v."""
+    if pp == 1:
+        return ((1,),)  # a plain step: one micro-batch at a time
+    if schedule != INTERLEAVED:
+        return ((m if schedule == GPIPE else min(pp - stage, m),),)
+    total, group = m * v, pp * v
+    warmup = min(total, 2 * (pp - stage - 1) + (v - 1) * pp)
+    span = min(group, total - warmup)  # the k whose mixes can differ
+
+    def ran(n: int, local: int) -> int:  # of the first n forwards, those of ``local``
+        return n // group * pp + min(max(n % group - local * pp, 0), pp)
+    if span <= 0:  # every forward is in the warmup
+        return (tuple(ran(total, L) for L in range(v)),)
+    ks = {0, span - 1, *range(0, span, pp), *range((-warmup - 1) % pp, span, pp)}
+    mixes = {tuple(ran(warmup + k + 1, L) - ran(k, v - 1 - L) for L in range(v))
+             for k in ks}
+    return tuple(a for a in mixes if not any(
+        b != a and all(x <= y for x, y in zip(a, b, strict=True)) for b in mixes))
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_layers(layers: int, pp: int, v: int) -> tuple[int, ...]:
+    """Layers of each of the pp * v chunks: even, the remainder on the middle chunks
+    (the ends also hold the embedding and the head)."""
+    n = pp * v
+    base, extra = divmod(layers, n)
+    sizes = [base] * n
+    order = sorted(range(n), key=lambda c: (abs(c - (n - 1) / 2), c))
+    for c in order[:extra]:
+        sizes[c] += 1
+    return tuple(sizes)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_counts(sizes: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    """Layers on each pp rank, of chunks of ``sizes`` layers (chunk c on rank c % pp)."""
+    return tuple(sum(sizes[c::pp]) for c in range(pp))
+
+
+class PipelineStages:
+    """A layout's layers cut over ``stages`` pp ranks of ``v`` chunks each, run by
+    ``schedule`` (interleaved when v > 1, else 1F1B or GPipe)."""
+
+    def __init__(self, stages: int, v: int, schedule: str) -> None:
+        self.stages, self.v, self.schedule = stages, v, schedule
+
+    @property
+    def n_chunks(self) -> int:
+        return self.stages * self.v
+
+    def chunk_layers(self, layers: int) -> tuple[int, ...]:
+        return chunk_layers(layers, self.stages, self.v)
+
+    def stage_layers(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return rank_counts(sizes, self.stages)
+
+    def local_chunks(self, stage: int) -> range:
+        return range(stage, self.n_chunks, self.stages)
+
+    def stages_to_estimate(self, sizes: tuple[int, ...], counts: Sequence[int]
+                           ) -> list[int]:
+        """Past two stages, the largest can only be the first, the last, or the first
+        that holds the most layers or the largest chunk (in flight decreases with the
+        stage, and the middle stages' parameters depend on their layers only)."""
+        if self.stages <= 2:
+            return list(range(self.stages))
+        biggest = sizes.index(max(sizes)) % self.stages  # the stage of the largest chunk
+        return sorted({0, self.stages - 1, list(counts).index(max(counts)), biggest})
+
+    def peak_held(self, micro_batches: int, stage: int, chunk_bytes: tuple[float, ...]
+                  ) -> float:
+        return peak_held_bytes(self.schedule, self.stages, micro_batches, self.v, stage,
+                               chunk_bytes)
+
+    def chunk_times(self, sizes: tuple[int, ...], layer_forward: float,
+                    layer_backward: float, head: float, ends_forward: tuple[float, float],
+                    ends_backward: tuple[float, float]
+                    ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+        """(forward, backward) seconds of one micro-batch on each pp rank's chunks, local
+        order; ``sizes``: layers of each global chunk; ``layer_*``: one layer's, with
+        its tp communication (and recomputation, backward). The last chunk adds the
+        head and loss, a third forward (one of its three matmuls and logit passes) and
+        two thirds backward; ``ends_*``: what the (first, last) chunk adds in each
+        direction beyond that (tp's communication at the ends)."""
+        last = self.n_chunks - 1
+
+        def per_rank(layer: float, head_part: float, ends: tuple[float, float]
+                     ) -> tuple[tuple[float, ...], ...]:
+            return tuple(tuple(sizes[c] * layer + (ends[0] if c == 0 else 0.0)
+                               + (head_part + ends[1] if c == last else 0.0)
+                               for c in range(r, last + 1, self.stages))
+                         for r in range(self.stages))
+
+        return (per_rank(layer_forward, head / 3, ends_forward),
+                per_rank(layer_backward, head * 2 / 3, ends_backward))
+
+    def messages_per_micro_batch(self) -> int:
+        """One activation and one gradient per chunk (none without a cut)."""
+        return 2 * self.v if self.stages > 1 else 0
+
+    def step(self, micro_batches: int, per_stage: Sequence[float], message: float
+             ) -> tuple[float, float]:
+        """m micro-batches at the pace of the slowest stage, plus the bubble:
+        ``(pp - 1) / v`` mean stage times (each with its messages)."""
+        slowest = max(per_stage) + message
+        pipeline = micro_batches * slowest + (self.stages - 1) * (
+            sum(per_stage) / self.stages + message) / self.v
+        return pipeline, pipeline - micro_batches * slowest
+
+    def traced_micro_batches(self, micro_batches: int, max_actions: int) -> int:
+        """All, unless that is more than ``max_actions`` forwards and backwards; never
+        fewer than ``pp`` (the steady state starts there), a multiple of pp when
+        interleaved."""
+        fit = max_actions // (2 * self.v * self.stages)
+        if fit >= micro_batches:
+            return micro_batches
+        if self.v > 1:
+            fit -= fit % self.stages
+        return min(micro_batches, max(fit, self.stages))
+
+    def simulate(self, micro_batches: int, forward: Sequence[float],
+                 backward: Sequence[float], message: float
+                 ) -> tuple[str, list[list[SimulatedAction]], int]:
+        """The schedule run by :func:`.simulate.simulate` with these costs."""
+        schedule = build_schedule(self.schedule, pp=self.stages, m=micro_batches, v=self.v)
+        timeline = simulate(schedule, forward_time=list(forward),
+                            backward_time=list(backward), message_time=message)
+        ranks = [[SimulatedAction(rank=t.rank, forward=t.action.kind == FORWARD,
+                                  symbol=t.action.kind, chunk=t.action.chunk,
+                                  micro=t.action.micro, start=t.start, end=t.end)
+                  for t in actions] for actions in timeline]
+        return schedule.name, ranks, sum(map(len, schedule.actions))
+
+
+class PipelinePricing:
+    """pp's pricing (:class:`~..pricing.StagePricing`)."""
+
+    def candidates(self, ranks: int, limits: SearchLimits) -> list[int]:
+        return [d for d in range(1, ranks + 1) if ranks % d == 0]
+
+    def option_values(self, name: str, degree: int, limits: SearchLimits) -> Sequence[int]:
+        if name == "v":
+            return range(1, limits.max_v + 1) if degree > 1 else (1,)
+        return (0,)  # gpipe: set by hand (--layout), never searched
+
+    def problem(self, shape: ShapeFacts, lay: LayoutFacts, limits: SearchLimits
+                ) -> str | None:
+        pp, v, gpipe = lay.degree(ENTRY.key), lay.option("v"), lay.option("gpipe")
+        if pp * v > shape.layers:
+            return "pp x v exceeds the layers"
+        if v > 1 and pp == 1:
+            return "interleaving needs pp > 1"
+        if gpipe and (pp == 1 or v > 1):
+            return "gpipe needs pp > 1 and v = 1"
+        return None
+
+    def batch_problem(self, lay: LayoutFacts, micro_batches: int) -> str | None:
+        pp = lay.degree(ENTRY.key)
+        if lay.option("v") > 1 and micro_batches % pp:
+            return "interleaved needs micro-batches divisible by pp"
+        return None
+
+    def options_from_config(self, parallel: ParallelConfig, degree: int) -> dict[str, int]:
+        return {"v": virtual_stages(parallel) if degree > 1 else 1,
+                "gpipe": int(degree > 1 and parallel.pp_schedule == SCHEDULE_GPIPE)}
+
+    def config_values(self, lay: LayoutFacts) -> dict[str, object]:
+        pp, v = lay.degree(ENTRY.key), lay.option("v")
+        values: dict[str, object] = {"pp": pp}
+        if pp > 1:
+            values["pp_schedule"] = self.cut(lay).schedule
+            if v > 1:
+                values["pp_virtual"] = v
+        return values
+
+    def cut(self, lay: LayoutFacts) -> PipelineStages:
+        v = lay.option("v")
+        schedule = INTERLEAVED if v > 1 else GPIPE if lay.option("gpipe") else ONE_F_ONE_B
+        return PipelineStages(lay.degree(ENTRY.key), v, schedule)
+
+    def run_chunks(self, parallel: ParallelConfig, spec: ModelSpec, stages: int
+                   ) -> tuple[int, ...]:
+        """As :func:`.stages.plan_stages` cuts the model (``parallel.pp_split``, or
+        balanced by the spec's costs)."""
+        cut = plan_stages(spec, pp=stages, v=virtual_stages(parallel),
+                          cuts=pipeline_cuts(parallel, spec))
+        return tuple(b - a for a, b in zip(cut.bounds, cut.bounds[1:], strict=False))
+
+
+PRICING = PipelinePricing()

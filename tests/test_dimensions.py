@@ -152,8 +152,8 @@ def test_spellings_are_found(tmp_path: Path) -> None:
     attributes, names, parameters, keyword arguments, functions, strings and f-strings
     (a word of them), imports of its home; not docstrings, comments, or words that only
     contain the name."""
-    zz = Dimension(key="zz", axis="zz", title="zz parallelism", rank_order=9,
-                   plan_position=99, roles=frozenset({Role.LAYERS}), own_streams=False,
+    zz = Dimension(key="zz", axis="zz", rank_order=9, plan_position=99,
+                   roles=frozenset({Role.LAYERS}), own_streams=False,
                    home="disttrain.parallel.zzz")
     root = tmp_path / "disttrain"
     path = _write(root, "plan/thing.py", '''"""Docstring naming zz is fine."""

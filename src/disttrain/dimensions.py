@@ -33,37 +33,49 @@ own home names a dimension; ``tests/test_dimensions.py`` holds ``compose.py``,
 
 **Adding a dimension** (``docs/architecture.md`` lists every step): its entry here, its
 field in :class:`~disttrain.config.schema.ParallelConfig`, its home package with a
-behaviour registered in :mod:`disttrain.parallel.dimensions`, its tests. Context
-parallelism (``cp``: each sample's sequence split over N ranks, attention as a ring) is
-declared so:
+behaviour attached in :mod:`disttrain.parallel.dimensions`, its tests.
 
-- ``key="cp"``, ``axis="cp"``, ``derived=False``; ``rank_order`` between dp and tp (mesh
-  pp, dp, cp, tp: a ring's neighbours stay close, inside tp's node-local groups' reach);
-  ``plan_position`` beside pp's; ``own_streams=True`` (its ranks hold different tokens);
-- ``roles={Role.REPLICAS}`` plus a new :data:`Role` for the tokens it splits: its ranks
-  hold replicated parameters whose gradients are summed over the flattened dp x cp (the
-  replica group is built from the roles, so the data-parallel strategy and ZeRO reduce
-  and shard over dp x cp with no other change); the loss counts every cp rank's tokens
-  (its applied part counts the loss on every rank, and the global token count is a sum
-  over the world as today);
-- its home ``disttrain.parallel.context``: the behaviour's ``apply`` swaps the model's
-  attention for the ring and gives each rank its chunks of every micro-batch (positions
-  by global index), applied after tp and before the pipeline cut (the composition
-  applies in-place parts, then activation checkpointing, then the cut); ``check``
-  refuses a sequence not divisible by 2N, a model whose attention is not recognised,
-  sequence parallelism where they cannot combine; ``pricing``: candidates (divisors of
-  the ranks tp leaves), rules (2N divides the sequence), and per layer its ring messages
-  (N - 1 blocks of keys and values forward, twice that backward) and its memory divisor
-  (activations / N: the planner learns the token-splitting role once, as it knows the
-  tensor and layer roles today).
+**Context parallelism** (``cp``: each sample's sequence split over N ranks, attention as
+a ring) would be declared, field by field:
+
+- ``key="cp"``, ``axis="cp"``, ``derived=False`` (``ParallelConfig.cp``, default 1);
+- ``rank_order=2`` and tp's becomes 3: the mesh ``pp, dp, cp, tp``, so a ring's
+  neighbours are tp groups apart, and the composition, which applies the in-place parts
+  innermost axis first, applies tp, then cp (before activation checkpointing and the
+  pipeline's cut): cp composes with tp and pp by construction;
+- ``plan_position=25`` (its degree between pp's and dp's in a planned layout's label);
+- ``roles={Role.REPLICAS, Role.TOKENS}``, the second a new role: its ranks split each
+  sample's tokens. With ``REPLICAS`` its ranks hold the same parameters, so the replica
+  group (``Groups.replicas``, ``Topology.role_group``) becomes the flattened dp x cp:
+  the data-parallel strategy reduces the gradients and ZeRO shards over it, and a step's
+  held-out totals are summed over it, with no other change. Not ``SAMPLES``: the global
+  batch is still split over dp only (``BatchPlan.shares``, the data cursor), every cp
+  rank of a replica taking the same samples. A role beyond ``SAMPLES`` and ``REPLICAS``
+  makes it ``changes_model``: the apart sync modes and dynamic balancing refuse it, and
+  the gradients go through the model-parallel side (the global norm over the world);
+- ``own_streams=True``: its ranks hold different tokens, so different dropout masks;
+- ``home="disttrain.parallel.context"``, whose behaviour is: ``apply`` returning an
+  ``AppliedDimension`` that swaps the model's attention for the ring (through the
+  model's pluggable attention and ``position_ids``), ``counts_loss`` True on every rank
+  (each counts its own tokens: the global token count stays a sum over the world),
+  ``activation_length`` T / N (what a pipeline's stages exchange) and, a method the
+  protocol gains with cp (the identity by default, so no other part changes),
+  ``local_batch``: this rank's chunks i and 2N-1-i of every micro-batch and their
+  global positions, which the step passes call; ``check``: a sequence not divisible by
+  2N, a model whose attention is not recognised, sequence parallelism where the two
+  cannot combine (one line, the fix); ``pricing``: candidates (the divisors of the ranks
+  tp leaves), its rule (2N divides the sequence), its messages per layer (N - 1 blocks
+  of keys and values around the ring forward, twice that backward, priced as
+  point-to-point messages) and what it divides (every activation and the attention's
+  work by N), which the planner reads through the new role as it reads the tensor and
+  layer roles today.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -89,7 +101,6 @@ class PlanOption:
     position: int
     always_shown: bool = True
     flag: bool = False
-    help: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +109,6 @@ class Dimension:
 
     key: str
     axis: str
-    title: str
     rank_order: int
     plan_position: int
     roles: frozenset[Role]
@@ -123,24 +133,21 @@ class Dimension:
 
 
 DIMENSIONS: tuple[Dimension, ...] = (
-    Dimension(key="dp", axis="dp", title="data parallelism",
-              rank_order=1, plan_position=30, derived=True,
+    Dimension(key="dp", axis="dp", rank_order=1, plan_position=30, derived=True,
               roles=frozenset({Role.SAMPLES, Role.REPLICAS}), own_streams=True,
               home="disttrain.parallel.data"),
-    Dimension(key="pp", axis="pp", title="pipeline parallelism", rank_order=0, plan_position=20,
+    # v: model chunks per pipeline rank (> 1: the interleaved schedule); gpipe: GPipe's
+    Dimension(key="pp", axis="pp", rank_order=0, plan_position=20,
               roles=frozenset({Role.LAYERS}), own_streams=True,
               home="disttrain.parallel.pipeline",
-              plan_options=(
-                  PlanOption(name="v", default=1, position=40,
-                             help="model chunks per pipeline rank (> 1: interleaved)"),
-                  PlanOption(name="gpipe", default=0, position=90, always_shown=False,
-                             flag=True, help="the GPipe schedule instead of 1F1B"))),
-    Dimension(key="tp", axis="tp", title="tensor parallelism", rank_order=2, plan_position=10,
+              plan_options=(PlanOption(name="v", default=1, position=40),
+                            PlanOption(name="gpipe", default=0, position=90,
+                                       always_shown=False, flag=True))),
+    # sp: sequence parallelism
+    Dimension(key="tp", axis="tp", rank_order=2, plan_position=10,
               roles=frozenset({Role.TENSORS}), own_streams=False,
               home="disttrain.parallel.tensor",
-              plan_options=(
-                  PlanOption(name="sp", default=0, position=80, flag=True,
-                             help="sequence parallelism"),)),
+              plan_options=(PlanOption(name="sp", default=0, position=80, flag=True),)),
 )
 
 
@@ -177,11 +184,6 @@ def derived_dimension() -> Dimension:
     if len(found) != 1:
         raise RuntimeError(f"exactly one dimension must be derived, found {len(found)}")
     return found[0]
-
-
-def role_degree(degrees: Mapping[str, int], role: Role) -> int:
-    """The product of the degrees (by key) of the entries that take ``role``."""
-    return math.prod(degrees[d.key] for d in with_role(role))
 
 
 def joined(dims: Iterable[Dimension], sep: str = " x ") -> str:

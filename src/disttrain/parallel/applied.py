@@ -98,12 +98,13 @@ class ModelCut(AppliedDimension, Protocol):
 
     module: nn.Module
 
-    def step_pass(self, grads: GradSync, world: Communicator, samples: Communicator,
+    def step_pass(self, grads: GradSync, world: Communicator, replicas: Communicator,
                   tracer: StepTracer | None, activation_length: Callable[[int], int],
                   counts_loss: bool) -> StepPass:
         """How a step's micro-batches run forward and backward on this cut; held-out
-        totals are summed over ``samples`` (its ranks evaluate different samples) or the
-        world; ``activation_length`` / ``counts_loss``: the composition's."""
+        totals are summed over ``replicas`` (the replica group: its ranks evaluate
+        different data with the same parameters) or the world; ``activation_length`` /
+        ``counts_loss``: the composition's."""
         ...
 
     def buffer_holders(self) -> list[nn.Module]:

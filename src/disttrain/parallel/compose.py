@@ -70,10 +70,11 @@ from .topology import Topology
 @dataclass(frozen=True)
 class Groups:
     """The communicators a composition uses: the world, one per mesh axis (``axes``),
-    and the groups of two roles: ``replicas`` (the ranks holding the same parameters:
-    the data-parallel strategy reduces and shards over it) and ``samples`` (the ranks a
-    global batch is split over: held-out samples too). A role taken by one dimension is
-    that axis's communicator; by several, their flattened group."""
+    and the groups of two roles: ``replicas`` (the ranks holding the same parameters,
+    each on its own data: the data-parallel strategy reduces and shards over it, a
+    step's held-out totals are summed over it) and ``samples`` (the ranks a global
+    batch's samples, and the held-out samples, are split over). A role taken by one
+    dimension is that axis's communicator; by several, their flattened group."""
 
     world: Communicator
     axes: Mapping[str, Communicator]
@@ -333,7 +334,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     sync = SYNC_MODES.get(train.sync).build(SyncContext(
         model=model, replicas=replicas, num_samples=num_samples, train=train,
         comm=config.comm))
-    passes: StepPass = mp.cut.step_pass(grads, groups.world, groups.samples, tracer,
+    passes: StepPass = mp.cut.step_pass(grads, groups.world, replicas, tracer,
                                         mp.activation_length, mp.counts_loss)
     fused = (fuse_output_head(spec.head, mp.cut.head_holder())
              if refusal is None and spec.head is not None else None)

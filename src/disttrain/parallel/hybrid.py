@@ -54,10 +54,10 @@ class WholeModel(ModelCut):
     def __init__(self, model: nn.Module, spec: ModelSpec) -> None:
         self.module, self.spec = model, spec
 
-    def step_pass(self, grads: GradSync, world: Communicator, samples: Communicator,
+    def step_pass(self, grads: GradSync, world: Communicator, replicas: Communicator,
                   tracer: StepTracer | None, activation_length: Callable[[int], int],
                   counts_loss: bool) -> StepPass:
-        return WholeModelPass(self.module, grads, samples, tracer)
+        return WholeModelPass(self.module, grads, replicas, tracer)
 
     def buffer_holders(self) -> list[nn.Module]:
         return [self.module]

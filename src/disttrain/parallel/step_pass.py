@@ -22,7 +22,7 @@ from .interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
 
 class WholeModelPass:
     """Forward and backward of ``module`` per micro-batch; held-out totals are summed
-    over ``eval_comm`` (the dp group: its ranks evaluate different samples)."""
+    over ``eval_comm`` (the replica group, dp: its ranks evaluate different samples)."""
 
     def __init__(self, module: nn.Module, grads: GradSync, eval_comm: Communicator,
                  tracer: StepTracer | None = None) -> None:

@@ -15,7 +15,6 @@ anything proportional to it is computed.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 from ..config.consistency import RunPlan, on_gpu
 from ..config.layout import Layout, resolve_layout
 from ..config.schema import Config, ModelConfig
-from ..dimensions import DIMENSIONS, Role
+from ..dimensions import Role
 from ..errors import ConfigError, UserError
 from ..models import num_params
 from .memory import gpt_activation_bytes, model_state_bytes
@@ -109,8 +108,8 @@ def host_available_bytes() -> int:
 
 
 def _state_bytes(config: Config, layout: Layout) -> int:
-    """fp32 model states on one rank, split evenly over the dimensions that change the
-    model (pp x tp: a lower bound)."""
+    """fp32 model states on one rank, split evenly over the tensor shards and the stages
+    (pp x tp: a lower bound), ZeRO over the replicas."""
     t = config.train
     kind = _STATE_KIND.get(t.optimizer, "adamw")
     if config.model.hf_config:
@@ -124,9 +123,9 @@ def _state_bytes(config: Config, layout: Layout) -> int:
 
 
 def _model_split(layout: Layout) -> int:
-    """Ranks one replica's model is split over: the degrees of the dimensions that
-    change the model."""
-    return math.prod(layout.degree(d.key) for d in DIMENSIONS if d.changes_model)
+    """Ranks one replica's parameters (and, evenly, its activations) are split over:
+    the tensor shards times the stages."""
+    return layout.role(Role.TENSORS) * layout.role(Role.LAYERS)
 
 
 def _hf_shape(config: Config) -> ModelShape | None:

@@ -87,7 +87,7 @@ class PipelineCut(ModelCut):
         exchange_tied_grads([(pieces[id(w)], peer) for c in self.chunks
                              for w, peer in c.tied_weights() if id(w) in pieces], self.comm)
 
-    def step_pass(self, grads: GradSync, world: Communicator, samples: Communicator,
+    def step_pass(self, grads: GradSync, world: Communicator, replicas: Communicator,
                   tracer: StepTracer | None, activation_length: Callable[[int], int],
                   counts_loss: bool) -> StepPass:
         """Held-out totals are summed over the world (one rank of each pipeline's last

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import copy
 import functools
-import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from group_checks import assert_check_passed
 from support import TINY_MODEL
 
-from disttrain.comm import CollectiveLedger, Communicator
+from disttrain.comm import Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT
 from disttrain.parallel import tensor as tpl
@@ -43,7 +43,6 @@ from disttrain.parallel.fused_loss import (
     replace_submodule,
 )
 from disttrain.targets import IGNORE_INDEX, LABEL_IGNORE_INDEX
-from disttrain.testing import run_distributed
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 B, T, D, V = 3, 7, 16, 40  # 21 tokens; V divisible by tp 2 and 4
@@ -397,42 +396,7 @@ CHECKS = {
 }
 
 
-def _run_checks() -> dict[str, str | None]:
-    """On each of 4 ranks, every check over a group of 4 (the world) and of 2 (ranks
-    {0, 1} and {2, 3}; the tp group, or the pp group of the pipeline check): "check-size"
-    -> a traceback or None (asserts follow the collectives, so a failing check does not
-    desync the ranks)."""
-    import torch.distributed as dist
-
-    ledger = CollectiveLedger()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    comms = {4: Communicator(None, ledger, name="tp"),
-             2: Communicator(pairs[dist.get_rank() // 2], ledger, name="tp")}
-    out: dict[str, str | None] = {}
-    for size, comm in comms.items():
-        for name, check in CHECKS.items():
-            try:
-                check(comm)
-                out[f"{name}-{size}"] = None
-            except AssertionError:
-                out[f"{name}-{size}"] = traceback.format_exc()
-    return out
-
-
-@functools.cache
-def _results() -> list | Exception:
-    try:
-        return run_distributed(_run_checks, 4, timeout=150)
-    except Exception as exc:  # cached, so one broken spawn is not repeated per check
-        return exc
-
-
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", (4, 2))
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_vocabulary_parallel_and_pipelined_fused_loss_match_the_full_logits(check, size):
-    results = _results()
-    if isinstance(results, Exception):
-        raise results
-    key = f"{check}-{size}"
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results) if res[key]]
-    assert not failures, "\n".join(failures)
+    assert_check_passed(__name__, check, size, (4, 2), "tp")

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
+from group_checks import assert_check_passed
 from support import TINY_MODEL
 
 from disttrain.comm import CollectiveLedger, Communicator
@@ -42,7 +42,6 @@ from disttrain.parallel.context import (
     split_sequence,
 )
 from disttrain.parallel.context import kernels as ring_kernels
-from disttrain.testing import run_distributed
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -297,45 +296,8 @@ CHECKS = {"ring": _check_ring, "gpt": _check_gpt, "gpt_bf16": _check_gpt_bf16,
 SIZES = (4, 2, 1)
 
 
-def _run_checks() -> dict[str, str | None]:
-    """On each of 4 ranks, every check over a cp group of 4 (the world), of 2 ({0, 1},
-    {2, 3}) and of 1: "check-size" -> a traceback or None (asserts follow the
-    collectives, so a failing check does not desync the ranks)."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    singles = [dist.new_group([r]) for r in range(4)]
-    ledger = CollectiveLedger()
-    comms = {4: Communicator(None, ledger, name="cp"),
-             2: Communicator(pairs[rank // 2], ledger, name="cp"),
-             1: Communicator(singles[rank], ledger, name="cp")}
-    out: dict[str, str | None] = {}
-    for size in SIZES:
-        for name, check in CHECKS.items():
-            try:
-                check(comms[size])
-                out[f"{name}-{size}"] = None
-            except AssertionError:
-                out[f"{name}-{size}"] = traceback.format_exc()
-    return out
-
-
-@functools.cache
-def _results() -> list | Exception:
-    pytest.importorskip("transformers")
-    try:
-        return run_distributed(_run_checks, 4, timeout=240)
-    except Exception as exc:  # cached, so one broken spawn is not repeated per check
-        return exc
-
-
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_ring_attention_equals_one_process_attention(check, size):
-    results = _results()
-    if isinstance(results, Exception):
-        raise results
-    key = f"{check}-{size}"
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results) if res[key]]
-    assert not failures, "\n".join(failures)
+    pytest.importorskip("transformers")
+    assert_check_passed(__name__, check, size, SIZES, "cp", timeout=240)

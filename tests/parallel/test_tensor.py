@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import copy
 import functools
-import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from group_checks import assert_check_passed
 from support import TINY_MODEL
 from torch import nn
 
-from disttrain.comm import CollectiveLedger, Communicator
+from disttrain.comm import Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, GPT_TP_PLAN, IGNORE_INDEX, gpt_spec, token_loss
 from disttrain.parallel import tensor as tpl
-from disttrain.testing import run_distributed
 
 MODEL = {**TINY_MODEL, "n_head": 4}  # 4 heads so that tp=4 divides them
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -329,43 +328,10 @@ CHECKS = {
 }
 
 
-def _run_checks() -> dict[str, str | None]:
-    """On each of 4 ranks, every check over tp=4 (the world) and over tp=2 (ranks {0, 1}
-    and {2, 3}, sub-groups as in a dp x tp layout): "check-tp" -> a traceback or None."""
-    import torch.distributed as dist
-
-    ledger = CollectiveLedger()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    comms = {4: Communicator(None, ledger, name="tp"),
-             2: Communicator(pairs[dist.get_rank() // 2], ledger, name="tp")}
-    out: dict[str, str | None] = {}
-    for tp, comm in comms.items():
-        for name, check in CHECKS.items():
-            try:
-                check(comm)
-                out[f"{name}-{tp}"] = None
-            except AssertionError:
-                out[f"{name}-{tp}"] = traceback.format_exc()
-    return out
-
-
-@functools.cache
-def _results() -> list | Exception:
-    try:
-        return run_distributed(_run_checks, 4, timeout=150)
-    except Exception as exc:  # cached, so one broken spawn is not repeated per check
-        return exc
-
-
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", (4, 2))
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_tensor_parallel_matches_single_device(check, tp):
-    results = _results()
-    if isinstance(results, Exception):
-        raise results
-    key = f"{check}-{tp}"
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results) if res[key]]
-    assert not failures, "\n".join(failures)
+    assert_check_passed(__name__, check, tp, (4, 2), "tp")
 
 
 # ---- in-process: errors raised before any collective --------------------------------

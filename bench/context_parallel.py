@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+from cpu_memory import peak_bytes  # noqa: E402 - bench/ is not a package
 
 from disttrain.attention import AttentionSlot
 from disttrain.comm import CollectiveLedger, Communicator
@@ -110,19 +110,6 @@ def step(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor,
     loss, _ = token_loss(model(ids, position_ids=positions), targets)
     loss.backward()
     return loss.detach()
-
-
-def peak_bytes(run: Callable[[], object]) -> int:
-    """Peak bytes the CPU allocator held above the start during ``run()``."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    now = peak = 0
-    for _, nbytes in records:
-        now += nbytes
-        peak = max(peak, now)
-    return peak
 
 
 class AllGatherKVFwdReduceScatterDKVBwd(torch.autograd.Function):
@@ -269,12 +256,12 @@ def _memory(args: argparse.Namespace, comm: Communicator, seq: int,
     whole_peak = 0
     if comm.rank == 0:
         step(base, *whole, None)  # warm: the allocator, lazy initialisation
-        whole_peak = peak_bytes(lambda: step(base, *whole, None))
+        whole_peak, _ = peak_bytes(lambda: step(base, *whole, None))
     comm.barrier()
     peaks = torch.zeros(2, dtype=torch.float64)
     for i, model in enumerate((ring, gathered) if baseline else (ring,)):
         step(model, *part)
-        peaks[i] = peak_bytes(lambda m=model: step(m, *part))
+        peaks[i], _ = peak_bytes(lambda m=model: step(m, *part))
     comm.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return whole_peak, int(peaks[0]), int(peaks[1])
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+from cpu_memory import peak_bytes  # noqa: E402 - bench/ is not a package
 
 from disttrain.parallel.fused_loss import default_chunk_tokens, linear_cross_entropy
 from disttrain.targets import IGNORE_INDEX
@@ -66,19 +66,13 @@ def fused(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> 
     return loss.item()
 
 
-def peak_bytes(fn: Callable[..., float], inputs: tuple[torch.Tensor, ...]) -> tuple[int, float]:
-    """(peak bytes allocated above the start, the loss) of one forward + backward."""
-    for t in inputs[:2]:
-        t.grad = None
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = fn(*inputs)
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    now = peak = 0
-    for _, nbytes in records:
-        now += nbytes
-        peak = max(peak, now)
-    return peak, loss
+def fresh(fn: Callable[..., float], inputs: tuple[torch.Tensor, ...]) -> Callable[[], float]:
+    """One forward + backward of ``fn`` on ``inputs``, their gradients cleared first."""
+    def run() -> float:
+        for t in inputs[:2]:
+            t.grad = None
+        return fn(*inputs)
+    return run
 
 
 def best_seconds(fn: Callable[..., float], inputs: tuple[torch.Tensor, ...], reps: int
@@ -98,7 +92,7 @@ def main() -> None:
     inputs = _inputs(args)
     peaks, losses, seconds = {}, {}, {}
     for name, fn in (("unfused", unfused), ("fused", fused)):
-        peaks[name], losses[name] = peak_bytes(fn, inputs)
+        peaks[name], losses[name] = peak_bytes(fresh(fn, inputs))
         seconds[name] = best_seconds(fn, inputs, args.reps)
         print(f"{name}: peak {peaks[name] / 2**20:.1f} MiB, {seconds[name]:.2f} s",
               file=sys.stderr)

@@ -21,21 +21,18 @@ the others wait for the lock and then just read ``meta.json``.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sysconfig
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from disttrain.config.schema import DataConfig
-from disttrain.data.files import default_cache_dir, in_val, matching_files
+from disttrain.data.files import default_cache_dir, exclusive_lock, in_val, matching_files
 from disttrain.data.prepared import TOKEN_RANGE, PreparedCorpus
 from disttrain.data.pretokenized import tokens_corpus
 from disttrain.data.tokenize import BYTES, Encoder, build_encoder, tokenizer_key
@@ -94,7 +91,7 @@ def prepare_corpus(root: Path | None, pattern: str, cache_dir: Path, val_fractio
     final = cache_dir / f"corpus-{key}"
     if not (final / META_NAME).exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(cache_dir / f"corpus-{key}.lock"):
+        with exclusive_lock(cache_dir / f"corpus-{key}.lock"):
             if not (final / META_NAME).exists():
                 _build(root, pattern, val_fraction, shard_tokens, final, tokenizer)
     return _load(final)
@@ -262,16 +259,6 @@ def _write_shard(directory: Path, split: str, index: int, chunks: list[np.ndarra
         f.flush()
         os.fsync(f.fileno())
     return name
-
-
-@contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _load(directory: Path) -> PreparedCorpus:

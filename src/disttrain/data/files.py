@@ -1,12 +1,16 @@
 """Where a corpus's files are, shared by both preparers (text files, :mod:`.corpus`;
 pre-tokenized shards, :mod:`.pretokenized`): the files a glob pattern matches, which
-of them the held-out split takes, and the directory prepared corpora are cached in."""
+of them the held-out split takes, the directory prepared corpora are cached in, and the
+lock that lets one of many ranks prepare while the others wait."""
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -47,3 +51,14 @@ def in_val(rel: str, val_fraction: float) -> bool:
     """Whether the file at relative posix path ``rel`` is held out: the first 32 bits
     of its sha256, read as a fraction of 2**32, fall below ``val_fraction``."""
     return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) / 2**32 < val_fraction
+
+
+@contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) inside the block."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

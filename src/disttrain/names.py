@@ -47,6 +47,15 @@ NONFINITE_SKIP = "skip"
 # the periodic modes whose per-round update goes through comm.codec
 CODEC_SYNC_MODES = (SYNC_LOCAL_SGD, SYNC_DILOCO)
 
+# ----------------------------------------------------------- data (data.format, ...)
+DATA_TEXT = "text"      # text files tokenized and cached as token shards
+DATA_TOKENS = "tokens"  # pre-tokenized shards, memory-mapped in place
+DATA_JSONL = "jsonl"    # instruction / chat examples, only the answers trained on
+DATA_FORMATS = (DATA_TEXT, DATA_TOKENS, DATA_JSONL)
+# data.on_bad_example: a malformed or unusable example stops the run, or is skipped
+BAD_EXAMPLE_ERROR = "error"
+BAD_EXAMPLE_SKIP = "skip"
+
 # ----------------------------------------------------------- data-parallel strategies
 STRATEGY_AUTO = "auto"
 STRATEGY_DDP = "ddp"

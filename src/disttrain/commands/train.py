@@ -93,27 +93,44 @@ def run_train(ns: argparse.Namespace) -> int:
         if finished is not None:
             print(f"disttrain: {finished}", file=sys.stderr)
             return 0
-    from ..data import corpus_from_config
-    from ..data.check import check_corpus_vocab, check_samples, check_vocab
-    from ..monitor.progress import status
-
     if config.model.pretrained:  # its files, before any worker or run directory
         from ..weights import check_pretrained
 
         check_pretrained(config.model.pretrained, config.model.seq_len)
-    if config.data.format == "text":  # before preparing: refused without the work
-        check_vocab(config.model)
-    status(f"preparing the data in {config.data.path or 'the standard library sources'} "
-           "(tokenized once, then cached)...")
-    corpus = corpus_from_config(config.data)  # prepared once here, before the workers start
-    check_corpus_vocab(config.model, corpus, config.explicit)
-    check_samples(corpus, config.data, config.model.seq_len)
+    _prepare_data(config)  # once here, before the workers start
+    from ..monitor.progress import status
+
     with _own_run_dir(Path(run_dir), opts):
         target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
                   *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
                   *(["--quiet"] if ns.quiet else [])]
         status(f"starting {opts.nproc} worker(s)...")
         return launch(opts, target)
+
+
+def _prepare_data(config: Config) -> None:
+    """Tokenize the corpus or the examples into the cache (the workers find them
+    there) and check them against the model; say what bad examples were skipped."""
+    from ..data import corpus_from_config
+    from ..data.check import check_corpus_vocab, check_samples, check_vocab
+    from ..data.example_cache import examples_from_config
+    from ..monitor.progress import status
+    from ..names import DATA_JSONL
+
+    status(f"preparing the data in {config.data.path or 'the standard library sources'} "
+           "(tokenized once, then cached)...")
+    if config.data.format == DATA_JSONL:
+        examples = examples_from_config(config.data, config.model)
+        check_corpus_vocab(config.model, examples, config.explicit)
+        report = examples.skip_report()
+        if report is not None:
+            print(f"disttrain: {report}", file=sys.stderr)
+        return
+    if config.data.format == "text":  # before preparing: refused without the work
+        check_vocab(config.model)
+    corpus = corpus_from_config(config.data)
+    check_corpus_vocab(config.model, corpus, config.explicit)
+    check_samples(corpus, config.data, config.model.seq_len)
 
 
 def _train_worker(config: Config, ns: argparse.Namespace) -> int:

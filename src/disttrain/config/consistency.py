@@ -15,9 +15,9 @@ from pathlib import Path
 
 from ..dimensions import Role, joined, with_role
 from ..errors import ConfigError, ErrorCollector
-from ..names import CODEC_NONE, LOGGER_PACKAGES, SHARED_GPU_ENV, SYNC_ASYNC
+from ..names import CODEC_NONE, DATA_JSONL, LOGGER_PACKAGES, SHARED_GPU_ENV, SYNC_ASYNC
 from .layout import Layout
-from .schema import Config, ModelConfig, TrainConfig
+from .schema import Config, DataConfig, ModelConfig, TrainConfig
 
 BATCH_KEYS = ("global_batch", "micro_batch", "grad_accum")
 # When the user gives fewer than two of the triple, defaults fill in this order.
@@ -160,7 +160,15 @@ def _check_pretrained_beside(config: Config) -> None:
 
 
 def _check_data(config: Config) -> None:
-    d = config.data
+    d, defaults = config.data, DataConfig()
+    for key in ("truncate", "on_bad_example"):  # a snapshot holds every key: by value
+        if d.format != DATA_JSONL and getattr(d, key) != getattr(defaults, key):
+            raise ConfigError(f"data.{key}", getattr(d, key), "applies to "
+                              "data.format=jsonl only", f"leave data.{key} out, or set "
+                              "data.format=jsonl")
+    if d.format == DATA_JSONL:
+        _check_examples(config)
+        return
     if d.path and not Path(d.path).expanduser().is_dir():
         raise ConfigError("data.path", d.path, "no such directory",
                           "point data.path at a directory of text files, or leave it "
@@ -170,6 +178,29 @@ def _check_data(config: Config) -> None:
                           "data.format=tokens reads ids already tokenized",
                           "leave data.tokenizer=bytes, or set data.format=text")
     check_tokenizer(d.tokenizer)
+
+
+def _check_examples(config: Config) -> None:
+    """``data.format = jsonl``: a path to read and a transformers tokenizer directory
+    (``data.tokenizer``, or ``model.pretrained``'s own)."""
+    d = config.data
+    if not d.path or not Path(d.path).expanduser().exists():
+        raise ConfigError("data.path", d.path, "no such file or directory",
+                          "point data.path at a .jsonl file, a directory of them, or a "
+                          "datasets dataset saved with save_to_disk")
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("data.format", d.format, "needs the transformers package",
+                          "pip install -e '.[hf]' from a checkout")
+    if d.tokenizer == TOKENIZER_BYTES and not config.model.pretrained:
+        raise ConfigError("data.tokenizer", d.tokenizer, "data.format=jsonl needs a "
+                          "transformers tokenizer", "set model.pretrained to a model "
+                          "directory holding its tokenizer, or data.tokenizer to a "
+                          "tokenizer directory")
+    if d.tokenizer != TOKENIZER_BYTES and not Path(d.tokenizer).expanduser().is_dir():
+        raise ConfigError("data.tokenizer", d.tokenizer, "is not a directory",
+                          "give a transformers tokenizer directory (tokenizer.json and "
+                          "tokenizer_config.json, as save_pretrained writes them), or "
+                          "leave data.tokenizer out for model.pretrained's own")
 
 
 def data_parallel_degree(config: Config, layout: Layout) -> int:

@@ -11,8 +11,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..names import (
+    BAD_EXAMPLE_ERROR,
+    BAD_EXAMPLE_SKIP,
     CODEC_NONE,
     CODECS,
+    DATA_FORMATS,
+    DATA_TEXT,
     LOGGERS,
     NONFINITE_SKIP,
     NONFINITE_STOP,
@@ -76,20 +80,34 @@ class DataConfig:
     """Where training text comes from and where its token shards are cached."""
 
     path: str = _f("", "directory of text files; empty = the Python standard library's "
-                   "own source files")
+                   "own source files (data.format=jsonl: a .jsonl file, a directory of "
+                   "them, or a datasets dataset written by save_to_disk)")
     pattern: str = _f("**/*", "glob of files to read under data.path")
     cache_dir: str = _f("", "where token shards are written; empty = "
                         "$DISTTRAIN_CACHE or ~/.cache/disttrain")
-    val_fraction: float = _f(0.05, "fraction of files held out for evaluation",
-                             gt=0.0, le=0.5)
-    format: str = _f("text", "text: files tokenized as bytes and cached; tokens: "
+    val_fraction: float = _f(0.05, "fraction of files held out for evaluation (jsonl: of "
+                             "examples)", gt=0.0, le=0.5)
+    format: str = _f(DATA_TEXT, "text: files tokenized as bytes and cached; tokens: "
                      "pre-tokenized shards (.bin / .npy) under data.path, memory-mapped "
-                     "in place (files named val* held out)", choices=("text", "tokens"))
+                     "in place (files named val* held out); jsonl: prompt/completion or "
+                     "chat-messages examples, tokenized once (chat through the "
+                     "tokenizer's chat template) and cached, trained on the completion "
+                     "and assistant tokens only", choices=DATA_FORMATS)
     token_dtype: str = _f("uint16", "dtype of .bin token shards (data.format=tokens)",
                           choices=("uint16", "uint32"))
     tokenizer: str = _f("bytes", "text to ids (data.format=text): bytes, the path of a "
                         "Hugging Face tokenizer.json, or bpe:N (a byte-level BPE of N "
-                        "tokens trained on the training split, cached with the shards)")
+                        "tokens trained on the training split, cached with the shards); "
+                        "data.format=jsonl: a transformers tokenizer directory, or bytes "
+                        "for model.pretrained's own tokenizer")
+    truncate: bool = _f(False, "data.format=jsonl: an example longer than model.seq_len "
+                        "is cut to its first seq_len tokens (true) or is a bad example "
+                        "(false)")
+    on_bad_example: str = _f(BAD_EXAMPLE_ERROR, "data.format=jsonl: a malformed, "
+                             "unknown-role, too long or untrainable example stops "
+                             "preparation (error: exit 2 naming file and line) or is "
+                             "skipped, counted and reported (skip)",
+                             choices=(BAD_EXAMPLE_ERROR, BAD_EXAMPLE_SKIP))
     workers: int = _f(0, "loader worker processes per rank assembling micro-batches "
                       "ahead of use (0: in the training process); the samples and their "
                       "order do not change", ge=0, le=64)

@@ -10,6 +10,7 @@ from pathlib import Path
 from disttrain.config.schema import DataConfig, ModelConfig
 from disttrain.data.corpus import stdlib_source_dir
 from disttrain.data.dataset import tokens_per_shard
+from disttrain.data.examples import PreparedExamples
 from disttrain.data.prepared import TOKEN_RANGE, PreparedCorpus
 from disttrain.errors import ConfigError, DataError
 
@@ -24,11 +25,11 @@ def check_vocab(model: ModelConfig, needed: int = TOKEN_RANGE,
                           f"set model.vocab_size to at least {needed}")
 
 
-def check_corpus_vocab(model: ModelConfig, corpus: PreparedCorpus,
+def check_corpus_vocab(model: ModelConfig, corpus: PreparedCorpus | PreparedExamples,
                        explicit: frozenset[str] = frozenset({"model.vocab_size"})) -> None:
-    """:func:`check_vocab` against a prepared corpus's own token range. Unless the user
-    set ``model.vocab_size`` (it is not in ``explicit``), the model's vocabulary follows
-    the corpus instead: raised to its range, rounded up to a multiple of 64 (the
+    """:func:`check_vocab` against a prepared corpus's (or examples') own token range.
+    Unless the user set ``model.vocab_size`` (it is not in ``explicit``), the model's
+    vocabulary follows the corpus instead: raised to its range, rounded up to a multiple of 64 (the
     embedding's rows then fill whole matmul tiles)."""
     what = f"the corpus in {corpus.directory}"
     if model.hf_config:  # the transformers config's own vocabulary

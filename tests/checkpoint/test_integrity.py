@@ -105,8 +105,8 @@ def test_fallback_resume_redoes_the_lost_steps(run_copy, trained_run):
 
 def test_export_loads_into_the_plain_model(trained_run, tmp_path):
     run_dir, state = trained_run
-    out, step = export_weights(run_dir, tmp_path / "model.safetensors", warn=pytest.fail)
-    assert step == 10
+    out, weights = export_weights(run_dir, tmp_path / "model.safetensors", warn=pytest.fail)
+    assert weights.step == 10 and weights.source.startswith("checkpoint")
     model = GPT(tiny_config().model)
     load_model(model, str(out))  # plain safetensors, strict: every key present
     for name, tensor in state.items():

@@ -204,8 +204,8 @@ def test_the_hf_export_gives_the_files_back(runs, case, tmp_path):
 
     root, dirs = runs
     for key in ("gpt2", "llama-bf16"):
-        out, step = export_hf(root / f"{key}-{case}", tmp_path / key, warn=pytest.fail)
-        assert step == 2
+        out, weights = export_hf(root / f"{key}-{case}", tmp_path / key, warn=pytest.fail)
+        assert weights.step == 2 and weights.source.startswith("checkpoint")
         exported, files = _file_weights(str(out)), _file_weights(dirs[key])
         assert sorted(exported) == sorted(files)
         assert all(torch.equal(exported[n], t) for n, t in files.items())

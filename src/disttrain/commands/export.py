@@ -1,4 +1,5 @@
-"""``disttrain export RUN_DIR --out PATH``: a run's newest intact checkpoint as one
+"""``disttrain export RUN_DIR --out PATH``: a run's newest weights (its newest intact
+checkpoint, or its final weights when they are newer or there is no checkpoint) as one
 safetensors file, or a Hugging Face directory (:mod:`disttrain.checkpoint.export`)."""
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     export = sub.add_parser(
         "export", help="write a run's weights unsharded (safetensors, or a Hugging Face "
         "directory)",
-        description="Assemble the newest intact checkpoint of RUN_DIR into one safetensors "
-        "file, loadable with safetensors.torch.load_model into the plain model; with "
+        description="Assemble the newest weights of RUN_DIR (its newest intact checkpoint, "
+        "or its final model.safetensors when that is of a later step or there is no "
+        "checkpoint; the output line says which) into one safetensors file, loadable "
+        "with safetensors.torch.load_model into the plain model; with "
         "--format hf (runs of transformers models), into a directory that "
         "AutoModelForCausalLM.from_pretrained loads.")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
@@ -31,6 +34,7 @@ def run_export(ns: argparse.Namespace) -> int:
         print(f"disttrain: warning: {text}", file=sys.stderr)
 
     write = export_hf if ns.format == "hf" else export_weights
-    out, step = write(Path(ns.run_dir), Path(ns.out), warn)
-    print(f"wrote {out} (step {step})")
+    out, weights = write(Path(ns.run_dir), Path(ns.out), warn)
+    step = "step unknown" if weights.step is None else f"step {weights.step}"
+    print(f"wrote {out} ({step}, from {weights.source})")
     return 0

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 from safetensors import safe_open
 
+from ..checkpoint.export import STEP_KEY
 from ..checkpoint.state import MODEL
 from ..checkpoint.stream import write_streamed
 from ..comm.collectives import Communicator
@@ -30,8 +31,9 @@ _Layout = list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], tor
 
 
 def write_final_weights(pieces: list[StatePiece], world: Communicator,
-                        run_dir: Path) -> str | None:
-    """Write ``run_dir/model.safetensors`` from every rank's ``pieces`` (collective:
+                        run_dir: Path, step: int) -> str | None:
+    """Write ``run_dir/model.safetensors`` from every rank's ``pieces``, the weights
+    after ``step`` steps (recorded in its header, for ``disttrain export``; collective:
     every rank calls it). Returns the problem (an I/O error) or None, on every rank."""
     staging, rank = Path(run_dir) / STAGING, world.rank
     problem = None
@@ -59,14 +61,16 @@ def write_final_weights(pieces: list[StatePiece], world: Communicator,
     problems = [p for _, p in everyone if p is not None]
     if rank == 0 and not problems:
         try:
-            _assemble(staging, [lay for lay, _ in everyone], Path(run_dir) / WEIGHTS_FILE)
+            _assemble(staging, [lay for lay, _ in everyone], Path(run_dir) / WEIGHTS_FILE,
+                      {STEP_KEY: str(step)})
         except OSError as exc:
             problems.append(f"{run_dir / WEIGHTS_FILE}: {exc.strerror or exc}")
         shutil.rmtree(staging, ignore_errors=True)
     return cast("str | None", world.broadcast_object(problems[0] if problems else None))
 
 
-def _assemble(staging: Path, layouts: list[_Layout], out: Path) -> None:
+def _assemble(staging: Path, layouts: list[_Layout], out: Path,
+              metadata: dict[str, str]) -> None:
     where: dict[str, list[tuple[int, int, tuple, tuple]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for rank, layout in enumerate(layouts):
@@ -92,4 +96,4 @@ def _assemble(staging: Path, layouts: list[_Layout], out: Path) -> None:
         return out_t
 
     names = sorted(n for n in where if n.startswith(MODEL))
-    write_streamed(out, [(n[len(MODEL):], *shapes[n]) for n in names], fetch)
+    write_streamed(out, [(n[len(MODEL):], *shapes[n]) for n in names], fetch, metadata)

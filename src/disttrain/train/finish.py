@@ -30,7 +30,7 @@ def finish_run(run: Run, result: LoopResult) -> dict[str, Any]:
     summary = _summary(run, result)
     # the final weights from every rank's pieces, one tensor at a time on rank 0
     problem = write_final_weights(run.parallel.weight_pieces(run.model.optimizer),
-                                  run.world, run.run_dir)
+                                  run.world, run.run_dir, run.config.train.steps)
     if problem is not None:
         raise CheckpointSaveError(f"could not write the final weights: {problem}")
     run.parallel.grads.finalize()  # a model built whole keeps its full parameters

@@ -12,7 +12,8 @@ from chat_support import save_tokenizer, write_jsonl
 
 from disttrain.config import load_config
 from disttrain.data import PadToSeqLen, example_cache, examples_from_config
-from disttrain.errors import DataError
+from disttrain.data.check import check_corpus_vocab
+from disttrain.errors import ConfigError, DataError
 
 pytest.importorskip("transformers")
 
@@ -211,3 +212,22 @@ def test_a_dataset_row_is_named_by_its_row(tmp_path, tokenizer_dir):
     with pytest.raises(DataError, match=rf"^{saved}\[train\] row 1: missing field "
                                         "'completion'"):
         _prepare(saved, tokenizer_dir)
+
+
+def test_a_directory_without_a_tokenizer_is_refused_naming_the_field(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    path = write_jsonl(tmp_path / "a.jsonl", _records(2))
+    with pytest.raises(ConfigError, match="^data.tokenizer=.*cannot be loaded as a "
+                                          "tokenizer") as error:
+        _prepare(path, tmp_path / "model")
+    assert "\n" not in str(error.value)
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_refused(tmp_path, tokenizer_dir):
+    prepared = _prepare(write_jsonl(tmp_path / "a.jsonl", _records(4)), tokenizer_dir)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 16}))
+    config = load_config(overrides=[f"model.hf_config={tmp_path / 'config.json'}"])
+    with pytest.raises(ConfigError, match=f"has vocab_size 16, below the corpus in "
+                                          f"{prepared.directory}'s token range"):
+        check_corpus_vocab(config.model, prepared, config.explicit)

@@ -77,7 +77,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where training text comes from and where its token shards are cached."""
+    """Where training text (or instruction and chat examples) comes from and where its
+    tokens are cached."""
 
     path: str = _f("", "directory of text files; empty = the Python standard library's "
                    "own source files (data.format=jsonl: a .jsonl file, a directory of "

@@ -1,8 +1,9 @@
 """The layout's parallel dimensions, declared once: the list every layer reads.
 
-A dimension splits the world of ranks one way (dp, pp, tp). Each is one
+A dimension splits the world of ranks one way (dp, pp, tp, cp). Each is one
 :class:`Dimension` in :data:`DIMENSIONS`, in the order its config key is declared and
-recorded (``parallel.dp``, ``parallel.pp``, ``parallel.tp``; a checkpoint's ``layout``):
+recorded (``parallel.dp``, ``parallel.pp``, ``parallel.tp``, ``parallel.cp``; a
+checkpoint's ``layout``):
 
 - ``key``: its field in the ``[parallel]`` section (``config_key``: ``parallel.<key>``);
   its degree; ``derived``: 0 there means the ranks the other dimensions leave;
@@ -15,13 +16,14 @@ recorded (``parallel.dp``, ``parallel.pp``, ``parallel.tp``; a checkpoint's ``la
   parallel strategy ``parallel.strategy`` names runs over that group);
   :data:`Role.TENSORS` cuts parameter tensors into boxes, one per rank (the Placement's
   sharding group: what is identical there is written once); :data:`Role.LAYERS` cuts the
-  model's layers into stages, each rank running its own;
+  model's layers into stages, each rank running its own; :data:`Role.TOKENS` splits
+  each sample's sequence over its ranks, each running the whole model on its part;
 - ``own_streams``: its ranks draw distinct random streams (dropout masks), so a rank's
   stream is keyed by its coordinate on every such axis;
 - ``home``: the package that holds its code (what it applies to a model, its checks
   against the config, the model's spec and the world, how the planner prices it), and
   ``plan_position`` / ``plan_options``: where its degree and its own search keys sit in a
-  planned layout's label (``tp=2,pp=2,dp=2,v=2,mbs=..``).
+  planned layout's label (``tp=2,pp=2,cp=1,dp=2,v=2,mbs=..``).
 
 The declaration is pure data, so ``config`` (the layout's arithmetic), ``parallel``
 (topology, composition, placement), ``train`` and ``plan`` all import it. What each entry
@@ -36,39 +38,22 @@ field in :class:`~disttrain.config.schema.ParallelConfig`, its home package with
 behaviour attached in :mod:`disttrain.parallel.dimensions`, its tests.
 
 **Context parallelism** (``cp``: each sample's sequence split over N ranks, attention as
-a ring) would be declared, field by field:
+a ring) is declared so, field by field:
 
-- ``key="cp"``, ``axis="cp"``, ``derived=False`` (``ParallelConfig.cp``, default 1);
-- ``rank_order=2`` and tp's becomes 3: the mesh ``pp, dp, cp, tp``, so a ring's
-  neighbours are tp groups apart, and the composition, which applies the in-place parts
-  innermost axis first, applies tp, then cp (before activation checkpointing and the
-  pipeline's cut): cp composes with tp and pp by construction;
-- ``plan_position=25`` (its degree between pp's and dp's in a planned layout's label);
-- ``roles={Role.REPLICAS, Role.TOKENS}``, the second a new role: its ranks split each
-  sample's tokens. With ``REPLICAS`` its ranks hold the same parameters, so the replica
-  group (``Groups.replicas``, ``Topology.role_group``) becomes the flattened dp x cp:
-  the data-parallel strategy reduces the gradients and ZeRO shards over it, and a step's
-  held-out totals are summed over it, with no other change. Not ``SAMPLES``: the global
-  batch is still split over dp only (``BatchPlan.shares``, the data cursor), every cp
-  rank of a replica taking the same samples. A role beyond ``SAMPLES`` and ``REPLICAS``
-  makes it ``changes_model``: the apart sync modes and dynamic balancing refuse it, and
-  the gradients go through the model-parallel side (the global norm over the world);
-- ``own_streams=True``: its ranks hold different tokens, so different dropout masks;
-- ``home="disttrain.parallel.context"``, whose behaviour is: ``apply`` returning an
-  ``AppliedDimension`` that swaps the model's attention for the ring (through the
-  model's pluggable attention and ``position_ids``), ``counts_loss`` True on every rank
-  (each counts its own tokens: the global token count stays a sum over the world),
-  ``activation_length`` T / N (what a pipeline's stages exchange) and, a method the
-  protocol gains with cp (the identity by default, so no other part changes),
-  ``local_batch``: this rank's chunks i and 2N-1-i of every micro-batch and their
-  global positions, which the step passes call; ``check``: a sequence not divisible by
-  2N, a model whose attention is not recognised, sequence parallelism where the two
-  cannot combine (one line, the fix); ``pricing``: candidates (the divisors of the ranks
-  tp leaves), its rule (2N divides the sequence), its messages per layer (N - 1 blocks
-  of keys and values around the ring forward, twice that backward, priced as
-  point-to-point messages) and what it divides (every activation and the attention's
-  work by N), which the planner reads through the new role as it reads the tensor and
-  layer roles today.
+- ``key="cp"``, ``axis="cp"`` (``ParallelConfig.cp``, default 1);
+- ``rank_order=2`` (tp's is 3): the mesh ``pp, dp, cp, tp``, so a ring's neighbours are
+  tp groups apart; the composition applies the in-place parts innermost axis first (tp,
+  then cp), then activation checkpointing and the pipeline's cut;
+- ``plan_position=25``: its degree between pp's and dp's in a planned layout's label;
+- ``roles={Role.REPLICAS, Role.TOKENS}``: with ``REPLICAS`` its ranks hold the same
+  parameters, so the replica group is the flattened dp x cp (the data-parallel strategy
+  reduces the gradients and ZeRO shards over it; a step's held-out totals are summed
+  over it); ``TOKENS`` splits each sample's tokens over its ranks. Not ``SAMPLES``: the
+  global batch is split over dp only, every cp rank of a replica taking the same
+  samples. ``TOKENS`` makes it ``changes_model``: the apart sync modes and dynamic
+  balancing refuse it, and the gradients go through the model-parallel side;
+- ``own_streams=True``: its ranks hold different tokens, so draw different masks;
+- ``home="disttrain.parallel.context"``.
 """
 
 from __future__ import annotations
@@ -86,6 +71,7 @@ class Role(enum.Enum):
     REPLICAS = "replicas"
     TENSORS = "tensors"
     LAYERS = "layers"
+    TOKENS = "tokens"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,10 +130,13 @@ DIMENSIONS: tuple[Dimension, ...] = (
                             PlanOption(name="gpipe", default=0, position=90,
                                        always_shown=False, flag=True))),
     # sp: sequence parallelism
-    Dimension(key="tp", axis="tp", rank_order=2, plan_position=10,
+    Dimension(key="tp", axis="tp", rank_order=3, plan_position=10,
               roles=frozenset({Role.TENSORS}), own_streams=False,
               home="disttrain.parallel.tensor",
               plan_options=(PlanOption(name="sp", default=0, position=80, flag=True),)),
+    Dimension(key="cp", axis="cp", rank_order=2, plan_position=25,
+              roles=frozenset({Role.REPLICAS, Role.TOKENS}), own_streams=True,
+              home="disttrain.parallel.context"),
 )
 
 

@@ -104,3 +104,10 @@ def trace_rank_file(rank: int) -> str:
 
 # train.optimizer values the composition looks at
 OPTIMIZER_ONEBIT_ADAM = "onebit_adam"
+
+# ----------------------------------------------------------- a batch's model inputs
+# the keyword inputs a causal LM takes (the built-in GPT and transformers models alike)
+# that a strategy reads or adds: the global positions of the tokens a rank holds, and
+# the padding mask (which a rank holding part of each sequence cannot apply)
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"

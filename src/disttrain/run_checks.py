@@ -12,6 +12,11 @@ so neither imports the other.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+from torch import nn
+
 from .config.consistency import (
     RunPlan,
     check_sections,
@@ -21,9 +26,9 @@ from .config.consistency import (
     scaled_lr,
 )
 from .config.layout import resolve_layout
-from .config.schema import Config
-from .models.gpt import gpt_spec
-from .models.hf import hf_config_spec, is_hf
+from .config.schema import Config, ModelConfig
+from .models.gpt import GPT, gpt_spec
+from .models.hf import build_hf_model, hf_config_spec, is_hf
 from .parallel.balance import check_balance
 from .parallel.compilation import check_compile
 from .parallel.dimensions import check_dimensions
@@ -31,10 +36,12 @@ from .parallel.registry import check_selected
 from .spec import ModelSpec
 
 
-def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> RunPlan:
-    """Validate the whole config for a job of ``world_size`` ranks training a model with
-    ``spec`` (default: the model ``config.model`` names); raises ConfigError (one line:
-    the field, the value, the fix)."""
+def resolve(config: Config, world_size: int, spec: ModelSpec | None = None,
+            model: nn.Module | None = None) -> RunPlan:
+    """Validate the whole config for a job of ``world_size`` ranks training ``model``
+    with ``spec`` (default: the model ``config.model`` names, built on the meta device
+    if a check reads its modules); raises ConfigError (one line: the field, the value,
+    the fix)."""
     check_sections(config)
     check_shared_gpu(config, world_size)
     spec = spec or (hf_config_spec(config.model) if is_hf(config.model)
@@ -43,6 +50,14 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
     check_selected(config, layout)  # the sync mode, dp strategy and optimizer chosen
     check_balance(config, layout)
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
-    check_dimensions(config, layout, spec, batch.grad_accum)
+    model_of = ((lambda: model) if model is not None
+                else functools.partial(_config_model, config.model))
+    check_dimensions(config, layout, spec, batch.grad_accum, model_of)
     check_compile(config, spec)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))
+
+
+def _config_model(cfg: ModelConfig) -> nn.Module:
+    """The model ``cfg`` names, on the meta device (its modules, no memory)."""
+    with torch.device("meta"):
+        return build_hf_model(cfg) if is_hf(cfg) else GPT(cfg)

@@ -19,13 +19,23 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 # (module holding the named submodules, its input) -> its output
 Piece = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class Embed(Protocol):
+    """(module holding the modules before the blocks, token ids [B, T], optionally
+    their global positions [T] or [B, T]) -> the first hidden state [B, T, hidden].
+    The positions are passed only where a rank holds parts of sequences (context
+    parallelism); a model without them may take two arguments."""
+
+    def __call__(self, m: nn.Module, input_ids: torch.Tensor,
+                 position_ids: torch.Tensor | None = None, /) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,7 @@ class ModelSpec:
     blocks: str | None
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
-    embed: Piece | None = None
+    embed: Embed | None = None
     finish: Piece | None = None
     inject: str | None = None
     probe: Mapping[str, Any] | None = None

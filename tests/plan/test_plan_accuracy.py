@@ -171,8 +171,9 @@ def test_validate_compares_every_rank_and_the_step_time(runs, tmp_path, capsys):
                              _cluster_file(tmp_path), "--json")
     assert code == 0
     report = json.loads(out)
-    assert report["layout"] == {"tp": 2, "pp": 2, "dp": 1, "v": 1, "mbs": 2, "zero": 0,
-                                "recompute": "none", "sp": 0, "schedule": "1f1b"}
+    assert report["layout"] == {"tp": 2, "pp": 2, "cp": 1, "dp": 1, "v": 1, "mbs": 2,
+                                "zero": 0, "recompute": "none", "sp": 0,
+                                "schedule": "1f1b"}
     assert [r["stage"] for r in report["ranks"]] == [0, 0, 1, 1]
     assert report["model_states_rel_error_max"] <= STATES_TOLERANCE
     assert report["activations_rel_error_max"] <= ACTIVATIONS_TOLERANCE

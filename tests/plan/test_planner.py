@@ -148,11 +148,11 @@ def test_plan_prints_json_rows_with_every_field(capsys):
     rows = json.loads(out)
     assert len(rows) == 3
     for row in rows:
-        for key in ("tp", "pp", "dp", "v", "mbs", "zero", "recompute", "sp", "step_time_s",
+        for key in ("tp", "pp", "cp", "dp", "v", "mbs", "zero", "recompute", "sp", "step_time_s",
                     "tflops_per_gpu", "mfu", "tokens_per_s", "memory_gib",
                     "memory_breakdown_gib", "bottleneck", "rejected"):
             assert key in row
-        assert row["tp"] * row["pp"] * row["dp"] == 8
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == 8
         assert set(row["memory_breakdown_gib"]) == {"params", "grads", "optimizer",
                                                      "activations", "communication",
                                                      "other"}
@@ -164,7 +164,7 @@ def test_one_layout_explained_and_emitted_as_a_runnable_config(capsys, tmp_path)
                          "gpus_per_node=8", "--global-batch", "16", "--layout",
                          "tp=2,pp=2,mbs=2,zero=1", "--explain", "--emit-config",
                          str(out_toml))
-    assert code == 0 and "best: tp=2,pp=2,dp=2" in out and "bottleneck" in out
+    assert code == 0 and "best: tp=2,pp=2,cp=1,dp=2" in out and "bottleneck" in out
     from disttrain.config import load_config
     from disttrain.run_checks import resolve
     config = load_config(out_toml)
@@ -180,7 +180,7 @@ def test_one_layout_explained_and_emitted_as_a_runnable_config(capsys, tmp_path)
     (["--model", "gpt", "--global-batch", "6", "--layout", "tp=2,pp=2,dp=2,mbs=4"],
      "does not divide the global batch"),
     (["--model", "gpt", "--global-batch", "8", "--layout", "tp=2,pp=2,dp=4"],
-     "tp x pp x dp != 8 devices"),
+     "tp x pp x cp x dp != 8 devices"),
     (["--model", "/nonexistent/config.json", "--global-batch", "8"], "cannot read"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):

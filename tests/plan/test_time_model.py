@@ -68,6 +68,8 @@ def test_causal_fused_attention_skips_blocks_and_short_sequences_run_slower():
     (replace(A100, nodes=2), PlannedLayout(tp=4, pp=2, dp=2, mbs=1, v=2,
                                            recompute="selective", sp=True), 16),
     (PRESETS["h100"], PlannedLayout(tp=2, dp=4, mbs=4, zero=1), 64),
+    (A100, PlannedLayout(tp=2, cp=2, dp=2, mbs=1, recompute="full"), 16),
+    (replace(A100, nodes=2), PlannedLayout(pp=2, cp=4, dp=2, mbs=1, zero=1), 16),
     (replace(A100, gpus_per_node=2, host_cores=2, async_dispatch=False, sm_count=0),
      PlannedLayout(dp=2, mbs=2), 8),
 ])

@@ -47,7 +47,7 @@ def test_every_action_appears_once_per_rank(name, pp, m, v):
     schedule = build_schedule(name, pp=pp, m=m, v=v)
     named = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["name"] == "process_name"}
-    assert named == {r: f"pp rank {r} (tp 1 x dp 1 replicas alike)" for r in range(pp)}
+    assert named == {r: f"pp rank {r} (tp 1 x cp 1 x dp 1 replicas alike)" for r in range(pp)}
     for rank, actions in enumerate(schedule.actions):
         got = Counter((e["args"]["kind"][0].upper(), e["args"]["chunk"],
                        e["args"]["micro_batch"]) for e in _actions(trace, rank))
@@ -166,7 +166,7 @@ def test_plan_writes_the_trace(tmp_path, capsys):
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert sum(len(_actions(trace, r)) for r in range(2)) == 2 * 2 * 2 * 4
     other = trace["otherData"]
-    assert other["layout"] == "tp=2,pp=2,dp=2,v=2,mbs=2,zero=0,recompute=none,sp=0"
+    assert other["layout"] == "tp=2,pp=2,cp=1,dp=2,v=2,mbs=2,zero=0,recompute=none,sp=0"
     lay = parse_layout(CASES[0][3], 8)
     est = estimate(parse_model(SMALL), parse_cluster(NODE), lay, 16, Options())
     assert other["predicted_step_time_s"] == pytest.approx(est.step_time_s, rel=1e-12)

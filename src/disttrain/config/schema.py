@@ -207,10 +207,14 @@ class TrainConfig:
 class ParallelConfig:
     """The layout of ranks and how gradients are reduced."""
 
-    dp: int = _f(0, "data-parallel degree; 0 = all ranks not used by pp x tp", ge=0)
+    dp: int = _f(0, "data-parallel degree; 0 = all ranks not used by pp x tp x cp", ge=0)
     pp: int = _f(1, "pipeline-parallel degree", ge=1)
     tp: int = _f(1, "tensor-parallel degree", ge=1)
-    zero: int = _f(0, "ZeRO sharding stage over dp (0 = none)", ge=0, le=3)
+    cp: int = _f(1, "context-parallel degree: each sequence split over cp ranks (rank i "
+                 "holds chunks i and 2cp-1-i of 2cp), attention computed as a ring; the "
+                 "sequence must be a multiple of 2 x cp", ge=1)
+    zero: int = _f(0, "ZeRO sharding stage over the replicas, dp x cp (0 = none)", ge=0,
+                   le=3)
     strategy: str = _f("auto", "how dp replicas share gradients and training state: auto "
                        "(zero when parallel.zero > 0, local when train.sync is not "
                        "every_step, else ddp), ddp, zero, local, or a name registered "

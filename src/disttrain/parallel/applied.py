@@ -10,7 +10,8 @@ cut (:class:`~.hybrid.WholeModel`).
 
 Every method of :class:`AppliedDimension` has the answer of a part that changes
 nothing (a dimension overrides what it changes): it counts the loss, leaves
-gradients, activations and the loss alone, and adds nothing to the placement.
+gradients, activations, micro-batches and the loss alone, and adds nothing to the
+placement.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..config.schema import ParallelConfig
 from ..spec import ModelSpec
-from .interfaces import GradSync, StepPass, StepTracer
+from .interfaces import GradSync, SequenceBatch, StepPass, StepTracer
 from .placement import Placement
 from .zero import Unit
 
@@ -38,12 +39,14 @@ HeadHolder = tuple[nn.Module, Callable[[str, nn.Module], nn.Module]] | None
 class ApplyContext:
     """What a dimension applies itself from: the model's ``spec``, the ``[parallel]``
     section, its axis's communicator ``comm`` (degree > 1), the micro-batches per step
-    and replica (a pipeline's m)."""
+    and replica (a pipeline's m), the training sequence length (``model.seq_len``;
+    None where unknown)."""
 
     spec: ModelSpec
     parallel: ParallelConfig
     comm: Communicator
     micro_batches: int
+    seq_len: int | None = None
 
 
 class AppliedDimension(Protocol):
@@ -81,6 +84,11 @@ class AppliedDimension(Protocol):
         """Positions per rank of the activations between blocks, for ``seq_len``."""
         return seq_len
 
+    def local_batch(self, batch: SequenceBatch) -> SequenceBatch:
+        """This rank's part of a micro-batch of its replica (the whole one: the
+        identity), which the step passes run."""
+        return batch
+
     def token_loss(self) -> Callable[..., Any] | None:
         """The per-token loss the model's outputs need here (None: the ordinary one)."""
         return None
@@ -92,6 +100,18 @@ class AppliedDimension(Protocol):
         return loss_fn
 
 
+@dataclass(frozen=True)
+class Composed:
+    """What the composed parts say of a micro-batch, which a cut's step pass needs:
+    ``activation_length`` (positions per rank between blocks, of a sequence's),
+    ``counts_loss`` (this rank's loss enters the global sum) and ``local_batch``
+    (this rank's part of a micro-batch)."""
+
+    activation_length: Callable[[int], int]
+    counts_loss: bool
+    local_batch: Callable[[Any], Any]
+
+
 @runtime_checkable
 class ModelCut(AppliedDimension, Protocol):
     """The model as this rank runs it: its pipeline chunks, or the whole model."""
@@ -99,12 +119,11 @@ class ModelCut(AppliedDimension, Protocol):
     module: nn.Module
 
     def step_pass(self, grads: GradSync, world: Communicator, replicas: Communicator,
-                  tracer: StepTracer | None, activation_length: Callable[[int], int],
-                  counts_loss: bool) -> StepPass:
+                  tracer: StepTracer | None, composed: Composed) -> StepPass:
         """How a step's micro-batches run forward and backward on this cut; held-out
         totals are summed over ``replicas`` (the replica group: its ranks evaluate
-        different data with the same parameters) or the world; ``activation_length`` /
-        ``counts_loss``: the composition's."""
+        different data with the same parameters) or the world; ``composed``: what the
+        composition of every part says of a micro-batch."""
         ...
 
     def buffer_holders(self) -> list[nn.Module]:

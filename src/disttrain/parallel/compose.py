@@ -312,7 +312,8 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
             raise ValueError("train.compile compiles the model's blocks; its spec names none")
         compile_blocks(blocks)
     mp = apply_model_parallel(model, spec, par, dict(groups.axes),
-                              micro_batches=micro_batches, checkpointing=checkpointing)
+                              micro_batches=micro_batches, checkpointing=checkpointing,
+                              seq_len=config.model.seq_len)
     module, placement = mp.module, mp.placement
     strategy = get_strategy(config)
     replicas = groups.replicas
@@ -335,7 +336,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
         model=model, replicas=replicas, num_samples=num_samples, train=train,
         comm=config.comm))
     passes: StepPass = mp.cut.step_pass(grads, groups.world, replicas, tracer,
-                                        mp.activation_length, mp.counts_loss)
+                                        mp.composed())
     fused = (fuse_output_head(spec.head, mp.cut.head_holder())
              if refusal is None and spec.head is not None else None)
     token_loss = fused.token_loss if fused is not None else mp.token_loss()

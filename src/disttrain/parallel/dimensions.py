@@ -13,10 +13,12 @@ entry has exactly one, from its own home.
   first (tp), then activation checkpointing, then the one that cuts the layers (pp).
 - ``check``: its compatibility check against the config, the model's spec and the
   resolved layout (before any process group exists; ``micro_batches`` per step and
-  replica); validation runs them in the same order.
+  replica; ``model()``: the model, or one built on the meta device from the config,
+  for a check that reads its modules); validation runs them in the same order.
 - ``pricing``: what the planner asks it (:mod:`.pricing`: candidates, rules, search
   keys; the holder of the tensor-sharding role its communication, the holder of the
-  layer-cutting role its stages), pure Python, importing nothing of the planner.
+  layer-cutting role its stages, the holder of the token-splitting role its
+  attention's messages), pure Python, importing nothing of the planner.
 """
 
 from __future__ import annotations
@@ -33,20 +35,26 @@ from ..config.schema import Config
 from ..dimensions import DIMENSIONS, Dimension, Role
 from ..spec import ModelSpec
 from .applied import AppliedDimension, ApplyContext
+from .context.check import check_context
+from .context.dimension import ENTRY as CONTEXT
+from .context.dimension import apply_context_dimension
+from .context.pricing import PRICING as CONTEXT_PRICING
 from .data.dimension import ENTRY as DATA
 from .data.pricing import PRICING as DATA_PRICING
 from .pipeline.check import check_pipeline
 from .pipeline.dimension import ENTRY as PIPELINE
 from .pipeline.dimension import apply_pipeline_dimension
 from .pipeline.pricing import PRICING as PIPELINE_PRICING
-from .pricing import DimensionPricing, StagePricing, TensorPricing
+from .pricing import DimensionPricing, StagePricing, TensorPricing, TokenPricing
 from .tensor.check import check_tensor
 from .tensor.dimension import ENTRY as TENSOR
 from .tensor.dimension import apply_tensor_dimension
 from .tensor.pricing import PRICING as TENSOR_PRICING
 
 Apply = Callable[[nn.Module, ApplyContext], AppliedDimension]
-Check = Callable[[Config, Layout, ModelSpec, int], None]
+# the model (or one built on the meta device from the config), built when a check asks
+ModelOf = Callable[[], nn.Module]
+Check = Callable[[Config, Layout, ModelSpec, int, ModelOf], None]
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,8 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               pricing=PIPELINE_PRICING),
     Behaviour(TENSOR, apply=apply_tensor_dimension, check=check_tensor,
               pricing=TENSOR_PRICING),
+    Behaviour(CONTEXT, apply=apply_context_dimension, check=check_context,
+              pricing=CONTEXT_PRICING),
 )
 
 
@@ -93,11 +103,11 @@ def in_apply_order() -> tuple[Behaviour, ...]:
 
 
 def check_dimensions(config: Config, layout: Layout, spec: ModelSpec,
-                     micro_batches: int) -> None:
+                     micro_batches: int, model: ModelOf) -> None:
     """Every dimension's own check (see the module docstring)."""
     for b in in_apply_order():
         if b.check is not None:
-            b.check(config, layout, spec, micro_batches)
+            b.check(config, layout, spec, micro_batches, model)
 
 
 _BY_KEY = {b.dimension.key: b for b in BEHAVIOURS}
@@ -126,3 +136,9 @@ def shard_pricing() -> TensorPricing:
 def stage_pricing() -> StagePricing:
     """The pricing of the dimension that cuts the layers (its stages)."""
     return cast(StagePricing, _role_pricing(Role.LAYERS))
+
+
+@functools.cache
+def token_pricing() -> TokenPricing:
+    """The pricing of the dimension that splits each sample's tokens (its messages)."""
+    return cast(TokenPricing, _role_pricing(Role.TOKENS))

@@ -37,7 +37,7 @@ from ..config.schema import ParallelConfig
 from ..dimensions import Role
 from ..spec import ModelSpec, block_list
 from .activation import apply_activation_checkpointing, canonical_name
-from .applied import AppliedDimension, ApplyContext, HeadHolder, ModelCut
+from .applied import AppliedDimension, ApplyContext, Composed, HeadHolder, ModelCut
 from .clipping import clip_to_global_norm, squared_norm
 from .dimensions import in_apply_order
 from .fused_loss import replace_submodule
@@ -55,9 +55,8 @@ class WholeModel(ModelCut):
         self.module, self.spec = model, spec
 
     def step_pass(self, grads: GradSync, world: Communicator, replicas: Communicator,
-                  tracer: StepTracer | None, activation_length: Callable[[int], int],
-                  counts_loss: bool) -> StepPass:
-        return WholeModelPass(self.module, grads, replicas, tracer)
+                  tracer: StepTracer | None, composed: Composed) -> StepPass:
+        return WholeModelPass(self.module, grads, replicas, composed.local_batch, tracer)
 
     def buffer_holders(self) -> list[nn.Module]:
         return [self.module]
@@ -110,6 +109,17 @@ class ModelParallel:
             seq_len = p.activation_length(seq_len)
         return seq_len
 
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a micro-batch of its replica (each part's, in turn)."""
+        for p in self.parts:
+            batch = p.local_batch(batch)
+        return batch
+
+    def composed(self) -> Composed:
+        """What the parts together say of a micro-batch (for the cut's step pass)."""
+        return Composed(activation_length=self.activation_length,
+                        counts_loss=self.counts_loss, local_batch=self.local_batch)
+
     def token_loss(self) -> Callable[..., Any] | None:
         """The per-token loss the outputs need (None: the ordinary one)."""
         return next((f for p in self.parts if (f := p.token_loss()) is not None), None)
@@ -148,11 +158,13 @@ class ModelParallel:
 
 def apply_model_parallel(model: nn.Module, spec: ModelSpec, parallel: ParallelConfig,
                          comms: dict[str, Communicator], *, micro_batches: int,
-                         checkpointing: tuple[str, int] = ("none", 1)) -> ModelParallel:
+                         checkpointing: tuple[str, int] = ("none", 1),
+                         seq_len: int | None = None) -> ModelParallel:
     """Apply to ``model`` (identically initialised on every rank) every dimension with
     something to apply and a degree > 1 (``comms``: mesh axis -> its communicator), in
     order (see the module docstring), wrapping its blocks for activation checkpointing
-    (``(mode, k)``) before any cut; ``micro_batches`` per step (a pipeline's m)."""
+    (``(mode, k)``) before any cut; ``micro_batches`` per step (a pipeline's m);
+    ``seq_len``: the training sequence length, where known."""
     parts: list[AppliedDimension] = []
     cut: ModelCut | None = None
     for b in in_apply_order():
@@ -164,7 +176,7 @@ def apply_model_parallel(model: nn.Module, spec: ModelSpec, parallel: ParallelCo
             apply_activation_checkpointing(model, *checkpointing,
                                            blocks=block_list(model, spec))
         part = b.apply(model, ApplyContext(spec=spec, parallel=parallel, comm=comm,
-                                           micro_batches=micro_batches))
+                                           micro_batches=micro_batches, seq_len=seq_len))
         parts.append(part)
         if cuts:
             if not isinstance(part, ModelCut):

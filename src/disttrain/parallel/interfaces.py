@@ -256,6 +256,26 @@ def rank_local_state(optimizer: torch.optim.Optimizer) -> RankLocalState | None:
     return optimizer if isinstance(optimizer, RankLocalState) else None
 
 
+class SequenceBatch(Protocol):
+    """A micro-batch (the training loop's ``Batch``) as a dimension that splits each
+    sample's tokens over its ranks sees it."""
+
+    def tokens_shape(self) -> tuple[int, int]:
+        """(B, T): its samples and their positions (of its token ids [B, T])."""
+        ...
+
+    def split_sequence(self, part: Callable[[torch.Tensor], torch.Tensor],
+                       positions: torch.Tensor) -> SequenceBatch:
+        """This micro-batch as one rank of the split holds it: unshifted labels first
+        shifted into targets over the whole sequence, then every [B, T] tensor (model
+        inputs, targets) through ``part`` ([B, T, ...] -> [B, T', ...], the rank's
+        positions), an all-ones attention mask dropped (any other refused: a rank's
+        attention is causal over the whole sequence), and ``positions`` ([B, T'] global
+        positions of the rank's tokens) passed as ``position_ids`` unless it has its
+        own (split like the rest)."""
+        ...
+
+
 class StepPass(Protocol):
     """How this rank runs one step's micro-batches forward and backward: through its
     module one after another (gradients reduced in the last one's backward), or through

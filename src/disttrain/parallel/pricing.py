@@ -9,9 +9,10 @@ degrees, the values of its own search keys, its rules (before and after the
 micro-batches are known), its part of a config. What a role's holder adds: the
 dimension that shards tensors, its communication per layer and sequence parallelism
 (:class:`TensorPricing`); the one that cuts the layers, the stages and their schedule
-(:class:`StagePricing`, a :class:`StageCut` per layout). The rest of a step (a layer's
-compute and memory divided as the roles say, the replica group's reduction, the
-optimizer) is the planner's own, over the roles' degrees.
+(:class:`StagePricing`, a :class:`StageCut` per layout); the one that splits each
+sample's tokens, the messages of its attention (:class:`TokenPricing`). The rest of a
+step (a layer's compute and memory divided as the roles say, the replica group's
+reduction, the optimizer) is the planner's own, over the roles' degrees.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ..config.schema import ParallelConfig
 
 # (collective, bytes, ranks of consecutive devices) -> seconds, as the planner prices it
 PriceCollective = Callable[[str, float, int], float]
+# bytes of one point-to-point message -> its seconds, between the ranks a role pairs
+PriceMessage = Callable[[float], float]
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,40 @@ class TensorPricing(DimensionPricing, Protocol):
         """Its messages for one micro-batch (``activation_bytes``: one activation
         [b, s, h] whole; ``loss_bytes``: one fp32 figure per token), priced by
         ``price``."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenComm:
+    """What a token split's messages add to one layer of one micro-batch: the seconds
+    its attention's compute does not hide, forward and backward (recomputation's
+    included)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+class TokenPricing(DimensionPricing, Protocol):
+    """The dimension that splits each sample's tokens
+    (:data:`~disttrain.dimensions.Role.TOKENS`): every activation and the attention's
+    work are divided by its degree (the planner's, over the role's degree); what it
+    prices itself is its attention's messages."""
+
+    def communication(self, lay: LayoutFacts, block_values: float, value_bytes: int,
+                      attention: float, attention_backward: float, price: PriceMessage
+                      ) -> TokenComm:
+        """Its messages for one layer of one micro-batch: ``block_values``, the keys'
+        and values' values one rank holds (its positions, its tensor shard), in the
+        activations' dtype of ``value_bytes``; ``attention`` / ``attention_backward``:
+        the seconds of the layer's attention on one rank that the messages can overlap
+        (0 where compute does not progress beside a message); priced by ``price`` (one
+        message to the next rank)."""
+        ...
+
+    def buffer_bytes(self, lay: LayoutFacts, block_values: float, value_bytes: int
+                     ) -> float:
+        """The most bytes its messages travel in at once (held while a layer's
+        attention runs), for :meth:`communication`'s block."""
         ...
 
 

@@ -21,12 +21,15 @@ from .interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
 
 
 class WholeModelPass:
-    """Forward and backward of ``module`` per micro-batch; held-out totals are summed
-    over ``eval_comm`` (the replica group, dp: its ranks evaluate different samples)."""
+    """Forward and backward of ``module`` per micro-batch (``local_batch``: this rank's
+    part of each); held-out totals are summed over ``eval_comm`` (the replica group:
+    its ranks evaluate different samples, or different tokens of them)."""
 
     def __init__(self, module: nn.Module, grads: GradSync, eval_comm: Communicator,
+                 local_batch: Callable[[Any], Any] | None = None,
                  tracer: StepTracer | None = None) -> None:
         self.module, self.grads, self.eval_comm = module, grads, eval_comm
+        self.local_batch = local_batch or _whole
         self.tracer = tracer or NoTrace()
 
     def forward_backward(self, batches: Sequence[Callable[[], Any]], loss: LossOf,
@@ -36,7 +39,7 @@ class WholeModelPass:
         handle, peak = None, None
         for i, load in enumerate(batches):
             last = i == len(batches) - 1
-            batch = load()
+            batch = self.local_batch(load())
             meter = SavedActivationMeter(self.module.parameters()) if measure else None
             with contextlib.nullcontext() if last else self.grads.no_sync():
                 with meter or contextlib.nullcontext():
@@ -63,5 +66,10 @@ class WholeModelPass:
         return handle
 
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:
+        batch = self.local_batch(batch)
         loss_sum, count = loss(batch.run(self.module), batch)
         return float(loss_sum), float(count)
+
+
+def _whole(batch: Any) -> Any:
+    return batch

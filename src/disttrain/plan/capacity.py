@@ -5,7 +5,8 @@ The per-rank memory of training is estimated from the model and the batch alone
 and compared with what one local rank can have: on CPU the host's available memory
 (``MemAvailable`` of ``/proc/meminfo``) shared by the local ranks, on CUDA one device's
 total memory. The estimate is a lower bound (pipeline and tensor parallelism are
-assumed to split everything evenly, and transient buffers are left out), so a refusal
+assumed to split everything evenly, a split of each sequence its activations, and
+transient buffers are left out), so a refusal
 is certain and a job that passes may still be tight.
 
 Model states are checked before activations: they are a closed formula, while the
@@ -69,7 +70,7 @@ def check_batch_fits(config: Config, plan: RunPlan, local_ranks: int,
     activations = 0 if model is None else gpt_activation_bytes(
         model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
         activation_checkpointing=t.activation_checkpointing,
-        every_k=t.activation_checkpointing_k) // _model_split(plan.layout)
+        every_k=t.activation_checkpointing_k) // _activation_split(plan.layout)
     need = _state_bytes(config, plan.layout) + activations
     if need > memory.bytes:
         _refuse(*_batch_field(config, micro), need, memory, "model states and the "
@@ -126,6 +127,12 @@ def _model_split(layout: Layout) -> int:
     """Ranks one replica's parameters (and, evenly, its activations) are split over:
     the tensor shards times the stages."""
     return layout.role(Role.TENSORS) * layout.role(Role.LAYERS)
+
+
+def _activation_split(layout: Layout) -> int:
+    """Ranks one micro-batch's activations are split over (evenly: a lower bound): the
+    replica's parameter split, times the ranks each sample's tokens are split over."""
+    return _model_split(layout) * layout.role(Role.TOKENS)
 
 
 def _hf_shape(config: Config) -> ModelShape | None:

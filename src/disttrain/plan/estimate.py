@@ -26,7 +26,11 @@ them, the gradients are reduced over them).
   one layer rebuilt in full during its backward (``StageMemory.rebuilt``, part of
   ``activations``);
 - communication buffers (gradient buckets; ZeRO-3's gathered layer, twice for the
-  prefetch) and the cluster's reserved memory.
+  prefetch; a token split's messages, its pricing's ``buffer_bytes``) and the
+  cluster's reserved memory.
+
+A token split (:data:`~disttrain.dimensions.Role.TOKENS`) divides every activation:
+they are those of each sample's part a rank holds (:func:`~.shape.token_part`).
 
 **Time**: :mod:`.steptime`. FLOPs executed include recomputation, as Megatron-LM
 reports TFLOP/s; MFU counts model FLOPs only.
@@ -35,16 +39,16 @@ reports TFLOP/s; MFU counts model FLOPs only.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..dimensions import Role
-from ..parallel.dimensions import shard_pricing, stage_pricing
+from ..parallel.dimensions import shard_pricing, stage_pricing, token_pricing
 from .cluster import Cluster
 from .costs import ACT_BYTES
 from .layout import PlannedLayout, figure
 from .memory import model_state_bytes
 from .options import DEFAULT_OPTIONS, Options
-from .shape import ModelShape, rank_params
+from .shape import ModelShape, key_value_values, rank_params, token_part
 from .steptime import StepTime, step_time
 
 _GIB = 2**30
@@ -248,6 +252,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
     lay, o = layout, options
     cut, sp = stage_pricing().cut(lay), shard_pricing().sequence_parallel(lay)
     shards, replicas = lay.shards, lay.replicas
+    whole, shape = shape, _held(shape, lay.token_split)
     m = lay.micro_batches(global_batch)
     sizes = chunk_sizes or cut.chunk_layers(shape.layers)
     if chunk_sizes and (len(sizes) != cut.n_chunks or sum(sizes) != shape.layers):
@@ -268,6 +273,8 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
     which = (list(range(cut.stages)) if all_stages
              else cut.stages_to_estimate(sizes, counts))
     embedding, head, head_once = _end_activations(shape, lay, o, shards, sp)
+    ring = token_pricing().buffer_bytes(lay, key_value_values(shape, lay.mbs, shards),
+                                        o.act_bytes)
     n_chunks = cut.n_chunks
     stages: dict[int, StageMemory] = {}
     for stage in which:
@@ -284,13 +291,13 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
             params=states.params, grads=states.grads, optimizer=states.optimizer,
             activations=(cut.peak_held(m, stage, held)
                          + cast * counts[stage] + rebuilt + (head_once if last else 0)),
-            rebuilt=rebuilt, communication=buckets + gathered,
+            rebuilt=rebuilt, communication=buckets + gathered + ring,
             other=cluster.reserved_gib * _GIB)
     worst = max(stages, key=lambda st: stages[st].total)
-    time = StepTime() if memory_only else step_time(lay, shape, cluster, o, global_batch,
+    time = StepTime() if memory_only else step_time(lay, whole, cluster, o, global_batch,
                                                     sizes, counts)
     tokens, model_flops, hardware_flops = ((0, 0.0, 0.0) if memory_only
-                                           else _flops(shape, lay, global_batch))
+                                           else _flops(whole, lay, global_batch))
     return Estimate(layout=lay, stages=[stages.get(st) for st in range(cut.stages)],
                     worst_stage=worst, n_devices=lay.ranks,
                     peak_flops=cluster.peak_flops(o.precision),
@@ -300,6 +307,14 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                     chunk_backward_s=time.chunk_backward_s,
                     p2p_message_s=time.p2p_message_s, tokens=tokens,
                     model_flops=model_flops, hardware_flops=hardware_flops)
+
+
+def _held(shape: ModelShape, token_split: int) -> ModelShape:
+    """What one rank's activations are of: ``shape`` at its part of each sample's
+    tokens; split, its attention keeps no scores whatever the model's kernel (each
+    block of the ring keeps its log-sum-exp, as a fused kernel does)."""
+    held = token_part(shape, token_split)
+    return held if token_split == 1 else replace(held, flash=True)
 
 
 def _end_activations(shape: ModelShape, lay: PlannedLayout, o: Options, shards: int,

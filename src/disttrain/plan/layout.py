@@ -8,7 +8,8 @@ its GPipe schedule, tensor parallelism's sequence parallelism ``sp``), and the p
 own: the micro-batch size ``mbs``, the ZeRO stage over the replica group, activation
 recomputation (none, selective: attention's scores only, full: everything but each
 layer's input). The degrees of the roles (:data:`~disttrain.dimensions.Role`) are what
-the cost model reads: the tensor shards, the stages, the replicas, the sample split.
+the cost model reads: the tensor shards, the stages, the replicas, the sample split,
+the token split.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ class PlannedLayout:
         """Ranks of the replica group (gradients reduced, ZeRO sharded over it)."""
         return _product(self.degrees, _REPLICAS_AT)
 
+    @property
+    def token_split(self) -> int:
+        """Ranks each sample's tokens are split over (each holding 1/this of them)."""
+        return _product(self.degrees, _TOKENS_AT)
+
     def span(self, role: Role) -> int:
         """Consecutive devices a group of ``role`` spans: its degrees times those of the
         axes inside its outermost one."""
@@ -114,7 +120,7 @@ class PlannedLayout:
         return [(k, v) for _, k, v in sorted(keyed, key=lambda t: t[0])]
 
     def label(self) -> str:
-        """``tp=2,pp=2,dp=2,v=1,mbs=4,zero=1,recompute=none,sp=0``: every key always
+        """``tp=2,pp=2,cp=1,dp=2,v=1,mbs=4,zero=1,recompute=none,sp=0``: every key always
         shown, and the others where they differ from their default."""
         hidden = {o.name: o.default for o in OPTIONS if not o.always_shown}
         return ",".join(f"{k}={v}" for k, v in self.items()
@@ -141,6 +147,7 @@ _KNOWN = set(_DEGREE_INDEX) | set(_OPTION_INDEX)
 _ROLE_INDICES = {r: tuple(_DEGREE_INDEX[d.key] for d in with_role(r)) for r in Role}
 _TENSORS_AT, _LAYERS_AT = _ROLE_INDICES[Role.TENSORS], _ROLE_INDICES[Role.LAYERS]
 _REPLICAS_AT, _SAMPLES_AT = _ROLE_INDICES[Role.REPLICAS], _ROLE_INDICES[Role.SAMPLES]
+_TOKENS_AT = _ROLE_INDICES[Role.TOKENS]
 
 
 def _product(values: tuple[int, ...], at: tuple[int, ...]) -> int:

@@ -233,6 +233,19 @@ def hf_shape(path: Path) -> ModelShape:
                       dropout=dropout)
 
 
+def token_part(shape: ModelShape, parts: int) -> ModelShape:
+    """``shape`` as one rank holds each sample when its tokens are split over ``parts``
+    ranks: ``seq / parts`` positions (the activations, the head and the messages of
+    that many; the attention's work: :func:`~.work.layer_work`'s ``token_split``)."""
+    return shape if parts == 1 else replace(shape, seq=shape.seq // parts)
+
+
+def key_value_values(shape: ModelShape, b: int, shards: int) -> float:
+    """Values of one layer's keys and values for ``b`` sequences of ``shape.seq`` on
+    one of ``shards`` tensor shards: 2 x b x seq x kv width / shards."""
+    return 2.0 * b * shape.seq * shape.kv_width / shards
+
+
 # parameters on one rank ------------------------------------------------------------
 
 @functools.lru_cache(maxsize=65536)

@@ -10,6 +10,11 @@ recomputation reruns the forward, and those of the ends: the vocabulary-parallel
 embedding's, the head input's gradient, the loss's max and sum). The stages run m
 micro-batches at the pace of the slowest plus the bubble, and one activation and one
 gradient message per chunk boundary (the cut's ``step``: (stages - 1) / v stage times).
+A token split (context parallelism) leaves each rank 1/N of every sample's positions
+(:func:`~.shape.token_part`: the layer's matmuls, memory-bound work, head and
+messages of that many tokens) and 1/N of the whole sequence's attention; per layer its
+pricing's ``communication`` adds the ring's messages that the attention of the held
+block does not hide (the figure ``cp_comm``).
 
 After the pipeline: the replica group's reduction the backward does not hide (none on
 a CPU whose cores the ranks' compute threads fill; plain:
@@ -31,8 +36,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..dimensions import DIMENSIONS, Role
-from ..parallel.dimensions import shard_pricing, stage_pricing
-from ..parallel.pricing import StageCut
+from ..parallel.dimensions import shard_pricing, stage_pricing, token_pricing
+from ..parallel.pricing import StageCut, TokenComm
 from .cluster import Cluster
 from .costs import (
     collective_time,
@@ -43,8 +48,15 @@ from .costs import (
 )
 from .layout import PlannedLayout, figure
 from .options import Options
-from .shape import ModelShape, rank_params, rank_tensors, zero_flats
-from .work import SPLIT_KEYS, Work, head_work, layer_work
+from .shape import (
+    ModelShape,
+    key_value_values,
+    rank_params,
+    rank_tensors,
+    token_part,
+    zero_flats,
+)
+from .work import SPLIT_KEYS, Work, attention_backward_ratio, head_work, layer_work
 
 _OPTIMIZER_BYTES = 28 + 8
 _CONTROL_BYTES = 16  # a few counters: the size of disttrain's per-step small collectives
@@ -70,16 +82,17 @@ class StepTime:
 
 # the figures of the roles' parts of a step, named after their dimensions (tp_comm, ...)
 SHARD_COMM = figure(Role.TENSORS, "comm")
+TOKEN_COMM = figure(Role.TOKENS, "comm")
 STAGE_BUBBLE, STAGE_P2P = figure(Role.LAYERS, "bubble"), figure(Role.LAYERS, "p2p")
 REDUCTION_EXPOSED = figure(Role.REPLICAS, "comm_exposed")
 _REDUCTION_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 # the step by its parts (StepTime.times)
-TIMES = ("compute", "recompute", SHARD_COMM, STAGE_BUBBLE, STAGE_P2P, REDUCTION_EXPOSED,
-         "step_sync", "optimizer")
+TIMES = ("compute", "recompute", SHARD_COMM, TOKEN_COMM, STAGE_BUBBLE, STAGE_P2P,
+         REDUCTION_EXPOSED, "step_sync", "optimizer")
 # the step by kind of work (StepTime.split); the replica group's (dp_*) keys:
 # collectives of data parallelism and ZeRO that the backward (or ZeRO-3's prefetch)
 # does not hide
-SPLIT = (*SPLIT_KEYS, SHARD_COMM, STAGE_P2P, STAGE_BUBBLE,
+SPLIT = (*SPLIT_KEYS, SHARD_COMM, TOKEN_COMM, STAGE_P2P, STAGE_BUBBLE,
          *(figure(Role.REPLICAS, op) for op in _REDUCTION_OPS), "step_sync", "optimizer")
 
 
@@ -93,10 +106,13 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     cut, sp = stage_pricing().cut(lay), shard_pricing().sequence_parallel(lay)
     shards, n = lay.shards, cut.stages
     m = lay.micro_batches(global_batch)
+    shape = token_part(shape, lay.token_split)  # the positions this rank holds
     tokens, a = lay.mbs * shape.seq, o.act_bytes
     act = tokens * shape.hidden * a
-    fwd, bwd, attn = layer_work(shape, cluster, shards, lay.mbs, o.precision, sp)
+    fwd, bwd, attn = layer_work(shape, cluster, shards, lay.mbs, o.precision, sp,
+                                lay.token_split)
     rework = {"none": Work(), "selective": attn, "full": fwd}[lay.recompute]
+    ring = _token_messages(shape, cluster, o, lay, attn, busy)
     layer_fwd = share * fwd.seconds(async_)
     layer_bwd = share * bwd.seconds(async_)
     recompute = share * rework.seconds(async_)
@@ -110,8 +126,9 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     head_w = head_work(shape, cluster, lay.mbs, o.precision, shards)
     head = share * head_w.device
     chunk_forward_s, chunk_backward_s = cut.chunk_times(
-        sizes, layer_fwd + comm.layer_forward,
-        layer_bwd + recompute + comm.layer_backward, head, ends_fwd, ends_bwd)
+        sizes, layer_fwd + comm.layer_forward + ring.forward,
+        layer_bwd + recompute + comm.layer_backward + ring.backward, head, ends_fwd,
+        ends_bwd)
     compute_rank = [layers * (layer_fwd + layer_bwd + recompute)
                     + (head if st == n - 1 else 0.0)
                     + (end if st in (0, n - 1) else 0.0) * (1 + (n == 1))
@@ -122,6 +139,8 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
                      if messages else 0.0)
     p2p = messages * p2p_message_s
     slowest = max(per_rank) + p2p
+    slow = max(range(n), key=lambda st: per_rank[st])
+    ring_s = m * (ring.forward + ring.backward) * counts[slow]
     pipeline, bubble = cut.step(m, per_rank, p2p)
     params = max(rank_params(shape, shards, layers, st == 0, st == n - 1, n)
                  for st, layers in enumerate(counts))
@@ -134,15 +153,16 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     compute_only = m * compute_rank[top]
     recomputed = m * recompute * max(counts)
     exposed = sum(reduction.values())
+    shard_s = m * (slowest - p2p) - compute_only - ring_s
     times = {"compute": compute_only - recomputed, "recompute": recomputed,
-             SHARD_COMM: m * (slowest - p2p) - compute_only if shards > 1 else 0.0,
+             SHARD_COMM: shard_s if shards > 1 else 0.0, TOKEN_COMM: ring_s,
              STAGE_BUBBLE: bubble, STAGE_P2P: m * p2p, REDUCTION_EXPOSED: exposed,
              "step_sync": sync, "optimizer": optimizer}
     work = ((fwd + bwd + rework).scaled(counts[top])
             + (head_w if top == n - 1 else Work()))
     split = {k: m * share * v for k, v in work.split(async_).items()}
     split["overhead"] += compute_only - sum(split.values())  # the ends' framework time
-    split |= {SHARD_COMM: max(0.0, m * (slowest - p2p) - compute_only), STAGE_P2P: m * p2p,
+    split |= {SHARD_COMM: max(0.0, shard_s), TOKEN_COMM: ring_s, STAGE_P2P: m * p2p,
               STAGE_BUBBLE: bubble,
               **{figure(Role.REPLICAS, k): v for k, v in reduction.items()},
               "step_sync": sync, "optimizer": optimizer}
@@ -156,7 +176,29 @@ def p2p_message_time(cluster: Cluster, lay: PlannedLayout, nbytes: float) -> flo
     stage."""
     # neighbouring stages' ranks are the other dimensions' degrees apart; once the
     # stages span nodes, some boundary crosses one, and the slowest boundary paces them
-    intra = lay.ranks <= cluster.gpus_per_node
+    return message_time(cluster, lay.ranks <= cluster.gpus_per_node, nbytes)
+
+
+def _token_messages(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
+                    attention: Work, busy: int) -> TokenComm:
+    """Per layer and micro-batch, what the token split's messages add (its pricing's
+    ``communication``): one rank's keys and values (``shape``: the positions it holds)
+    to the next rank of the split's group, within a node when the group's span is,
+    overlapping this rank's attention where compute and messages progress together."""
+    if lay.token_split == 1:
+        return TokenComm()
+    intra = lay.span(Role.TOKENS) <= cluster.gpus_per_node
+    seconds = attention.seconds(cluster.async_dispatch) * compute_share(cluster, busy)
+    if not overlaps_compute(cluster, busy):
+        seconds = 0.0
+    return token_pricing().communication(
+        lay, key_value_values(shape, lay.mbs, lay.shards), o.act_bytes, seconds,
+        seconds * attention_backward_ratio(shape, cluster),
+        lambda nbytes: message_time(cluster, intra, nbytes))
+
+
+def message_time(cluster: Cluster, intra: bool, nbytes: float) -> float:
+    """One point-to-point message of ``nbytes``, inside a node or between nodes."""
     gbps = ((cluster.p2p_intra_gbps or cluster.intra_gbps) if intra else
             (cluster.p2p_inter_gbps or cluster.inter_gbps))
     latency = cluster.p2p_latency_s or (cluster.intra_latency_s if intra

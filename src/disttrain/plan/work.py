@@ -81,12 +81,17 @@ def layer_elementwise(shape: ModelShape, shards: int, sp: bool, tokens: int, a: 
 
 
 def layer_work(shape: ModelShape, cluster: Cluster, shards: int, b: int, precision: str,
-               sp: bool = False) -> tuple[Work, Work, Work]:
+               sp: bool = False, token_split: int = 1) -> tuple[Work, Work, Work]:
     """(forward, backward, attention's forward) of one layer on one of ``shards``
-    tensor shards for a micro-batch of ``b`` sequences. Weight [in, out] split by
-    columns (qkv, gate, up) or rows (out, down); forward [tokens, in/t or in] x
-    [.., out/t or out] (t = shards); the
-    backward's input gradient and weight gradient are their own shapes. Attention:
+    tensor shards for a micro-batch of ``b`` sequences, of which this rank holds
+    ``shape.seq`` positions each: one of ``token_split`` parts of each sample (the
+    shape :func:`~.shape.token_part` gives). Its attention runs the queries held
+    against every part's keys, balanced: 1 / ``token_split`` of the whole sequence's
+    attention, which is ``token_split`` times the attention of its own part, block by
+    block (what ``b x token_split`` sequences of ``shape.seq`` cost). Weight [in, out]
+    split by columns (qkv, gate, up) or rows (out, down); forward [tokens, in/t or in]
+    x [.., out/t or out] (t = shards); the backward's input gradient and weight
+    gradient are their own shapes. Attention:
     fused (:func:`~.costs.attention_time`; its backward takes
     ``attention_backward_ratio`` times its forward) or not
     (:func:`unfused_attention`, backward twice the forward);
@@ -99,22 +104,29 @@ def layer_work(shape: ModelShape, cluster: Cluster, shards: int, b: int, precisi
         n, k = (out / shards, i) if name in ("qkv", "gate", "up") else (out, i / shards)
         forward.append((tokens, n, k))
         backward += [(tokens, k, n), (k, n, tokens)]  # input grad, weight grad
+    blocks = b * token_split  # query-part x key-part blocks of attention, per sample
     if shape.flash:
-        attn = Work(attention=attention_time(cluster, b, shape.seq, shape.hidden / shards,
-                                             precision),
-                    launch=cluster.elementwise_overhead_s)
+        attn = Work(attention=attention_time(cluster, blocks, shape.seq,
+                                             shape.hidden / shards, precision),
+                    launch=cluster.elementwise_overhead_s * token_split)
     else:
-        attn = unfused_attention(shape, cluster, shards, b, precision)
+        attn = unfused_attention(shape, cluster, shards, blocks, precision)
     nbytes, kernels = layer_elementwise(shape, shards, sp, tokens, a)
     memory = elementwise_time(cluster, nbytes, kernels)
     host = cluster.layer_overhead_s
     launch = kernels * cluster.elementwise_overhead_s
-    ratio = cluster.attention_backward_ratio if shape.flash else 2.0
+    ratio = attention_backward_ratio(shape, cluster)
     fwd = _matmuls(cluster, forward, precision) + attn + Work(
         memory=memory - launch, launch=launch, host=host / 3)
     bwd = _matmuls(cluster, backward, precision) + attn.scaled(ratio) + Work(
         memory=2 * (memory - launch), launch=2 * launch, host=host * 2 / 3)
     return fwd, bwd, attn
+
+
+def attention_backward_ratio(shape: ModelShape, cluster: Cluster) -> float:
+    """Attention's backward time over its forward's: the cluster's figure for a fused
+    kernel, twice for the unfused matmuls."""
+    return cluster.attention_backward_ratio if shape.flash else 2.0
 
 
 def unfused_attention(shape: ModelShape, cluster: Cluster, shards: int, b: int,

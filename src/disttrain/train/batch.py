@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from ..errors import UserError
+from ..names import ATTENTION_MASK, POSITION_IDS
 from ..spec import output_logits as model_logits
 from ..targets import IGNORE_INDEX, LABEL_IGNORE_INDEX
 
@@ -49,15 +51,41 @@ class Batch:
     def run(self, model: Callable[..., Any]) -> Any:
         return model(*self.args, **self.kwargs)
 
-    def single_input(self) -> Any:
-        """The one model input of a batch that has only one (pipeline stages pass a
-        single tensor between them)."""
-        inputs = [*self.args, *self.kwargs.values()]
-        if len(inputs) != 1:
-            raise ValueError(f"this batch has {len(inputs)} model inputs "
-                             f"({', '.join(self.kwargs) or 'positional'}); a pipeline "
-                             "passes one tensor between stages")
-        return inputs[0]
+    def tokens(self) -> torch.Tensor:
+        """The token ids [B, T]: the positional input, else ``input_ids``, else the
+        first tensor input."""
+        if self.args and isinstance(self.args[0], torch.Tensor):
+            return self.args[0]
+        ids = self.kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids
+        found = next((v for v in self.kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if found is None:
+            raise ValueError("this batch has no tensor input to read its tokens from")
+        return found
+
+    def tokens_shape(self) -> tuple[int, int]:
+        """(B, T) of :meth:`tokens`."""
+        ids = self.tokens()
+        return int(ids.shape[0]), int(ids.shape[1])
+
+    def split_sequence(self, part: Callable[[torch.Tensor], torch.Tensor],
+                       positions: torch.Tensor) -> Batch:
+        """This batch as one rank of a sequence split holds it (see
+        :class:`disttrain.parallel.interfaces.SequenceBatch`): labels shifted over the
+        whole sequence into targets (-100 -> :data:`IGNORE_INDEX`) before ``part`` cuts
+        every [B, T] tensor, a mask of ones dropped, ``positions`` added as
+        ``position_ids`` unless the batch has its own."""
+        t = self.tokens_shape()[1]
+
+        def cut(x: Any) -> Any:
+            return part(x) if isinstance(x, torch.Tensor) and x.dim() >= 2 \
+                and x.shape[1] == t else x
+        kwargs = {k: cut(v) for k, v in self.kwargs.items() if k != ATTENTION_MASK}
+        _refuse_padding(self.kwargs.get(ATTENTION_MASK))
+        kwargs.setdefault(POSITION_IDS, positions.to(self.tokens().device))
+        targets = shifted_labels(self.targets) if self.labels else self.targets
+        return Batch(tuple(cut(a) for a in self.args), kwargs, cut(targets))
 
     def default_loss(self, outputs: Any, token_loss: TokenLoss | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +97,30 @@ class Batch:
             return causal_lm_loss(outputs, self.targets, token_loss)
         return (token_loss or token_loss_on)(model_logits(outputs), self.targets,
                                              IGNORE_INDEX)
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face labels [B, T] (unshifted, -100 ignored) as targets [B, T] aligned
+    with the logits (``targets[:, t] = labels[:, t + 1]``, :data:`IGNORE_INDEX`
+    ignored, the last position too): what :func:`causal_lm_loss` computes on, made
+    explicit so the sequence can be cut anywhere."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:].masked_fill(labels[:, 1:] == LABEL_IGNORE_INDEX,
+                                            IGNORE_INDEX)
+    return out
+
+
+def _refuse_padding(mask: Any) -> None:
+    """A rank holding part of each sequence attends causally over the whole of it: a
+    batch's attention mask may only be all ones (one host read of it, only when a batch
+    carries a mask)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all()):
+        raise UserError(f"a batch's {ATTENTION_MASK} masks out positions (padding) or is "
+                        "not a [B, T] mask of ones; context parallelism attends causally "
+                        "over every position of each sequence: pack the samples to full "
+                        "length without padding, or train without context parallelism")
 
 
 def split_batch(batch: Any, extra: Mapping[str, Any] | None = None) -> Batch:

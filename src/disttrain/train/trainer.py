@@ -89,7 +89,7 @@ class Trainer:
                  pretrained: str | Path | None = None) -> None:
         self.config = _as_config(config)
         self.spec = spec or spec_for(model)
-        self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
+        self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec, model)
         # where the values come from (None: the model's own), read per rank once composed
         seeded = (initial_weights(model, self.config.train.seed, init_fn)
                   if on_meta(model) else None)

@@ -9,7 +9,11 @@ attention computed as a ring.
 - :mod:`.kernels`: one block pair's attention and its gradients (torch's CPU flash
   kernels, or plain maths on any device);
 - :mod:`.attention`: switching the built-in GPT or a recognised transformers causal LM
-  to ring attention, and the one-line refusal for a model that cannot be.
+  to ring attention, and the one-line refusal for a model that cannot be;
+- the dimension ``parallel.cp`` (entry ``cp`` of :data:`disttrain.dimensions.DIMENSIONS`):
+  :mod:`.dimension` (what it applies to a model replica, and each rank's part of a
+  micro-batch), :mod:`.check` (its refusals before launch), :mod:`.pricing` (what the
+  planner asks it).
 """
 
 from .attention import RECOGNISED_MODEL_TYPES, apply_ring_attention, ring_attention_refusal

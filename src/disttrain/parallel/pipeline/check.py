@@ -3,6 +3,10 @@ and ``parallel.pp_split`` read as cut points."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch import nn
+
 from ...config.layout import Layout
 from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
@@ -17,9 +21,10 @@ def virtual_stages(parallel: ParallelConfig) -> int:
 
 
 def check_pipeline(config: Config, layout: Layout, spec: ModelSpec,
-                   micro_batches: int) -> None:
+                   micro_batches: int, model: Callable[[], nn.Module]) -> None:
     """Refuse, with the fix, a pipeline the schedule or the model cannot run
-    (``micro_batches``: per step and replica, the schedule's m)."""
+    (``micro_batches``: per step and replica, the schedule's m; ``model``: unused,
+    every dimension's check takes it)."""
     pp = layout.degree("pp")
     if pp == 1:
         return

@@ -14,7 +14,6 @@ on the last stage.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ from ...comm import Communicator
 from ...dimensions import dimension
 from ...spec import ModelSpec
 from ..activation import canonical_name
-from ..applied import ApplyContext, HeadHolder, ModelCut
+from ..applied import ApplyContext, Composed, HeadHolder, ModelCut
 from ..interfaces import GradSync, StepPass, StepTracer
 from ..placement import Placement
 from ..zero import Unit, build_units
@@ -88,12 +87,11 @@ class PipelineCut(ModelCut):
                              for w, peer in c.tied_weights() if id(w) in pieces], self.comm)
 
     def step_pass(self, grads: GradSync, world: Communicator, replicas: Communicator,
-                  tracer: StepTracer | None, activation_length: Callable[[int], int],
-                  counts_loss: bool) -> StepPass:
-        """Held-out totals are summed over the world (one rank of each pipeline's last
-        stage counts them)."""
+                  tracer: StepTracer | None, composed: Composed) -> StepPass:
+        """Held-out totals are summed over the world (the ranks of each pipeline's last
+        stage that count the loss count them)."""
         run = ChunksRun(self.chunks, self.stages, self.schedule, self.comm,
-                        self.spec.hidden_size, activation_length, counts_loss)
+                        self.spec.hidden_size, composed)
         return PipelinePass(run, grads, world, tracer)
 
     def buffer_holders(self) -> list[nn.Module]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...comm.collectives import Communicator
+from ..applied import Composed
 from ..interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
 from .runner import ActionTiming, run_pipeline
 from .schedules import FORWARD, Schedule
@@ -29,16 +30,25 @@ from .stages import PipelineChunk, StagePlan
 class ChunksRun:
     """What a pass needs of a cut: this rank's ``chunks``, the ``stages`` and
     ``schedule`` they follow over ``comm`` (the pp group), the activations' width
-    ``hidden``, and the composition's ``activation_length`` (positions per rank between
-    blocks) and ``counts_loss`` (this rank's loss enters the global sum)."""
+    ``hidden``, and what the ``composed`` parts say of a micro-batch (positions per
+    rank between blocks, whether this rank's loss counts, this rank's part of it)."""
 
     chunks: list[PipelineChunk]
     stages: StagePlan
     schedule: Schedule
     comm: Communicator
     hidden: int
-    activation_length: Callable[[int], int]
-    counts_loss: bool
+    composed: Composed
+
+    @property
+    def counts_loss(self) -> bool:
+        return self.composed.counts_loss
+
+    def activation_shape(self, batch: Any) -> tuple[int, int, int]:
+        """[B, T', hidden] of the activations between chunks for a micro-batch of its
+        replica (T' the positions this rank holds of its T)."""
+        b, t = tokens_shape(batch)
+        return b, self.composed.activation_length(t), self.hidden
 
     @property
     def is_last_stage(self) -> bool:
@@ -57,10 +67,10 @@ class PipelinePass:
                          totals: torch.Tensor, loss_scale: torch.Tensor | None,
                          autocast: Callable[[], AbstractContextManager[None]],
                          measure: bool) -> tuple[Work | None, int | None]:
-        loaded = [load() for load in batches]
-        b, t = tokens_shape(loaded[0])
         run = self.run
-        shape = (b, run.activation_length(t), run.hidden)
+        whole = [load() for load in batches]
+        shape = run.activation_shape(whole[0])
+        loaded = [run.composed.local_batch(m) for m in whole]
         with autocast():
             result = run_pipeline(run.chunks, [(m, m) for m in loaded], loss,
                                   run.comm, run.schedule, activation_shape=shape,
@@ -74,10 +84,13 @@ class PipelinePass:
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:
         """Counted on one rank only (every tp rank of the last stage joins the
         vocabulary-parallel loss)."""
-        out = pipeline_logits(self.run, batch)
+        run = self.run
+        shape = run.activation_shape(batch)
+        local = run.composed.local_batch(batch)
+        out = pipeline_logits(run, local, shape)
         if out is None:
             return 0.0, 0.0
-        loss_sum, count = loss(out, batch)
+        loss_sum, count = loss(out, local)
         return (float(loss_sum), float(count)) if self.run.counts_loss else (0.0, 0.0)
 
     def _trace(self, timings: list[ActionTiming]) -> None:
@@ -97,6 +110,8 @@ class PipelinePass:
 def tokens_shape(batch: Any) -> tuple[int, int]:
     """(micro-batch size, sequence length) of a batch's token inputs: its positional
     input, else ``input_ids``, else its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]), int(batch.shape[1])
     if batch.args:
         first = batch.args[0]
     else:
@@ -106,14 +121,14 @@ def tokens_shape(batch: Any) -> tuple[int, int]:
     return int(first.shape[0]), int(first.shape[1])
 
 
-def pipeline_logits(run: ChunksRun, inputs: Any) -> torch.Tensor | None:
+def pipeline_logits(run: ChunksRun, inputs: Any, shape: tuple[int, int, int]
+                    ) -> torch.Tensor | None:
     """Forward only, chunk after chunk (no schedule needed): the last stage gets the
-    output [B, T, V(/tp)], the other stages None. ``inputs``: a micro-batch (or its
-    token ids)."""
+    output [B, T', V(/tp)], the other stages None. ``inputs``: this rank's part of a
+    micro-batch; ``shape``: the activations' between chunks
+    (:meth:`ChunksRun.activation_shape`)."""
     comm, stages = run.comm, run.stages
     mine = {c.index: c for c in run.chunks}
-    b, t = inputs.shape[:2] if isinstance(inputs, torch.Tensor) else tokens_shape(inputs)
-    t = run.activation_length(t)
     x: torch.Tensor | None = None
     for c in range(stages.n_chunks):
         if stages.rank_of(c) != comm.rank:
@@ -121,7 +136,7 @@ def pipeline_logits(run: ChunksRun, inputs: Any) -> torch.Tensor | None:
         if c == 0:
             x = mine[c](None, inputs)
         else:
-            x = comm.empty(b, t, run.hidden)
+            x = comm.empty(*shape)
             comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
             x = mine[c](x, inputs)
         if c < stages.n_chunks - 1:

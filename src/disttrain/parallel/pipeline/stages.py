@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
+from ...names import POSITION_IDS
 from ...spec import ModelSpec, block_list, output_logits
 from ...weights.materialize import on_meta
 
@@ -215,7 +216,9 @@ class PipelineChunk(nn.Module):
         if self.is_first:
             if self.spec.embed is None:
                 raise ValueError("the first pipeline chunk needs spec.embed (or spec.inject)")
-            x = self.spec.embed(self, _single_input(inputs))
+            ids, positions = _embed_inputs(inputs)
+            x = (self.spec.embed(self, ids) if positions is None
+                 else self.spec.embed(self, ids, positions))
         elif x is None:
             raise RuntimeError("a later pipeline chunk ran without a received activation")
         for block in self._block_slice():
@@ -408,14 +411,17 @@ def _call(fn: Callable[..., Any], inputs: Any) -> Any:
     return fn(*inputs.args, **inputs.kwargs)
 
 
-def _single_input(inputs: Any) -> torch.Tensor:
+def _embed_inputs(inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token ids, their ``position_ids`` or None) of a micro-batch, for ``spec.embed``:
+    its one input tensor, and the positions a context-parallel rank's part carries."""
     if isinstance(inputs, torch.Tensor):
-        return inputs
-    values = [*inputs.args, *inputs.kwargs.values()]
+        return inputs, None
+    positions = inputs.kwargs.get(POSITION_IDS)
+    values = [*inputs.args, *(v for k, v in inputs.kwargs.items() if k != POSITION_IDS)]
     if len(values) != 1:
         raise ValueError(f"this model's first stage takes one input tensor; the batch has "
                          f"{len(values)} ({', '.join(inputs.kwargs) or 'positional'})")
-    return values[0]
+    return values[0], positions
 
 
 def check_cut(model: nn.Module, spec: ModelSpec) -> None:

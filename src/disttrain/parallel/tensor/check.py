@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch import nn
+
 from ...config.layout import Layout
 from ...config.schema import Config
 from ...dimensions import dimension
@@ -12,11 +16,12 @@ from .apply import check_divisible
 ENTRY = dimension("tp")
 
 
-def check_tensor(config: Config, layout: Layout, spec: ModelSpec, micro_batches: int) -> None:
+def check_tensor(config: Config, layout: Layout, spec: ModelSpec, micro_batches: int,
+                 model: Callable[[], nn.Module]) -> None:
     """Refuse a tp degree the model has no plan for, or one that does not divide its
     heads, widths or vocabulary (sequence length too under sequence parallelism), and
-    ``train.compile`` beside it (``micro_batches``: unused, every dimension's check
-    takes them)."""
+    ``train.compile`` beside it (``micro_batches``, ``model``: unused, every
+    dimension's check takes them)."""
     tp = layout.degree(ENTRY.key)
     if tp == 1:
         return

@@ -22,6 +22,7 @@ from .config.consistency import (
 )
 from .config.layout import resolve_layout
 from .config.schema import Config
+from .data.packing_check import check_packing
 from .models.gpt import gpt_spec
 from .models.hf import hf_config_spec, is_hf
 from .parallel.balance import check_balance
@@ -45,4 +46,5 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None) -> R
     batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
     check_dimensions(config, layout, spec, batch.grad_accum)
     check_compile(config, spec)
+    check_packing(config, spec)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))

@@ -8,7 +8,8 @@ exactly its gradient of the step's mean loss. The reference runs every example a
 padded to the row length, in one process: the summed cross-entropy of its trained
 tokens over all examples, divided by their count, and its gradients.
 
-The step's loss (the run's record) must equal the reference's within 1e-6 relative,
+The step's loss (the run's record) and the held-out loss before it (the same examples
+given as held-out data, packed too) must equal the reference's within 1e-6 relative,
 and each weight's change the reference gradient within 1e-5 absolute: the layouts and
 the masked attention sum the same terms in other orders (~1e-8 here), while a token
 that reads another example, a position that does not restart or a label counted across
@@ -38,17 +39,25 @@ TRAIN = {"steps": 1, "global_batch": ROWS, "grad_accum": 2, "optimizer": "sgd",
          "warmup_steps": 0, "schedule": "constant", "log_every": 1}
 
 
-class _StepLosses(Callback):
+class _Losses(Callback):
+    """The step's loss and the held-out loss before it (rank 0)."""
+
     def __init__(self) -> None:
         self.losses: list[float | None] = []
+        self.first_eval: float | None = None
 
     def on_step_end(self, trainer, record) -> None:
         self.losses.append(record.loss)
 
+    def on_eval(self, trainer, step, eval_loss) -> None:
+        if step == 0:
+            self.first_eval = eval_loss
+
 
 def _fit_cases(root: str) -> dict:
-    """Each case in turn: (the full model's weights after the step, the step's loss) on
-    global rank 0, (None, []) elsewhere."""
+    """Each case in turn: (the full model's weights after the step, the step's loss, the
+    held-out loss before it, on the same examples packed) on global rank 0, (None, [],
+    None) elsewhere."""
     from disttrain import Trainer
 
     out = {}
@@ -56,8 +65,8 @@ def _fit_cases(root: str) -> dict:
         parallel = dict(LAYOUTS[name])
         if family == "llama":  # sequence parallelism is the built-in GPT's only
             parallel.pop("sequence_parallel", None)
-        losses = _StepLosses()
-        trainer = Trainer(BUILD[family](), examples(), config={
+        losses = _Losses()
+        trainer = Trainer(BUILD[family](), examples(), eval_dataset=examples(), config={
             "model": MODEL, "data": {"packing": True}, "train": TRAIN,
             "parallel": parallel, "checkpoint": {"every": 0},
             "monitor": {"peak_tflops": 1.0}},
@@ -65,7 +74,8 @@ def _fit_cases(root: str) -> dict:
         trainer.fit()
         full = trainer.parallel.full_state()
         out[(family, name)] = ({k: v.clone() for k, v in full.items()}
-                               if full is not None else None, losses.losses)
+                               if full is not None else None, losses.losses,
+                               losses.first_eval)
     return out
 
 
@@ -87,10 +97,11 @@ def _reference(family: str) -> tuple[float, dict[str, torch.Tensor], dict[str, t
 
 @pytest.mark.parametrize("family, name", CASES)
 def test_a_packed_step_equals_the_examples_trained_unpacked(fitted, family, name):
-    weights, losses = fitted[(family, name)]
+    weights, losses, first_eval = fitted[(family, name)]
     loss, start, grads = _reference(family)
     assert weights is not None and len(losses) == 1
     assert losses[0] == pytest.approx(loss, rel=1e-6)
+    assert first_eval == pytest.approx(loss, rel=1e-6)  # held out: the same rows'
     assert set(grads) <= set(weights)
     for k, grad in grads.items():
         torch.testing.assert_close(start[k] - weights[k], grad, atol=1e-5, rtol=0,

@@ -86,7 +86,7 @@ def main() -> None:
     packed = PackedExamples(examples, args.seq_len, seed=1234)
     rows_packed, rows_padded = len(packed), len(examples)
     print(f"{rows_padded} examples ({packed.tokens} tokens) -> {rows_packed} packed rows",
-          file=sys.stderr)
+          file=sys.stderr, flush=True)
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.layers,
                             n_head=4, d_model=args.d_model))
@@ -104,7 +104,8 @@ def main() -> None:
     tokens_ratio = rows_padded / rows_packed
     time_ratio = median["packed"] / median["padded"]
     print(json.dumps({
-        "seq_len": args.seq_len, "examples": rows_padded, "tokens": packed.tokens,
+        "bench": "packing", "seq_len": args.seq_len, "examples": rows_padded,
+        "tokens": packed.tokens,
         "length_median": lengths[len(lengths) // 2], "length_mean":
             round(packed.tokens / rows_padded, 1), "length_max": lengths[-1],
         "rows_packed": rows_packed, "rows_padded": rows_padded,

@@ -1,5 +1,6 @@
-"""Packed training under dp 2, tp 2 and pp 2 against the same examples unpacked, in
-plain PyTorch, for the built-in GPT and a tiny transformers Llama.
+"""Packed training under dp 2, tp 2 and pp 2 (and dp 2 ZeRO-3 with every block
+recomputed in backward) against the same examples unpacked, in plain PyTorch, for the
+built-in GPT and a tiny transformers Llama.
 
 One spawned world of 2 ranks trains each (model, layout) with ``data.packing = true``
 for one step over all 8 packed rows (26 examples of lengths 1 to 16, prompts masked)
@@ -31,8 +32,10 @@ pytestmark = pytest.mark.slow  # spawns a world: not in the quick check
 pytest.importorskip("transformers")
 
 ROWS = 8
-LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2, "sequence_parallel": True},
-           "pp2": {"pp": 2, "pp_schedule": "1f1b"}}
+# name -> (parallel, train settings beside TRAIN)
+LAYOUTS = {"dp2": ({"dp": 2}, {}), "tp2": ({"tp": 2, "sequence_parallel": True}, {}),
+           "pp2": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
+           "dp2-z3-ckpt": ({"dp": 2, "zero": 3}, {"activation_checkpointing": "full"})}
 CASES = [(family, name) for family in BUILD for name in LAYOUTS]
 TRAIN = {"steps": 1, "global_batch": ROWS, "grad_accum": 2, "optimizer": "sgd",
          "momentum": 0.0, "lr": 1.0, "weight_decay": 0.0, "grad_clip": 0.0,
@@ -62,12 +65,12 @@ def _fit_cases(root: str) -> dict:
 
     out = {}
     for family, name in CASES:
-        parallel = dict(LAYOUTS[name])
+        parallel, train = dict(LAYOUTS[name][0]), LAYOUTS[name][1]
         if family == "llama":  # sequence parallelism is the built-in GPT's only
             parallel.pop("sequence_parallel", None)
         losses = _Losses()
         trainer = Trainer(BUILD[family](), examples(), eval_dataset=examples(), config={
-            "model": MODEL, "data": {"packing": True}, "train": TRAIN,
+            "model": MODEL, "data": {"packing": True}, "train": {**TRAIN, **train},
             "parallel": parallel, "checkpoint": {"every": 0},
             "monitor": {"peak_tflops": 1.0}},
             run_dir=f"{root}/{family}-{name}", progress=False, callbacks=[losses])

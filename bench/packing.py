@@ -29,7 +29,7 @@ import torch
 
 from disttrain.config.schema import ModelConfig
 from disttrain.data.packing import PackedCollate, PackedExamples
-from disttrain.models import GPT
+from disttrain.models import GPT, gpt_spec
 from disttrain.train.batch import causal_lm_loss
 
 
@@ -91,7 +91,7 @@ def main() -> None:
     model = GPT(ModelConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.layers,
                             n_head=4, d_model=args.d_model))
     b = args.micro_batch
-    batches = {"packed": PackedCollate(("position_ids", "document_ids"))(
+    batches = {"packed": PackedCollate(gpt_spec(model.cfg).packed_inputs)(
                    [packed[r] for r in range(b)]),
                "padded": padded_batch(examples[:b], args.seq_len)}
     times: dict[str, list[float]] = {name: [] for name in batches}

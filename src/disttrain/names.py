@@ -104,3 +104,9 @@ def trace_rank_file(rank: int) -> str:
 
 # train.optimizer values the composition looks at
 OPTIMIZER_ONEBIT_ADAM = "onebit_adam"
+
+# ----------------------------------------------------------- packed rows' model inputs
+# what a row of packed examples hands a model beside input_ids (data.packing; a spec's
+# packed_inputs name them): positions restarting per example, and each token's example
+POSITION_IDS = "position_ids"
+DOCUMENT_IDS = "document_ids"

@@ -44,12 +44,12 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import DataError
+from ..names import DOCUMENT_IDS, POSITION_IDS
 from ..targets import LABEL_IGNORE_INDEX
 from .sampler import GlobalOrderSampler
 from .samples import fetch_samples
 
 INPUT_IDS, LABELS = "input_ids", "labels"
-POSITION_IDS, DOCUMENT_IDS = "position_ids", "document_ids"
 PAD_ID = 0  # any id in the vocabulary: padding is never a target and never read by a token
 _READ_CHUNK = 1024  # examples fetched per call while reading their lengths
 

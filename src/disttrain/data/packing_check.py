@@ -18,8 +18,9 @@ from torch import nn
 
 from ..config.schema import Config
 from ..errors import ConfigError
+from ..names import DOCUMENT_IDS, POSITION_IDS
 from ..spec import ModelSpec, output_logits
-from .packing import DOCUMENT_IDS, INPUT_IDS, POSITION_IDS, packed_row
+from .packing import INPUT_IDS, packed_row
 
 ROW_INPUTS = (POSITION_IDS, DOCUMENT_IDS)  # what a packed row offers a model
 # the probe: two examples and padding in one row, token ids below any vocabulary's size

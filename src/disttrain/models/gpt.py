@@ -16,6 +16,7 @@ from torch import nn
 
 from ..attention import AttentionSlot
 from ..config.schema import ModelConfig
+from ..names import DOCUMENT_IDS, POSITION_IDS
 from ..spec import Divisor, ModelSpec, register_spec
 from ..targets import IGNORE_INDEX
 
@@ -189,8 +190,8 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
     d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
     return ModelSpec(
         blocks="blocks", before=("tok_emb", "pos_emb", "drop"), after=("ln_f", "head"),
-        embed=gpt_embed, finish=gpt_finish, embed_inputs=("position_ids",),
-        block_inputs=("document_ids",), packed_inputs=("position_ids", "document_ids"),
+        embed=gpt_embed, finish=gpt_finish, embed_inputs=(POSITION_IDS,),
+        block_inputs=(DOCUMENT_IDS,), packed_inputs=(POSITION_IDS, DOCUMENT_IDS),
         hidden_size=d, head="head",
         tied=(("tok_emb.weight", "head.weight"),), tp_plan=GPT_TP_PLAN,
         tp_head_attrs=("blocks.*.attn.n_head",),

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
+from ..names import POSITION_IDS
 from ..spec import (
     Divisor,
     ModelSpec,
@@ -338,10 +339,10 @@ def _packing_fields(model: nn.Module) -> dict[str, Any]:
     mask functions keep attention inside each (its flash-attention path runs them as
     variable-length sequences). Whether this model's forward really does is checked by
     running its twin (:mod:`disttrain.data.packing_check`)."""
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    if POSITION_IDS not in inspect.signature(model.forward).parameters:
         return {"packing_refusal": f"{type(model).__name__}'s forward takes no "
-                                   "position_ids"}
-    return {"packed_inputs": ("position_ids",)}
+                                   f"{POSITION_IDS}"}
+    return {"packed_inputs": (POSITION_IDS,)}
 
 
 def _around_blocks(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -107,7 +107,10 @@ OPTIMIZER_ONEBIT_ADAM = "onebit_adam"
 
 # ----------------------------------------------------------- a batch's model inputs
 # the keyword inputs a causal LM takes (the built-in GPT and transformers models alike)
-# that a strategy reads or adds: the global positions of the tokens a rank holds, and
-# the padding mask (which a rank holding part of each sequence cannot apply)
+# that a strategy or the data reads or adds: the tokens' positions (global positions of
+# the tokens a context-parallel rank holds; positions restarting per example in a packed
+# row), each token's example in a packed row (data.packing; a spec's packed_inputs name
+# them), and the padding mask (which a rank holding part of each sequence cannot apply)
 POSITION_IDS = "position_ids"
+DOCUMENT_IDS = "document_ids"
 ATTENTION_MASK = "attention_mask"

@@ -27,6 +27,7 @@ from .config.consistency import (
 )
 from .config.layout import resolve_layout
 from .config.schema import Config, ModelConfig
+from .data.packing_check import check_packing
 from .models.gpt import GPT, gpt_spec
 from .models.hf import build_hf_model, hf_config_spec, is_hf
 from .parallel.balance import check_balance
@@ -54,6 +55,7 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None,
                 else functools.partial(_config_model, config.model))
     check_dimensions(config, layout, spec, batch.grad_accum, model_of)
     check_compile(config, spec)
+    check_packing(config, spec)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))
 
 

@@ -19,23 +19,15 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 # (module holding the named submodules, its input) -> its output
 Piece = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-class Embed(Protocol):
-    """(module holding the modules before the blocks, token ids [B, T], optionally
-    their global positions [T] or [B, T]) -> the first hidden state [B, T, hidden].
-    The positions are passed only where a rank holds parts of sequences (context
-    parallelism); a model without them may take two arguments."""
-
-    def __call__(self, m: nn.Module, input_ids: torch.Tensor,
-                 position_ids: torch.Tensor | None = None, /) -> torch.Tensor: ...
+# (module holding the embeddings, token ids, **the spec's embed_inputs by name) -> hidden
+EmbedPiece = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -93,12 +85,21 @@ class ModelSpec:
     once for that). None: no such head, the loss takes the full logits;
     ``head_refusal`` then says why, where the model has a head (its config scales its
     logits).
+    ``embed_inputs`` / ``block_inputs``: the micro-batch's keyword inputs a pipeline
+    chunk cut by ``embed`` / ``finish`` hands on by name, to ``embed(m, ids, **those)``
+    and to every block as ``block(x, **those)`` (the GPT: ``position_ids`` to the
+    embedding, ``document_ids`` to the blocks); any other keyword input is refused.
+    ``packed_inputs``: the keyword inputs, beside ``input_ids``, through which the model
+    takes rows of packed examples (:mod:`disttrain.data.packing`: ``position_ids``
+    restarting per example, ``document_ids`` numbering them) with attention kept inside
+    each example; empty: ``data.packing`` is refused, with ``packing_refusal`` saying why.
+    A spec with a ``twin`` has its claim checked by running the twin on a probe.
     """
 
     blocks: str | None
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
-    embed: Embed | None = None
+    embed: EmbedPiece | None = None
     finish: Piece | None = None
     inject: str | None = None
     probe: Mapping[str, Any] | None = None
@@ -119,6 +120,10 @@ class ModelSpec:
     twin: Callable[[], tuple[nn.Module, ModelSpec] | None] | None = None
     head: str | None = None
     head_refusal: str | None = None
+    embed_inputs: tuple[str, ...] = ()
+    block_inputs: tuple[str, ...] = ()
+    packed_inputs: tuple[str, ...] = ()
+    packing_refusal: str | None = None
 
     @property
     def can_pipeline(self) -> bool:

@@ -64,6 +64,8 @@ BAD = [
     (["train", "--nproc", "2", "--set", "model.name=gpt2", "--set", "parallel.tp=2",
       "--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["train", "--set", "model.hf_config=/no/such/config.json"], "model.hf_config"),
+    # the byte corpus is cut into full windows: no examples to pack
+    (["train", "--set", "data.packing=true"], "data.packing"),
 ]
 
 

@@ -112,11 +112,12 @@ def _prepare_data(config: Config) -> None:
     """Tokenize the corpus or the examples into the cache (the workers find them
     there) and check them against the model; say what bad examples were skipped."""
     from ..data import corpus_from_config
-    from ..data.check import check_corpus_vocab, check_samples, check_vocab
+    from ..data.check import check_corpus_vocab, check_packable, check_samples, check_vocab
     from ..data.example_cache import examples_from_config
     from ..monitor.progress import status
     from ..names import DATA_JSONL
 
+    check_packable(config.data)
     status(f"preparing the data in {config.data.path or 'the standard library sources'} "
            "(tokenized once, then cached)...")
     if config.data.format == DATA_JSONL:

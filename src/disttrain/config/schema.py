@@ -112,6 +112,12 @@ class DataConfig:
     workers: int = _f(0, "loader worker processes per rank assembling micro-batches "
                       "ahead of use (0: in the training process); the samples and their "
                       "order do not change", ge=0, le=64)
+    packing: bool = _f(False, "concatenate examples (samples of input_ids and labels of "
+                       "any length up to model.seq_len) into rows of model.seq_len tokens, "
+                       "positions restarting and attention kept inside each example, so "
+                       "each example's loss is what it is alone; train.global_batch then "
+                       "counts packed rows (fixed by train.seed, the same on any number "
+                       "of ranks), the loss stays normalised by the trained tokens")
 
 
 @dataclass(kw_only=True)

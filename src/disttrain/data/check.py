@@ -1,6 +1,6 @@
 """Whether the byte corpus can feed the configured model, checked before launch:
-its token range against ``model.vocab_size``, and at least one sample (a window of
-``seq_len + 1`` tokens inside one shard) in each split."""
+its token range against ``model.vocab_size``, at least one sample (a window of
+``seq_len + 1`` tokens inside one shard) in each split, and no packing of its windows."""
 
 from __future__ import annotations
 
@@ -13,6 +13,20 @@ from disttrain.data.dataset import tokens_per_shard
 from disttrain.data.examples import PreparedExamples
 from disttrain.data.prepared import TOKEN_RANGE, PreparedCorpus
 from disttrain.errors import ConfigError, DataError
+from disttrain.names import DATA_JSONL, DATA_TEXT, DATA_TOKENS
+
+# data.format values whose samples are fixed windows of model.seq_len + 1 tokens
+WINDOW_FORMATS = (DATA_TEXT, DATA_TOKENS)
+
+
+def check_packable(data: DataConfig) -> None:
+    """``data.packing`` packs examples of varying length; a corpus cut into full
+    windows has none to pack."""
+    if data.packing and data.format in WINDOW_FORMATS:
+        raise ConfigError("data.packing", True, f"data.format = {data.format} cuts the "
+                          "corpus into full windows of model.seq_len tokens, which leave "
+                          "nothing to pack", f"set data.format = {DATA_JSONL} (examples), "
+                          "or data.packing = false")
 
 
 def check_vocab(model: ModelConfig, needed: int = TOKEN_RANGE,

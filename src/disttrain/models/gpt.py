@@ -16,12 +16,15 @@ from torch import nn
 
 from ..attention import AttentionSlot
 from ..config.schema import ModelConfig
+from ..names import DOCUMENT_IDS, POSITION_IDS
 from ..spec import Divisor, ModelSpec, register_spec
 from ..targets import IGNORE_INDEX
 
 
 class CausalSelfAttention(AttentionSlot):
-    """qkv: [d, 3d] (no bias); out: [d, d]. Input and output [B, T, d].
+    """qkv: [d, 3d] (no bias); out: [d, d]. Input and output [B, T, d]; ``document_ids``
+    [B, T] (optional): the packed example each position belongs to (attention stays
+    inside it).
 
     The key bias would get an identically zero gradient (softmax ignores a constant
     shift of the scores per query), so Adam would turn its rounding noise into
@@ -37,14 +40,15 @@ class CausalSelfAttention(AttentionSlot):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         # Shapes are read from the projection's output, not from x or the config, so the
         # same code runs when qkv yields only some heads (or x only some positions).
         qkv = self.qkv(x)
         b, t = qkv.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
                    for z in qkv.chunk(3, dim=-1))
-        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0, document_ids)
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -69,15 +73,18 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), document_ids)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """input_ids [B, T] (T <= seq_len) -> logits [B, T, vocab_size]; ``position_ids``
     ([T] or [B, T], default 0 .. T-1): the positions of those tokens in their sequence
-    (a context-parallel rank holds non-contiguous parts of it)."""
+    (a context-parallel rank holds non-contiguous parts of it; packed examples restart
+    at 0); ``document_ids`` ([B, T], default None: one sequence per row): the packed
+    example each token belongs to, which its attention never leaves."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -119,11 +126,11 @@ class GPT(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = gpt_embed(self, input_ids, position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, document_ids)
         return gpt_finish(self, x)
 
 
@@ -183,7 +190,9 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
     d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
     return ModelSpec(
         blocks="blocks", before=("tok_emb", "pos_emb", "drop"), after=("ln_f", "head"),
-        embed=gpt_embed, finish=gpt_finish, hidden_size=d, head="head",
+        embed=gpt_embed, finish=gpt_finish, embed_inputs=(POSITION_IDS,),
+        block_inputs=(DOCUMENT_IDS,), packed_inputs=(POSITION_IDS, DOCUMENT_IDS),
+        hidden_size=d, head="head",
         tied=(("tok_emb.weight", "head.weight"),), tp_plan=GPT_TP_PLAN,
         tp_head_attrs=("blocks.*.attn.n_head",),
         tp_divisors=(Divisor("model.n_head", cfg.n_head, cfg.n_head, "attention heads"),

@@ -24,7 +24,10 @@ one is built (the ``hf`` extra); validation refuses these settings without it.
   ``nn.Linear`` and the config does not change its output before it is returned as the
   logits (Gemma 2's soft cap, Cohere's scale): the fused linear + cross-entropy stands
   in for it (:mod:`disttrain.parallel.fused_loss`, which also runs the forward once to
-  check that nothing else does).
+  check that nothing else does);
+- packed examples (``data.packing``) through ``position_ids`` alone, restarting at each
+  example: transformers' padding-free path, whose mask functions keep attention inside
+  each (checked by running the model's twin, :mod:`disttrain.data.packing_check`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch import nn
 
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
+from ..names import POSITION_IDS
 from ..spec import (
     Divisor,
     ModelSpec,
@@ -227,7 +231,7 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
     lm = _lm(model)
     spec = dataclasses.replace(generic_spec(model),
                                config_json=lm.config.to_json_string(),
-                               call_kwargs=_no_cache(model))
+                               call_kwargs=_no_cache(model), **_packing_fields(model))
     path, blocks = spec.blocks, block_list(model, spec)
     if path is None or blocks is None:
         return spec
@@ -327,6 +331,18 @@ def _no_cache(model: nn.Module) -> dict[str, Any]:
     key/value cache (which recomputation would otherwise write twice)."""
     params = inspect.signature(model.forward).parameters
     return {"use_cache": False} if "use_cache" in params else {}
+
+
+def _packing_fields(model: nn.Module) -> dict[str, Any]:
+    """How the model takes packed examples: transformers' padding-free path, where
+    ``position_ids`` restarting at 0 mark where each example begins and the model's
+    mask functions keep attention inside each (its flash-attention path runs them as
+    variable-length sequences). Whether this model's forward really does is checked by
+    running its twin (:mod:`disttrain.data.packing_check`)."""
+    if POSITION_IDS not in inspect.signature(model.forward).parameters:
+        return {"packing_refusal": f"{type(model).__name__}'s forward takes no "
+                                   f"{POSITION_IDS}"}
+    return {"packed_inputs": (POSITION_IDS,)}
 
 
 def _around_blocks(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from ..config import Config
 from ..data import TokenWindowDataset, collate_token_batch, corpus_from_config
-from ..data.check import check_corpus_vocab, check_samples, check_vocab
+from ..data.check import check_corpus_vocab, check_packable, check_samples, check_vocab
 from ..data.example_cache import examples_from_config
 from ..data.padding import PadToSeqLen
 from ..models import GPT, flops_per_token, token_loss
@@ -70,6 +70,7 @@ def build_default_job(config: Config) -> DefaultJob:
 def _prepared_data(config: Config) -> _Data:
     """The train and held-out datasets and how their samples are batched."""
     seq_len = config.model.seq_len
+    check_packable(config.data)
     if config.data.format == DATA_JSONL:
         examples = examples_from_config(config.data, config.model)
         check_corpus_vocab(config.model, examples, config.explicit)

@@ -33,8 +33,10 @@ from torch.utils.data import Dataset
 
 from ..comm import Communicator
 from ..config import Config, RunPlan, load_config
+from ..data.packing import PackedCollate, PackedExamples
 from ..data.samples import tensor_rows
-from ..errors import DivergenceError
+from ..errors import DivergenceError, UserError
+from ..models import token_loss
 from ..monitor.callbacks import Callback
 from ..parallel.compose import Parallelized
 from ..parallel.interfaces import TensorSource
@@ -59,6 +61,25 @@ def _as_config(config: Config | Mapping | None) -> Config:
     return load_config(values=dict(config))
 
 
+def _packed(dataset: Dataset, eval_dataset: Dataset | None, collate_fn: Any,
+            loss_fn: LossFn | None, config: Config, spec: ModelSpec
+            ) -> tuple[Dataset, Dataset | None, Callable[[list], Any]]:
+    """``data.packing``: the examples (and held-out examples) as packed rows
+    (:mod:`disttrain.data.packing`), and the collation that hands the model the inputs
+    its spec takes them through."""
+    if collate_fn is not None:
+        raise UserError("data.packing = true builds the batches itself (rows of packed "
+                        "examples); pass no collate_fn, or set data.packing = false")
+    if loss_fn is token_loss:
+        raise UserError("data.packing = true gives the loss unshifted labels (-100 where "
+                        "not trained); token_loss takes shifted targets: pass no loss_fn "
+                        "(the causal-LM loss on labels)")
+    seq_len, seed = config.model.seq_len, config.train.seed
+    rows = PackedExamples(dataset, seq_len, seed)
+    eval_rows = None if eval_dataset is None else PackedExamples(eval_dataset, seq_len, seed)
+    return rows, eval_rows, PackedCollate(spec.packed_inputs)
+
+
 class Trainer:
     """Trains ``model`` on ``dataset`` with the strategies the config selects.
 
@@ -74,7 +95,10 @@ class Trainer:
     in place; default: the model's own, for the built-in GPT and transformers models).
     ``pretrained``: a transformers model directory whose safetensors weights the model
     starts from (each rank reads its own part; :func:`disttrain.weights.pretrained_model`
-    builds the matching model on meta).
+    builds the matching model on meta). With ``data.packing`` the dataset's samples are
+    examples (``input_ids`` and ``labels`` of any length up to ``model.seq_len``), packed
+    into rows with attention kept inside each (:mod:`disttrain.data.packing`); the
+    Trainer collates the rows itself.
 
     During and after :meth:`fit`, ``parallel``, ``optimizer``, ``world``,
     ``checkpoints``, ``runtime`` and ``start_step`` are the run's.
@@ -98,6 +122,9 @@ class Trainer:
         if collate_fn is None:  # the default collation takes a datasets.Dataset's rows
             dataset = tensor_rows(dataset)  # as tensors
             eval_dataset = None if eval_dataset is None else tensor_rows(eval_dataset)
+        if self.config.data.packing:  # examples -> rows of model.seq_len tokens
+            dataset, eval_dataset, collate_fn = _packed(
+                dataset, eval_dataset, collate_fn, loss_fn, self.config, self.spec)
         self.model = model
         self.inputs = RunInputs(
             model=model, dataset=dataset, eval_dataset=eval_dataset, loss_fn=loss_fn,

@@ -64,9 +64,14 @@ def apply_ring_attention(model: nn.Module, comm: Communicator, *,
             _register_hf_ring(comm, kernel))
 
 
-def _slot_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, *,
-               comm: Communicator, kernel: str | None) -> torch.Tensor:
-    """An :class:`~disttrain.attention.AttentionFn` that is ring attention over ``comm``."""
+def _slot_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+               document_ids: torch.Tensor | None = None, *, comm: Communicator,
+               kernel: str | None) -> torch.Tensor:
+    """An :class:`~disttrain.attention.AttentionFn` that is ring attention over ``comm``
+    (causal over the whole sequence: packed documents are refused)."""
+    if document_ids is not None:
+        raise ValueError("ring attention is causal over the whole sequence and cannot keep "
+                         "packed documents apart; packing needs parallel.cp = 1")
     return ring_attention(q, k, v, comm, dropout_p=dropout_p, kernel=kernel)
 
 

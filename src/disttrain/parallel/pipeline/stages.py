@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from ...comm.collectives import Communicator
-from ...names import POSITION_IDS
 from ...spec import ModelSpec, block_list, output_logits
 from ...weights.materialize import on_meta
 
@@ -212,17 +211,19 @@ class PipelineChunk(nn.Module):
             self._received.value = None
 
     def _run_pieces(self, x: torch.Tensor | None, inputs: Any) -> torch.Tensor:
-        """``spec.embed`` on the first chunk, the blocks, ``spec.finish`` on the last."""
+        """``spec.embed`` on the first chunk, the blocks, ``spec.finish`` on the last;
+        the keyword inputs the spec names go to the embedding and to every block."""
+        ids, to_embed, to_blocks = _piece_inputs(inputs, self.spec)
         if self.is_first:
             if self.spec.embed is None:
                 raise ValueError("the first pipeline chunk needs spec.embed (or spec.inject)")
-            ids, positions = _embed_inputs(inputs)
-            x = (self.spec.embed(self, ids) if positions is None
-                 else self.spec.embed(self, ids, positions))
+            if ids is None:
+                raise ValueError("the first pipeline chunk ran without the micro-batch's inputs")
+            x = self.spec.embed(self, ids, **to_embed)
         elif x is None:
             raise RuntimeError("a later pipeline chunk ran without a received activation")
         for block in self._block_slice():
-            x = block(x)
+            x = block(x, **to_blocks)
         if not self.is_last:
             return x
         if self.spec.finish is None:
@@ -411,17 +412,29 @@ def _call(fn: Callable[..., Any], inputs: Any) -> Any:
     return fn(*inputs.args, **inputs.kwargs)
 
 
-def _embed_inputs(inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(token ids, their ``position_ids`` or None) of a micro-batch, for ``spec.embed``:
-    its one input tensor, and the positions a context-parallel rank's part carries."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs, None
-    positions = inputs.kwargs.get(POSITION_IDS)
-    values = [*inputs.args, *(v for k, v in inputs.kwargs.items() if k != POSITION_IDS)]
-    if len(values) != 1:
-        raise ValueError(f"this model's first stage takes one input tensor; the batch has "
-                         f"{len(values)} ({', '.join(inputs.kwargs) or 'positional'})")
-    return values[0], positions
+def _piece_inputs(inputs: Any, spec: ModelSpec
+                  ) -> tuple[torch.Tensor | None, dict[str, Any], dict[str, Any]]:
+    """(token ids, keyword inputs for ``spec.embed``, keyword inputs for every block) of
+    a micro-batch: the ids are its one positional input, else ``input_ids``, else its
+    one keyword input; every other keyword input must be one the spec hands on. No
+    inputs (a later chunk called on its activation alone): none."""
+    if inputs is None or isinstance(inputs, torch.Tensor):
+        return inputs, {}, {}
+    keywords = dict(inputs.kwargs)
+    handed = (*spec.embed_inputs, *spec.block_inputs)
+    ids = list(inputs.args)
+    if not ids and "input_ids" in keywords:
+        ids.append(keywords.pop("input_ids"))
+    rest = [k for k in keywords if k not in handed]
+    if not ids and len(rest) == 1:
+        ids.append(keywords.pop(rest.pop()))
+    if len(ids) != 1 or rest:
+        takes = " and ".join(["one token input", *handed])
+        raise ValueError(f"this model's pipeline stages take {takes}; the batch has "
+                         f"{len(inputs.args)} positional input(s) and "
+                         f"{', '.join(inputs.kwargs) or 'no keyword inputs'}")
+    return (ids[0], {k: v for k, v in keywords.items() if k in spec.embed_inputs},
+            {k: v for k, v in keywords.items() if k in spec.block_inputs})
 
 
 def check_cut(model: nn.Module, spec: ModelSpec) -> None:

@@ -55,7 +55,7 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None,
                 else functools.partial(_config_model, config.model))
     check_dimensions(config, layout, spec, batch.grad_accum, model_of)
     check_compile(config, spec)
-    check_packing(config, spec)
+    check_packing(config, spec, layout)
     return RunPlan(layout=layout, batch=batch, lr=scaled_lr(config.train, batch))
 
 

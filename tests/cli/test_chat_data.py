@@ -71,13 +71,24 @@ def _plain_loss(model, examples: list[tuple[list[int], list[int]]]) -> float:
     return total / count
 
 
-def _guide_commands() -> list[list[str]]:
-    """The train and export commands of the fine-tuning guide's chat section."""
+def _guide_commands(after: str = "## Instruction and chat") -> list[list[str]]:
+    """The commands of the fine-tuning guide's first bash block after ``after`` (the
+    chat section's train and export commands, by default)."""
     text = GUIDE.read_text(encoding="utf-8")
-    block = re.search(r"```bash\n(.*?)```", text[text.index("## Instruction and chat"):],
-                      re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", text[text.index(after):], re.S).group(1)
     lines = re.sub(r"\\\n\s*", " ", block).splitlines()
     return [argv for argv in (shlex.split(line, comments=True) for line in lines) if argv]
+
+
+def _run_guide_train(root: Path, train: list[str], changed: list[str]):
+    """``train`` (a guide command) run in ``root`` with ``changed`` settings after the
+    printed ones (later --set values win), the cache in ``root``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    env["DISTTRAIN_CACHE"] = str(root / "cache")
+    proc = run_cli([*train[1:], "--quiet", *[a for v in changed for a in ("--set", v)]],
+                   env, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +111,7 @@ def chat_run(tmp_path_factory):
     prepared = examples_from_config(config.data, config.model)
     changed += ["train.steps=1", "train.warmup_steps=0", "train.eval_samples=64",
                 f"train.global_batch={prepared.examples['train']}", "train.log_every=1"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
-    env["DISTTRAIN_CACHE"] = str(root / "cache")
-    proc = run_cli([*train[1:], "--quiet", *[a for v in changed for a in ("--set", v)]],
-                   env, timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_guide_train(root, train, changed)
     return root, llama, prepared, expected, export
 
 
@@ -133,6 +139,35 @@ def test_the_loss_counts_the_trained_tokens_only(chat_run):
         _plain_loss(model, splits["val"]), rel=1e-5)
     assert step1[0]["step"] == 1 and step1[0]["loss"] == pytest.approx(
         _plain_loss(model, splits["train"]), rel=1e-5)
+
+
+def test_packed_rows_train_the_loss_of_the_examples_alone(chat_run):
+    """The guide's packed command on the same examples, every packed row in the one
+    step's batch: the step's loss is the plain per-example loss over trained tokens
+    (rows of several examples each, positions restarting: nothing attends across)."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.data.packing import PackedExamples
+
+    root, llama, prepared, _, _ = chat_run
+    (train,) = _guide_commands("the chat examples of the previous section, packed")
+    assert "data.packing=true" in train
+    seq = 32
+    rows = PackedExamples(prepared.dataset("train"), seq, seed=load_config().train.seed)
+    ds = prepared.dataset("train")
+    assert len(rows) < len(ds)  # rows hold several examples each
+    _run_guide_train(root, train, [f"model.seq_len={seq}", "data.val_fraction=0.25",
+                                   "train.steps=1", "train.warmup_steps=0",
+                                   "train.eval_samples=64", "train.log_every=1",
+                                   f"train.global_batch={len(rows)}"])
+    step1 = json.loads((root / "runs" / "chat-packed" / "metrics.jsonl").read_text()
+                       .splitlines()[0])
+    model = AutoModelForCausalLM.from_pretrained(llama).float().eval()
+    samples = [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist())
+               for i in range(len(ds))]
+    # the same fp32 weights; the summation order differs (rows, the chunked fused loss)
+    assert step1["step"] == 1 and step1["loss"] == pytest.approx(
+        _plain_loss(model, samples), rel=1e-5)
 
 
 def test_export_of_a_run_without_checkpoints_uses_its_final_weights(chat_run, capsys,

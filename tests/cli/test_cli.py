@@ -66,6 +66,14 @@ BAD = [
     (["train", "--set", "model.hf_config=/no/such/config.json"], "model.hf_config"),
     # the byte corpus is cut into full windows: no examples to pack
     (["train", "--set", "data.packing=true"], "data.packing"),
+    # context parallelism: 2 x cp equal chunks, its ring with nothing compiled, and an
+    # attention it recognises
+    (["train", "--nproc", "2", "--set", "parallel.cp=2", "--set", "model.seq_len=30"],
+     "model.seq_len"),
+    (["train", "--nproc", "2", "--set", "parallel.cp=2", "--set", "train.compile=true"],
+     "train.compile"),
+    (["train", "--nproc", "2", "--set", "parallel.cp=2", "--set", "model.name=gpt2"],
+     "parallel.cp"),
 ]
 
 

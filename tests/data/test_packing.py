@@ -192,6 +192,19 @@ def test_a_model_without_packed_inputs_is_refused_in_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_packing_is_refused_where_ranks_hold_parts_of_each_row():
+    """Context parallelism's ring attends causally over the whole row: across the
+    examples packed in it. Refused before any process group, naming both settings."""
+    from disttrain.config import load_config
+    from disttrain.run_checks import resolve
+
+    config = load_config(overrides=["model.seq_len=16", "data.packing=true", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"^data.packing=True: does not combine with "
+                       r"parallel.cp=2.*or parallel.cp = 1\)$") as e:
+        resolve(config, world_size=2, spec=spec_for(gpt()))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("extra, named", [
     ({"collate_fn": lambda rows: rows}, "collate_fn"),
     ({"loss_fn": token_loss}, "token_loss"),
@@ -200,3 +213,34 @@ def test_the_trainer_refuses_what_packed_rows_cannot_take(extra, named):
     with pytest.raises(UserError, match=named):
         Trainer(gpt(), examples(), config={"model": MODEL, "data": {"packing": True}},
                 **extra)
+
+
+class _WithLengths(torch.utils.data.Dataset):
+    """Examples that say their lengths without being read (as ExampleDataset does)."""
+
+    def __init__(self, data: list, lengths: list[int]) -> None:
+        self.data, self.lengths, self.reads = data, lengths, 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        self.reads += 1
+        return self.data[i]
+
+
+def test_a_dataset_that_knows_its_lengths_is_not_read_to_pack_it():
+    data = examples()
+    known = _WithLengths(data, list(LENGTHS))
+    rows = PackedExamples(known, SEQ, seed=1234)
+    assert known.reads == 0
+    plain = PackedExamples(data, SEQ, seed=1234)
+    assert [rows.row_examples(r) for r in range(len(rows))] == \
+        [plain.row_examples(r) for r in range(len(plain))]
+    assert torch.equal(rows[3]["input_ids"], plain[3]["input_ids"])
+    with pytest.raises(DataError, match="example 0 has 17 tokens"):
+        PackedExamples(_WithLengths(data, [17, *LENGTHS[1:]]), SEQ, seed=0)
+    wrong = PackedExamples(_WithLengths(data, [LENGTHS[0] - 1, *LENGTHS[1:]]), SEQ, seed=0)
+    with pytest.raises(DataError, match="changed length"):
+        for r in range(len(wrong)):
+            wrong[r]

@@ -37,7 +37,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -77,21 +77,44 @@ def read_example(sample: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.long(), labels.long()
 
 
+@runtime_checkable
+class KnownLengths(Protocol):
+    """A dataset of examples that knows every example's length without reading its
+    tokens: ``lengths[i]`` of example ``i`` (:class:`~.examples.ExampleDataset`'s int64
+    [N]). Each row checks them against the examples it reads."""
+
+    lengths: Any
+
+    def __len__(self) -> int: ...
+
+
 def example_lengths(examples: Any, seq_len: int) -> list[int]:
-    """Every example's length, each example read once (and checked: at most
-    ``seq_len`` tokens, since a row holds ``seq_len``)."""
-    lengths: list[int] = []
+    """Every example's length: the dataset's own (:class:`KnownLengths`), else each
+    example read once and checked. Refused (one line) past ``seq_len`` tokens, the
+    length of a row."""
     n = len(examples)
+    if isinstance(examples, KnownLengths):
+        lengths = [int(length) for length in examples.lengths]
+        if len(lengths) != n:
+            raise ValueError(f"a dataset of {n} examples gives {len(lengths)} lengths")
+        for i, length in enumerate(lengths):
+            _check_fits(i, length, seq_len)
+        return lengths
+    lengths = []
     for start in range(0, n, _READ_CHUNK):
         indices = list(range(start, min(start + _READ_CHUNK, n)))
         for i, sample in zip(indices, fetch_samples(examples, indices), strict=True):
             length = len(read_example(sample, i)[0])
-            if length > seq_len:
-                raise DataError(f"example {i} has {length} tokens, more than a packed row "
-                                f"holds (model.seq_len={seq_len}): shorten or drop it, or "
-                                "raise model.seq_len")
+            _check_fits(i, length, seq_len)
             lengths.append(length)
     return lengths
+
+
+def _check_fits(index: int, length: int, seq_len: int) -> None:
+    if length > seq_len:
+        raise DataError(f"example {index} has {length} tokens, more than a packed row "
+                        f"holds (model.seq_len={seq_len}): shorten or drop it, or raise "
+                        "model.seq_len")
 
 
 def pack_lengths(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int]]:
@@ -154,8 +177,8 @@ def packed_row(examples: Sequence[tuple[torch.Tensor, torch.Tensor]], seq_len: i
 class PackedExamples(Dataset):
     """A map-style dataset of rows packed from ``examples`` (see the module docstring):
     row ``r`` is :func:`packed_row` of the examples :func:`pack_lengths` put in it.
-    Construction reads every example once (its length); a row reads its examples again
-    when asked for."""
+    Construction reads every example's length (:func:`example_lengths`); a row reads its
+    examples when asked for."""
 
     def __init__(self, examples: Any, seq_len: int, seed: int) -> None:
         if seq_len < 1:

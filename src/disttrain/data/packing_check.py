@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config.layout import Layout
 from ..config.schema import Config
+from ..dimensions import Role, with_role
 from ..errors import ConfigError
 from ..names import DOCUMENT_IDS, POSITION_IDS
 from ..spec import ModelSpec, output_logits
@@ -30,13 +32,21 @@ _PROBE_LENGTHS, _PROBE_ROW, _PROBE_VOCAB = (4, 6), 13, 8
 _PROBE_RTOL, _PROBE_ATOL = 1e-4, 1e-5
 
 
-def check_packing(config: Config, spec: ModelSpec) -> None:
+def check_packing(config: Config, spec: ModelSpec, layout: Layout) -> None:
     """Refuse (:class:`~disttrain.errors.ConfigError` on ``data.packing``) packing for
-    a model that cannot take packed rows."""
+    a model that cannot take packed rows, and beside a dimension that splits each
+    row's tokens over ranks (context parallelism's ring attends causally over the whole
+    row, across the examples in it)."""
     if not config.data.packing:
         return
-    # TODO(cp): refuse parallel.cp > 1 here once context parallelism is a config field
-    # (ring attention is causal over the whole row; its slot raises on document ids).
+    splits = [d for d in with_role(Role.TOKENS) if layout.degree(d.key) > 1]
+    if splits:
+        settings = ", ".join(f"{d.config_key}={layout.degree(d.key)}" for d in splits)
+        raise ConfigError("data.packing", True, f"does not combine with {settings}: a rank "
+                          "holding part of each row attends causally over the whole row, "
+                          "across the examples packed in it", "set data.packing = false "
+                          "(each example padded to model.seq_len), or "
+                          + " and ".join(f"{d.config_key} = 1" for d in splits))
     refusal = packing_refusal(spec)
     if refusal is not None:
         raise ConfigError("data.packing", True, f"this model cannot keep packed examples "

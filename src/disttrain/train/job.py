@@ -1,6 +1,7 @@
 """The default job: the byte-level GPT (or a transformers GPT-2 / Llama of the same
 dimensions, or a pretrained directory) on the prepared corpus, or on instruction and
-chat examples (``data.format = jsonl``), padded to ``model.seq_len``."""
+chat examples (``data.format = jsonl``), padded to ``model.seq_len`` (or packed into
+rows of it by the Trainer, ``data.packing``)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,15 @@ class DefaultJob:
     flops_per_token: int
     loss_fn: LossFn | None  # None: the causal-LM loss on the output's logits
     eval_tokens_per_byte: float | None = None  # text corpora: for bits per byte
-    collate_fn: Callable[[list], Any] = collate_token_batch
+    # None: the Trainer's own (data.packing: it packs the examples into rows)
+    collate_fn: Callable[[list], Any] | None = collate_token_batch
 
 
 @dataclass(frozen=True)
 class _Data:
     train: Dataset
     eval: Dataset
-    collate: Callable[[list], Any]
+    collate: Callable[[list], Any] | None
     tokens_per_byte: float | None = None
 
 
@@ -75,7 +77,7 @@ def _prepared_data(config: Config) -> _Data:
         examples = examples_from_config(config.data, config.model)
         check_corpus_vocab(config.model, examples, config.explicit)
         return _Data(examples.dataset("train"), examples.dataset("val"),
-                     PadToSeqLen(seq_len, examples.pad_id))
+                     None if config.data.packing else PadToSeqLen(seq_len, examples.pad_id))
     if config.data.format == "text":  # before preparing: refused without the work
         check_vocab(config.model)
     corpus = corpus_from_config(config.data)

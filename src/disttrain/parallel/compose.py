@@ -242,7 +242,7 @@ class Parallelized:
         whole = not self.mp.applied
         if self.zero_stage:
             pieces = [p for p in self.state.state_pieces(optimizer)
-                      if p.name.startswith(MODEL)]
+                      if p.name.startswith(MODEL)] + self.state.frozen_pieces()
         elif replicas.rank != 0:
             pieces = []
         elif whole:

@@ -35,6 +35,7 @@ from ..comm import Communicator
 from ..config import Config, RunPlan, load_config
 from ..data.samples import tensor_rows
 from ..errors import DivergenceError
+from ..lora import add_lora, lora_settings
 from ..monitor.callbacks import Callback
 from ..parallel.compose import Parallelized
 from ..parallel.interfaces import TensorSource
@@ -74,7 +75,9 @@ class Trainer:
     in place; default: the model's own, for the built-in GPT and transformers models).
     ``pretrained``: a transformers model directory whose safetensors weights the model
     starts from (each rank reads its own part; :func:`disttrain.weights.pretrained_model`
-    builds the matching model on meta).
+    builds the matching model on meta). With ``model.lora_rank`` > 0 the Trainer first
+    adds LoRA adapters to ``model`` in place (:func:`disttrain.lora.add_lora`) and
+    freezes the rest.
 
     During and after :meth:`fit`, ``parallel``, ``optimizer``, ``world``,
     ``checkpoints``, ``runtime`` and ``start_step`` are the run's.
@@ -88,7 +91,10 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), init_fn: InitFn | None = None,
                  pretrained: str | Path | None = None) -> None:
         self.config = _as_config(config)
-        self.spec = spec or spec_for(model)
+        self.spec = spec or spec_for(model)  # read before adapters wrap its layers
+        adapters = lora_settings(self.config.model)
+        if adapters is not None:  # model.lora_rank: the base frozen, adapters beside it
+            add_lora(model, adapters, self.spec, self.config.train.seed)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec)
         # where the values come from (None: the model's own), read per rank once composed
         seeded = (initial_weights(model, self.config.train.seed, init_fn)

@@ -14,7 +14,9 @@ from .state import MODEL
 from .stream import write_streamed
 
 
-def _newest(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
+def newest_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
+    """The newest intact checkpoint of ``run_dir``, open (refused in one line when the
+    directory or any checkpoint is missing)."""
     if not Path(run_dir).is_dir():
         raise UserError(f"run directory {str(run_dir)!r} does not exist")
     directory = find_checkpoint(Path(run_dir), warn)
@@ -37,7 +39,7 @@ def export_weights(run_dir: Path, out: Path, warn: Callable[[str], None]) -> tup
     """Assemble every ``model/...`` tensor of the newest intact checkpoint of ``run_dir``
     into ``out`` under its plain parameter name (load it with
     ``safetensors.torch.load_model(model, out)``). Returns (out, step)."""
-    ckpt = _newest(run_dir, warn)
+    ckpt = newest_checkpoint(run_dir, warn)
     _write_model(ckpt, Path(out), {"format": "disttrain-export", "step": str(ckpt.step)})
     return Path(out), ckpt.step
 
@@ -51,7 +53,7 @@ def export_hf(run_dir: Path, out_dir: Path, warn: Callable[[str], None]) -> tupl
     if Path(run_dir).is_dir() and not config.is_file():
         raise UserError(f"{run_dir} has no {MODEL_CONFIG_FILE}: --format hf exports runs "
                         "of transformers models (use the default format for others)")
-    ckpt = _newest(run_dir, warn)
+    ckpt = newest_checkpoint(run_dir, warn)
     out_dir = Path(out_dir)
     _write_model(ckpt, out_dir / "model.safetensors", {"format": "pt"})
     (out_dir / "config.json").write_text(config.read_text(encoding="utf-8"),

@@ -276,8 +276,10 @@ TRAJECTORY_IGNORED = ("data.cache_dir",)
 
 
 def _trajectory(config: dict[str, dict[str, Any]], global_batch: Any) -> dict[str, Any]:
-    """The settings of ``config`` (a ``Config.to_dict()``) that fix the trajectory."""
-    out = {f"{s}.{k}": v for s in TRAJECTORY_SECTIONS for k, v in config.get(s, {}).items()}
+    """The settings of ``config`` (a ``Config.to_dict()``, or its JSON: a list there is
+    a tuple here) that fix the trajectory."""
+    out = {f"{s}.{k}": list(v) if isinstance(v, tuple) else v
+           for s in TRAJECTORY_SECTIONS for k, v in config.get(s, {}).items()}
     for key in TRAJECTORY_KEYS:
         section, _, name = key.partition(".")
         out[key] = config.get(section, {}).get(name)

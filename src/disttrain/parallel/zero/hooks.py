@@ -215,14 +215,17 @@ class Stage3Gathers:
             free(f.full)
 
     def end_step(self) -> None:
-        """Free the root units (kept for the whole step) and the blocks' frozen
-        parameters still gathered, and forget prefetches."""
+        """Free every unit still gathered (the root units, kept for the whole step; the
+        blocks' frozen parameters; a block prefetched for a backward that never came,
+        as one whose input needs no gradient), once its gather is done, and forget
+        prefetches."""
         self.backward_prefetch = None
-        for roots in self.roots.values():
-            for unit in roots:
-                self.free_unit(unit)
+        for works in self.gathers.values():
+            for w in works:
+                w.wait()
+        self.gathers.clear()
         for unit in self.by_unit:
-            self._free_frozen(unit)
+            self.free_unit(unit)
 
     def gather_all(self) -> None:
         with torch.no_grad():

@@ -285,3 +285,92 @@ def test_a_resume_refuses_a_different_frozen_base(runs):
     [line] = run_distributed(_resume_other_base, 1, args=(str(runs),), timeout=120)
     assert "another frozen base" in line and "checkpoint.allow_changes" in line
     assert "\n" not in line
+
+
+def _adapters(run: Path) -> dict[str, torch.Tensor]:
+    from disttrain.checkpoint.manager import find_checkpoint, open_checkpoint
+
+    reader = open_checkpoint(find_checkpoint(run, warn=pytest.fail)).reader
+    return {n[len("model/"):]: reader.tensor(n) for n in reader.names("model/")}
+
+
+def _base_plus_adapters(kind: str, root: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The plain PyTorch reference: the base model from its directory, each adapted
+    layer's output plus (alpha / r) x A^T B^T from the checkpoint's tensors (hooks)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / f"{kind}-base", dtype=torch.float32)
+    adapters = _adapters(root / f"{kind}-one")
+    scale = LORA["lora_alpha"] / LORA["lora_rank"]
+    paths = {n.rsplit(".", 2)[0] for n in adapters}
+    assert paths and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    for path in paths:
+        a, b = adapters[f"{path}.lora_A.weight"], adapters[f"{path}.lora_B.weight"]
+        model.get_submodule(path).register_forward_hook(
+            lambda _m, args, out, a=a, b=b: out + scale * (args[0] @ a.t() @ b.t()))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.arange(24).reshape(2, 12) % 64
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_the_merged_export_computes_the_base_plus_its_adapters(runs, kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.lora.export import export_adapters
+
+    out, step = export_adapters(runs / f"{kind}-one", tmp_path / "merged", merge=True,
+                                warn=pytest.fail)
+    assert step == STEPS
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        got = merged(input_ids=IDS).logits
+    torch.testing.assert_close(got, _base_plus_adapters(kind, runs, IDS), atol=1e-5,
+                               rtol=1e-5)  # one merged matmul vs two: fp32 rounding
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_peft_loads_the_exported_adapters_onto_the_base(runs, kind, tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is an optional dependency (the "
+                               "'peft' extra): the exported files are checked with it")
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.lora.export import export_adapters
+
+    out, _ = export_adapters(runs / f"{kind}-one", tmp_path / "peft", merge=False,
+                             warn=pytest.fail)
+    base = AutoModelForCausalLM.from_pretrained(runs / f"{kind}-base", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, out)
+    with torch.no_grad():
+        got = model(input_ids=IDS).logits
+    torch.testing.assert_close(got, _base_plus_adapters(kind, runs, IDS), atol=1e-6,
+                               rtol=1e-6)
+
+
+def test_exports_of_a_lora_run_refuse_what_cannot_hold_it(runs, tmp_path):
+    """A plain hf export would miss the base; --merge goes with hf only; a merge on a
+    base that changed since the run is refused and leaves nothing."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from disttrain.checkpoint.export import newest_checkpoint
+    from disttrain.cli import main
+    from disttrain.errors import EXIT_USAGE, UserError
+    from disttrain.lora.export import export_merged, lora_run
+
+    run = runs / "llama-one"
+    for args in (["--format", "hf"], ["--format", "peft", "--merge"]):
+        assert main(["export", str(run), "--out", str(tmp_path / "x"), *args]) == EXIT_USAGE
+    moved = tmp_path / "llama-base"
+    shutil.copytree(runs / "llama-base", moved)
+    tensors = load_file(str(moved / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3
+    save_file(tensors, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    lora = lora_run(run, newest_checkpoint(run, warn=pytest.fail))
+    config = {**lora.config, "model": {**lora.config["model"], "pretrained": str(moved)}}
+    with pytest.raises(UserError, match="model.norm.weight differ"):
+        export_merged(dataclasses.replace(lora, config=config), run, tmp_path / "merged")
+    assert not (tmp_path / "merged" / "model.safetensors").exists()

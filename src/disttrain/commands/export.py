@@ -51,7 +51,7 @@ def run_export(ns: argparse.Namespace) -> int:
         if ns.format == "hf":
             from ..lora.export import refuse_adapters
 
-            refuse_adapters(run_dir, warn)
+            refuse_adapters(run_dir)
         write = export_hf if ns.format == "hf" else export_weights
         out, step = write(run_dir, out_path, warn)
     print(f"wrote {out} (step {step})")

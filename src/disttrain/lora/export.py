@@ -30,7 +30,7 @@ from ..adapters import LORA_A, LORA_B
 from ..checkpoint.export import newest_checkpoint
 from ..checkpoint.fingerprint import FROZEN_KEY, first_difference, piece_checksums
 from ..checkpoint.format import dtype_from_name
-from ..checkpoint.manager import LoadedCheckpoint
+from ..checkpoint.manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
 from ..checkpoint.state import MODEL
 from ..checkpoint.stream import write_streamed
 from ..errors import UserError
@@ -181,11 +181,16 @@ def export_adapters(run_dir: Path, out_dir: Path, *, merge: bool,
     return export_peft(run, out_dir), ckpt.step
 
 
-def refuse_adapters(run_dir: Path, warn: Callable[[str], None]) -> None:
+def refuse_adapters(run_dir: Path) -> None:
     """Refuse the plain hf export of a LoRA run: its checkpoints hold the adapters
-    only, which a transformers model does not load."""
-    ckpt = newest_checkpoint(run_dir, warn)
-    if ckpt.meta.get("config", {}).get("model", {}).get("lora_rank"):
+    only, which a transformers model does not load. A run that cannot be exported at
+    all (no model config, no checkpoint) is left for the export to refuse."""
+    if not (Path(run_dir) / MODEL_CONFIG_FILE).is_file():
+        return
+    found = find_checkpoint(Path(run_dir), warn=lambda _: None)
+    if found is None:
+        return
+    if open_checkpoint(found).meta.get("config", {}).get("model", {}).get("lora_rank"):
         raise UserError(f"{run_dir} trained LoRA adapters beside a frozen base: export "
                         "them with --format peft, or merged into the base with --format "
                         "hf --merge")

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapters import LORA_A, LORA_B, LoRALinear
+from .param_names import ADAPTED, canonical_name
+
 # (module holding the named submodules, its input) -> its output
 Piece = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 # (module holding the embeddings, token ids, **the spec's embed_inputs by name) -> hidden
@@ -203,6 +206,13 @@ TP_SWAPPED = (*TP_COLUMN, "rowwise", "vocab", "vocab_head")
 TP_STYLES = (*TP_SWAPPED, "partial", "replicated", "sequence", "split_sequence")
 # what a parameter is under a plan, for its gradient
 SHARDED, IDENTICAL, PARTIAL = "sharded", "identical", "partial"
+# a LoRA adapter's factors under the style of the layer it adapts, split so that the
+# layer's own collectives carry it: a column-parallel layer keeps A [r, in] whole and
+# shards B [out, r] like its rows (A's gradient is then a partial sum over tp), a
+# row-parallel one shards A like its input columns and keeps B whole (B's partial)
+ADAPTER_KINDS = {**{(s, LORA_A): PARTIAL for s in TP_COLUMN},
+                 **{(s, LORA_B): SHARDED for s in TP_COLUMN},
+                 ("rowwise", LORA_A): SHARDED, ("rowwise", LORA_B): PARTIAL}
 
 
 class UnclassifiedParameter(ValueError):
@@ -242,6 +252,7 @@ def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, s
     styles = dict(match_plan(model, plan))
     regions = sorted({n.rpartition(".")[0] for n, s in styles.items()
                       if s in (*TP_COLUMN, "rowwise")})
+    adapters = _adapter_styles(model, styles)
     kinds: dict[str, str] = {}
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
@@ -250,8 +261,10 @@ def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, s
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
-            if style in TP_SWAPPED:
+            name = canonical_name(f"{mod_name}.{p_name}" if mod_name else p_name)
+            if mod_name in adapters:
+                kinds[name] = adapters[mod_name]
+            elif style in TP_SWAPPED:
                 kinds[name] = IDENTICAL if (style, p_name) == ("rowwise", "bias") else SHARDED
             elif style == "partial":
                 kinds[name] = PARTIAL
@@ -264,6 +277,25 @@ def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, s
                                                               region, styles))
                 kinds[name] = IDENTICAL
     return kinds
+
+
+def _adapter_styles(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """The adapted layers of a LoRA model under ``styles``: each one's base layer takes
+    its style (added to ``styles``); returned, each adapter factor's module name -> its
+    kind (:data:`ADAPTER_KINDS`). An adapter on a layer the plan does not split into
+    columns or rows (an embedding, a vocabulary head) is refused."""
+    factors: dict[str, str] = {}
+    for name, style in list(styles.items()):
+        if not isinstance(model.get_submodule(name), LoRALinear):
+            continue
+        if style not in (*TP_COLUMN, "rowwise"):
+            raise UnclassifiedParameter(
+                f"module {name!r} carries a LoRA adapter and the tensor-parallel plan "
+                f"shards it as {style!r}: adapters split with column- and row-parallel "
+                "layers only; leave it out of model.lora_targets, or set parallel.tp=1")
+        styles[f"{name}.{ADAPTED}"] = style
+        factors |= {f"{name}.{f}": ADAPTER_KINDS[style, f] for f in (LORA_A, LORA_B)}
+    return factors
 
 
 def _inside(module: str, region: str) -> bool:

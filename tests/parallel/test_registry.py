@@ -105,6 +105,9 @@ class RankZeroState:
                                       (0,) * len(shape)))
         return out
 
+    def frozen_pieces(self) -> list[StatePiece]:
+        return []  # state_pieces saves every parameter
+
     def load_state(self, source, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             for p in {id(p): p for p in self.module.parameters()}.values():

@@ -20,12 +20,24 @@ from safetensors import SafetensorError, safe_open
 from ..errors import UserError
 from ..names import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from .format import SAFETENSORS_DTYPES, dtype_from_name
-from .manager import find_checkpoint, open_checkpoint
+from .manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
 from .state import MODEL
 from .stream import Entry, write_streamed
 
 STEP_KEY = "step"  # the final weights' header: the step they are of
 _FROM_SAFETENSORS = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def newest_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
+    """The newest intact checkpoint of ``run_dir``, open (refused in one line when the
+    directory or any checkpoint is missing): what an export that needs a checkpoint's
+    records (a LoRA run's adapters and fingerprint) reads."""
+    if not Path(run_dir).is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} does not exist")
+    directory = find_checkpoint(Path(run_dir), warn)
+    if directory is None:
+        raise UserError(f"{run_dir} holds no checkpoint (train with checkpoint.every > 0)")
+    return open_checkpoint(directory)
 
 
 @dataclass(frozen=True)

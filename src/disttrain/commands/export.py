@@ -18,23 +18,46 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "checkpoint; the output line says which) into one safetensors file, loadable "
         "with safetensors.torch.load_model into the plain model; with "
         "--format hf (runs of transformers models), into a directory that "
-        "AutoModelForCausalLM.from_pretrained loads.")
+        "AutoModelForCausalLM.from_pretrained loads. A LoRA run (model.lora_rank > 0) "
+        "holds adapters only: --format peft writes them as peft loads them onto the base "
+        "model, --format hf --merge writes the base with the adapters merged in.")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
     export.add_argument("--out", required=True, metavar="PATH",
-                        help="output .safetensors file (hf: output directory)")
-    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors (default) or hf (config.json + model.safetensors)")
+                        help="output .safetensors file (hf, peft: output directory)")
+    export.add_argument("--format", choices=("safetensors", "hf", "peft"),
+                        default="safetensors",
+                        help="safetensors (default), hf (config.json + model.safetensors) "
+                        "or peft (a LoRA run's adapter_config.json + "
+                        "adapter_model.safetensors)")
+    export.add_argument("--merge", action="store_true",
+                        help="with --format hf, of a LoRA run: the adapters merged into "
+                        "the base read from the run's model.pretrained")
     return export
 
 
 def run_export(ns: argparse.Namespace) -> int:
     from ..checkpoint.export import export_hf, export_weights
+    from ..errors import UserError
 
     def warn(text: str) -> None:
         print(f"disttrain: warning: {text}", file=sys.stderr)
 
+    run_dir, out_path = Path(ns.run_dir), Path(ns.out)
+    if ns.merge and ns.format != "hf":
+        raise UserError(f"--merge goes with --format hf, not --format {ns.format} (give "
+                        "--format hf --merge)")
+    if ns.format == "peft" or ns.merge:
+        from ..lora.export import export_adapters
+
+        out, step = export_adapters(run_dir, out_path, merge=ns.merge, warn=warn)
+        print(f"wrote {out} (step {step})")
+        return 0
+    if ns.format == "hf":
+        from ..lora.export import refuse_adapters
+
+        refuse_adapters(run_dir)
     write = export_hf if ns.format == "hf" else export_weights
-    out, weights = write(Path(ns.run_dir), Path(ns.out), warn)
-    step = "step unknown" if weights.step is None else f"step {weights.step}"
-    print(f"wrote {out} ({step}, from {weights.source})")
+    out, weights = write(run_dir, out_path, warn)
+    said = "step unknown" if weights.step is None else f"step {weights.step}"
+    print(f"wrote {out} ({said}, from {weights.source})")
     return 0

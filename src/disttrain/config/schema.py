@@ -73,6 +73,17 @@ class ModelConfig:
     n_head: int = _f(4, "attention heads per block", ge=1)
     d_model: int = _f(128, "model width (must be divisible by n_head)", ge=1)
     dropout: float = _f(0.0, "dropout probability", ge=0.0, le=1.0)
+    lora_rank: int = _f(0, "LoRA: train rank-r adapters beside the targeted linear layers, "
+                        "everything else frozen; checkpoints hold the adapters only (the "
+                        "base comes from model.pretrained); 0 = train every weight",
+                        ge=0, le=4096)
+    lora_alpha: float = _f(16.0, "LoRA: the adapters' update is scaled by lora_alpha / "
+                           "lora_rank", gt=0.0)
+    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input", ge=0.0, le=1.0)
+    lora_targets: tuple[str, ...] = _f((), "LoRA: the linear layers to adapt, as name "
+                                       "patterns (a full module name or its last part, "
+                                       "e.g. [\"q_proj\", \"v_proj\"]); empty = the "
+                                       "attention and MLP projections")
 
 
 @dataclass(kw_only=True)

@@ -44,6 +44,7 @@ from ..comm.collectives import CollectiveLedger, Communicator
 from ..config.layout import Layout
 from ..config.schema import Config, TrainConfig
 from ..dimensions import Role, mesh_order
+from ..param_names import canonical_name
 from ..spec import ModelSpec, block_list, output_logits
 from ..targets import IGNORE_INDEX
 from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
@@ -202,7 +203,7 @@ class Parallelized:
         read whole). What a :class:`~.interfaces.PartialSource` reads for it."""
         if self.zero_stage:
             out: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-            for piece in self.state.state_pieces(optimizer):
+            for piece in self.state.state_pieces(optimizer) + self.state.frozen_pieces():
                 if piece.name.startswith(MODEL):
                     out.setdefault(piece.name, []).append(
                         (piece.offsets, tuple(piece.tensor.shape)))
@@ -242,7 +243,7 @@ class Parallelized:
         whole = not self.mp.applied
         if self.zero_stage:
             pieces = [p for p in self.state.state_pieces(optimizer)
-                      if p.name.startswith(MODEL)]
+                      if p.name.startswith(MODEL)] + self.state.frozen_pieces()
         elif replicas.rank != 0:
             pieces = []
         elif whole:
@@ -266,7 +267,8 @@ class Parallelized:
         large for one host)."""
         world = self.groups.world
         if not self.mp.applied:
-            return dict(self.module.state_dict()) if world.rank == 0 else None
+            return ({canonical_name(k): v for k, v in self.module.state_dict().items()}
+                    if world.rank == 0 else None)
         mine = []
         if self.groups.replicas.rank == 0:
             for name, p in self.mp.named_parameters():

@@ -132,17 +132,25 @@ class PartialSource(Protocol):
 
 @runtime_checkable
 class ShardedState(Protocol):
-    """The training state this rank owns."""
+    """The training state this rank owns. Parameters with ``requires_grad=False`` do not
+    train: they are in no optimizer group and need not be saved (the run's initial
+    source gives them back on a resume)."""
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
-        """The optimizer's parameter groups (matrices decayed, the rest not)."""
+        """The optimizer's parameter groups (matrices decayed, the rest not; trainable
+        parameters only)."""
 
     def state_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
         """The pieces this rank saves; over all ranks they cover the state once."""
 
+    def frozen_pieces(self) -> list[StatePiece]:
+        """The pieces of the frozen parameters that :meth:`state_pieces` leaves out;
+        over all ranks they cover each such parameter once (the final weights hold
+        them)."""
+
     def load_state(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
         """Load this rank's part of the state (and the optimizer's) from global tensors
-        saved in any layout."""
+        saved in any layout; a frozen parameter only where ``source`` holds it."""
 
 
 class SyncStrategy(Protocol):

@@ -1,7 +1,10 @@
 """The training state of replicas: whole parameters (or tp boxes), their optimizer state
 and the persistent buffers, held identically by every dp rank.
 
-Each tensor is saved once: the dp ranks split the tensors between them by size
+Parameters that do not train (``requires_grad=False``) have no optimizer state and are
+in no checkpoint (they come from the run's initial source: :meth:`ReplicatedState.
+frozen_pieces` gives them to the final weights). Each tensor is saved once: the dp ranks
+split the tensors between them by size
 (:func:`~disttrain.checkpoint.state.assign_owners`, the same choice on every rank);
 among tp ranks a replicated tensor is written by tp rank 0, and a tied weight's
 second copy (pipelines) by nobody. Loading takes any layout's checkpoint and cuts this
@@ -51,7 +54,7 @@ class ReplicatedState:
     def state_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
         candidates: list[StatePiece] = []
         for name, p in self._parameters():
-            if not self.placement.writes(p):
+            if not (p.requires_grad and self.placement.writes(p)):
                 continue
             boxes = self.placement.boxes(name, p)
             tensors = [(MODEL + name, p.detach())]
@@ -72,6 +75,15 @@ class ReplicatedState:
                            for n, b in self.buffers().items()]
         return self._mine(candidates) + self._rank_pieces(optimizer)
 
+    def frozen_pieces(self) -> list[StatePiece]:
+        """The frozen parameters (their tensor-parallel boxes), from dp rank 0."""
+        if self.dp_rank != 0:
+            return []
+        return [StatePiece(MODEL + name, g.tensor, g.global_shape, g.offsets)
+                for name, p in self._parameters()
+                if not p.requires_grad and self.placement.writes(p)
+                for g in tensor_pieces(self.placement.boxes(name, p), p.detach())]
+
     def _rank_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
         """State that differs between dp ranks (1-bit Adam's residuals), written by
         each rank itself: ``rank_state`` tensors as row ``dp_rank`` of a global
@@ -82,7 +94,7 @@ class ReplicatedState:
             return []
         out = []
         for name, p in self._parameters():
-            if not self.placement.writes(p):
+            if not (p.requires_grad and self.placement.writes(p)):
                 continue
             for key, t in local.rank_state(p).items():
                 out += rank_row_pieces(self.placement, name, p, key, t, self.dp_rank,
@@ -107,7 +119,11 @@ class ReplicatedState:
                 if canonical_name(n) in persistent}
 
     def load_state(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
-        params = {MODEL + n: p for n, p in self._parameters()}
+        """Every trainable parameter and its optimizer state, the buffers, and the
+        frozen parameters ``source`` holds (an initial source does, a checkpoint does
+        not: they are left as they are)."""
+        params = {MODEL + n: p for n, p in self._parameters()
+                  if p.requires_grad or MODEL + n in source.names(MODEL + n)}
         restore_named(source, params, self.placement.to_local)
         restore_named(source, {MODEL + n: b for n, b in self.buffers().items()})
         local = rank_local_state(optimizer)
@@ -118,6 +134,8 @@ class ReplicatedState:
         if local is None:
             return  # the optimizer keeps all its state in optimizer.state
         for name, p in self._parameters():
+            if not p.requires_grad:
+                continue
             for key in rank_keys + range_keys:
                 full = f"{OPTIM}{name}/{key}"
                 if full not in source.names(full):

@@ -48,6 +48,7 @@ from .cadence import CheckpointCadence
 from .checkpointing import RunCheckpoints, finished_run
 from .cursor import DataCursor
 from .flops import count_flops_per_term, shape_flops_per_token
+from .frozen import frozen_fingerprint
 from .loading import StepLoader
 from .nonfinite import NonFinitePolicy
 from .outputs import RunDirectory
@@ -143,7 +144,8 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
     closing.callback(model.parallel.restore_head)
     checkpoints = RunCheckpoints(run_dir, config, plan, world, model.parallel.state,
                                  model.optimizer,
-                                 model.parallel.local_boxes(model.optimizer))
+                                 model.parallel.local_boxes(model.optimizer),
+                                 frozen_fingerprint(model.parallel, model.optimizer, world))
     start_step = _resume(checkpoints, cursor, model, reporter, run_dir, runtime)
     train = config.train
     sync = model.parallel.sync

@@ -3,7 +3,9 @@
 What this rank saves is whatever its composed training state says it owns
 (:meth:`~disttrain.parallel.interfaces.ShardedState.state_pieces`: boxes of global
 tensors under global names) plus its own RNG streams; loading hands the checkpoint's
-reader to the same state, which cuts out its part whatever layout wrote it.
+reader to the same state, which cuts out its part whatever layout wrote it. Frozen
+parameters are not saved: each checkpoint records their fingerprint
+(:mod:`disttrain.checkpoint.fingerprint`), and a resume refuses a base that differs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, cast
 
 import torch
 
+from ..checkpoint.fingerprint import FROZEN_KEY, first_difference
 from ..checkpoint.manager import CheckpointManager, SaveFailed, find_checkpoint, open_checkpoint
 from ..checkpoint.state import restore_rng, rng_tensors
 from ..checkpoint.storage import step_name
@@ -65,10 +68,12 @@ class RunCheckpoints:
 
     def __init__(self, run_dir: Path, config: Config, plan: RunPlan, world: Communicator,
                  state: ShardedState, optimizer: torch.optim.Optimizer,
-                 boxes: dict[str, list] | None = None) -> None:
+                 boxes: dict[str, list] | None = None,
+                 frozen: dict[str, list[float]] | None = None) -> None:
         self.run_dir, self.config, self.plan = run_dir, config, plan
         self.world, self.state, self.optimizer = world, state, optimizer
         self.boxes = boxes  # what this rank holds of each tensor: read only that
+        self.frozen = frozen or {}  # the frozen parameters' fingerprints (not saved)
         self.bytes_read = 0  # of the checkpoint resumed from
         ck = config.checkpoint
         self.every = ck.every
@@ -87,7 +92,9 @@ class RunCheckpoints:
             try:
                 found = find_checkpoint(self.run_dir, warn=say)
                 if found and not self.config.checkpoint.allow_changes:
-                    self._check_unchanged(open_checkpoint(found).meta)
+                    meta = open_checkpoint(found).meta
+                    self._check_unchanged(meta)
+                    self._check_frozen(meta)
                 choice = ("load", str(found)) if found else ("none", None)
             except UserError as exc:
                 choice = ("error", str(exc))
@@ -121,6 +128,21 @@ class RunCheckpoints:
                             f"({diffs}); resuming would change its trajectory (give "
                             "another run directory, or --set checkpoint.allow_changes=true "
                             "to continue it anyway)")
+
+    def _check_frozen(self, meta: dict[str, Any]) -> None:
+        """Refuse to continue a checkpoint whose frozen parameters (not in it: they came
+        from the run's source) differ from this run's (a checkpoint written before
+        frozen parameters were left out holds them all and records none)."""
+        saved = meta.get(FROZEN_KEY)
+        if saved is None:
+            return
+        diff = first_difference(saved, self.frozen)
+        if diff is not None:
+            raise UserError(f"{self.run_dir} holds a checkpoint trained on another frozen "
+                            f"base: {diff} (the frozen parameters come from "
+                            "model.pretrained or the seed, not the checkpoint; give the "
+                            "run's own, or --set checkpoint.allow_changes=true to "
+                            "continue anyway)")
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or
@@ -228,7 +250,8 @@ class RunCheckpoints:
                 "layout": lay.as_dict(),
                 "global_batch": self.plan.batch.global_batch,
                 "seed": self.config.train.seed, "optimizer": self.config.train.optimizer,
-                "config": self.config.to_dict(), "saved_at": time.time()}
+                "config": self.config.to_dict(), "saved_at": time.time(),
+                **({FROZEN_KEY: self.frozen} if self.frozen else {})}
 
     def close(self) -> None:
         """Wait for a pending asynchronous save (a collective: it may have failed)."""
@@ -253,8 +276,10 @@ TRAJECTORY_IGNORED = ("data.cache_dir",)
 
 
 def _trajectory(config: dict[str, dict[str, Any]], global_batch: Any) -> dict[str, Any]:
-    """The settings of ``config`` (a ``Config.to_dict()``) that fix the trajectory."""
-    out = {f"{s}.{k}": v for s in TRAJECTORY_SECTIONS for k, v in config.get(s, {}).items()}
+    """The settings of ``config`` (a ``Config.to_dict()``, or its JSON: a list there is
+    a tuple here) that fix the trajectory."""
+    out = {f"{s}.{k}": list(v) if isinstance(v, tuple) else v
+           for s in TRAJECTORY_SECTIONS for k, v in config.get(s, {}).items()}
     for key in TRAJECTORY_KEYS:
         section, _, name = key.partition(".")
         out[key] = config.get(section, {}).get(name)

@@ -36,6 +36,7 @@ from ..config import Config, RunPlan, load_config
 from ..data.packing import PackedCollate, PackedExamples
 from ..data.samples import tensor_rows
 from ..errors import DivergenceError, UserError
+from ..lora import add_lora, lora_settings
 from ..models import token_loss
 from ..monitor.callbacks import Callback
 from ..parallel.compose import Parallelized
@@ -98,7 +99,9 @@ class Trainer:
     builds the matching model on meta). With ``data.packing`` the dataset's samples are
     examples (``input_ids`` and ``labels`` of any length up to ``model.seq_len``), packed
     into rows with attention kept inside each (:mod:`disttrain.data.packing`); the
-    Trainer collates the rows itself.
+    Trainer collates the rows itself. With ``model.lora_rank`` > 0 the Trainer first
+    adds LoRA adapters to ``model`` in place (:func:`disttrain.lora.add_lora`) and
+    freezes the rest.
 
     During and after :meth:`fit`, ``parallel``, ``optimizer``, ``world``,
     ``checkpoints``, ``runtime`` and ``start_step`` are the run's.
@@ -112,7 +115,10 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), init_fn: InitFn | None = None,
                  pretrained: str | Path | None = None) -> None:
         self.config = _as_config(config)
-        self.spec = spec or spec_for(model)
+        self.spec = spec or spec_for(model)  # read before adapters wrap its layers
+        adapters = lora_settings(self.config.model)
+        if adapters is not None:  # model.lora_rank: the base frozen, adapters beside it
+            add_lora(model, adapters, self.spec, self.config.train.seed)
         self.plan: RunPlan = resolve(self.config, world_size_from_env(), self.spec, model)
         # where the values come from (None: the model's own), read per rank once composed
         seeded = (initial_weights(model, self.config.train.seed, init_fn)

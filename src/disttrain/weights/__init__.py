@@ -13,6 +13,7 @@ from typing import cast
 
 from torch import nn
 
+from ..adapters import adapter_init
 from ..errors import UserError
 from .materialize import allocate, fill_buffers, on_meta
 from .pretrained import PretrainedWeights, open_pretrained, read_directory
@@ -34,14 +35,15 @@ def model_init_fn(model: nn.Module) -> InitFn | None:
 
 def initial_weights(model: nn.Module, seed: int, init_fn: InitFn | None = None) -> SeededInit:
     """The seeded initial values of ``model`` (on meta): ``init_fn`` applied per
-    module, or the model's own (:func:`model_init_fn`)."""
+    module, or the model's own (:func:`model_init_fn`); LoRA adapters by their own
+    (:func:`~disttrain.adapters.adapter_init`)."""
     init_fn = init_fn or model_init_fn(model)
     if init_fn is None:
         raise UserError(f"the model ({type(model).__name__}) is on the meta device and "
                         "disttrain does not know how to initialise it (pass init_fn=, a "
                         "function that initialises one module's own tensors in place, or "
                         "pretrained weights)")
-    return SeededInit(model, init_fn, seed)
+    return SeededInit(model, adapter_init(init_fn), seed)
 
 
 def pretrained_model(directory: str) -> nn.Module:

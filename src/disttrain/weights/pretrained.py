@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..adapters import AdapterFactor
 from ..checkpoint.state import MODEL
 from ..errors import UserError
+from ..param_names import canonical_name
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -169,12 +171,18 @@ def _entry(root: Path, path: Path, name: str, entry: object, data_bytes: int,
 
 def model_tensor_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """The tensors a pretrained file of ``model`` holds, by name: parameters (a tied
-    weight once, under its first name) and persistent buffers; and each tied weight's
-    other names -> its first name."""
+    weight once, under its first name; a LoRA adapter's base under its plain name, the
+    adapter itself never) and persistent buffers; and each tied weight's other names ->
+    its first name."""
     shapes: dict[str, tuple[int, ...]] = {}
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    adapters = {id(p) for m in model.modules() if isinstance(m, AdapterFactor)
+                for p in m.parameters()}
+    for raw, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(raw)
+        if id(p) in adapters:
+            continue
         if id(p) in first:
             aliases[name] = first[id(p)]
         else:
@@ -183,7 +191,7 @@ def model_tensor_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], d
     persistent = set(model.state_dict().keys())
     for name, b in model.named_buffers():
         if name in persistent:
-            shapes[name] = tuple(b.shape)
+            shapes[canonical_name(name)] = tuple(b.shape)
     return shapes, aliases
 
 

@@ -211,7 +211,8 @@ class _Runner:
         key = (action.chunk, action.micro)
         out, x = self.outputs.pop(key), self.inputs.pop(key)
         with self.grad_sync(action.chunk, last):
-            torch.autograd.backward(out, grad_tensors=grad)
+            if out.requires_grad:  # else nothing before it trains (a frozen first chunk)
+                torch.autograd.backward(out, grad_tensors=grad)
         if action.chunk > 0:
             if x is None:  # never: every chunk after the first received its input
                 raise RuntimeError(f"{action} has no received input to send a gradient for")

@@ -4,6 +4,8 @@ A plan is data: module-name patterns (``fnmatch``, matched against
 ``model.named_modules()`` names) -> style. Styles:
 
 - ``colwise``: ``nn.Linear`` -> :class:`ColumnParallelLinear` (output rows sharded)
+  (a LoRA-adapted linear layer, under any of the three styles here, -> its
+  tensor-parallel form, the adapter split with it: :mod:`.lora`)
 - ``colwise_qkv``: the same for a fused q|k|v projection, cut so each rank gets its
   own heads' q, k and v rows; the parent's ``n_head`` becomes this rank's head count
 - ``rowwise``: ``nn.Linear`` -> :class:`RowParallelLinear` (input columns sharded)
@@ -46,6 +48,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ...adapters import LoRALinear
 from ...comm.collectives import Communicator
 from ...errors import ConfigError
 from ...spec import (
@@ -73,6 +76,7 @@ from .layers import (
     cut,
     whole_box,
 )
+from .lora import adapted_layer
 
 STYLES = TP_STYLES
 
@@ -273,7 +277,10 @@ _EXPECTED = {"colwise": nn.Linear, "colwise_qkv": nn.Linear, "rowwise": nn.Linea
 
 
 def _check_module(style: str, module: nn.Module, transposed: bool) -> None:
-    """Refuse a module that ``style`` cannot shard."""
+    """Refuse a module that ``style`` cannot shard (a LoRA adapter's: its base layer;
+    adapters on vocabulary styles are refused by the plan's classification)."""
+    if isinstance(module, LoRALinear) and style in ("colwise", "colwise_qkv", "rowwise"):
+        module = module.base_layer
     if transposed and style in ("colwise", "colwise_qkv", "rowwise"):
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -297,6 +304,8 @@ def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel:
         new = VocabParallelEmbedding(_checked(module, nn.Embedding), comm)
     elif style == "vocab_head":
         new = VocabParallelHead(_checked(module, nn.Linear), comm, tied=tied, **sp)
+    elif isinstance(module, LoRALinear):  # the adapter split with the layer
+        new = adapted_layer(style, module, comm, transposed=transposed, **sp)
     elif style == "rowwise":
         new = RowParallelLinear(module, comm, transposed=transposed, **sp)
     else:

@@ -36,7 +36,14 @@ from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from .check import check_zero
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
 from .hooks import ShardReducer, Stage3Gathers
-from .state import load_rank_state, load_shards, rank_pieces, shard_pieces
+from .state import (
+    load_frozen,
+    load_rank_state,
+    load_shards,
+    rank_pieces,
+    shard_pieces,
+    whole_pieces,
+)
 
 
 class ZeroDataParallel:
@@ -58,7 +65,15 @@ class ZeroDataParallel:
             flat for index, unit in enumerate(units) for decay in (True, False)
             if (flat := flatten_unit(unit, index, decay, placement.names, comm.rank,
                                      comm.size, stage, device)) is not None]
-        self.gathers = Stage3Gathers(units, self.flats, comm) if stage == 3 else None
+        # parameters that do not train: no gradient, no optimizer state; stage 3 shards
+        # them (gathered with their unit), stages 1-2 keep them whole
+        self.frozen_flats: list[FlatParam] = [
+            flat for index, unit in enumerate(units) if stage == 3
+            if (flat := flatten_unit(unit, index, None, placement.names, comm.rank,
+                                     comm.size, stage, device)) is not None]
+        self.frozen_whole = [] if stage == 3 else [p for u in units for _, p in u.frozen]
+        self.gathers = (Stage3Gathers(units, self.flats + self.frozen_flats, comm)
+                        if stage == 3 else None)
         self.reducer = ShardReducer(self.flats, comm, stage, reduce_dtype,
                                     self.gathers.launched if self.gathers else lambda f: None)
         self._sync = True
@@ -70,16 +85,18 @@ class ZeroDataParallel:
         """Every rank starts from dp rank 0's values (shards included); stage 3 then
         frees the full parameters."""
         with torch.no_grad():
-            for f in self.flats:
+            for f in self.flats + self.frozen_flats:
                 self.comm.broadcast(f.full, src=0)
                 if self.stage == 3:
                     lo, hi = f.shard_range(self.comm.rank)
                     f.shard.copy_(f.full[lo:hi])
+            for p in self.frozen_whole:
+                self.comm.broadcast(p.data, src=0)
             for m in self.modules:
                 for b in m.buffers():
                     self.comm.broadcast(b.data, src=0)
         if self.stage == 3:
-            for f in self.flats:
+            for f in self.flats + self.frozen_flats:
                 free(f.full)
 
     # ------------------------------------------------------------------ gradients
@@ -169,7 +186,8 @@ class ZeroDataParallel:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.untyped_storage().nbytes()
         params = sum(nbytes(f.full) + (nbytes(f.shard) if self.stage == 3 else 0)
-                     for f in self.flats)
+                     for f in self.flats + self.frozen_flats)
+        params += sum(p.numel() * p.element_size() for p in self.frozen_whole)
         grads = sum(nbytes(f.grad_full) if f.grad_full is not None  # shard grad: a slice
                     else 0 if f.shard.grad is None
                     else f.shard.grad.numel() * f.shard.grad.element_size()
@@ -210,12 +228,24 @@ class ZeroDataParallel:
                 + rank_pieces(self.flats, self.placement, optimizer, self.comm.rank,
                               self.comm.size))
 
+    def frozen_pieces(self) -> list[StatePiece]:
+        """Stage 3: this rank's shard of every frozen parameter it writes; stages 1-2:
+        the whole frozen parameters, from dp rank 0."""
+        if self.stage == 3:
+            return shard_pieces(self.frozen_flats, self.comm.rank, self.placement, None)
+        if self.comm.rank != 0:
+            return []
+        return whole_pieces(self.frozen_whole, self.placement)
+
     def load_state(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
-        """Fill this rank's shards (and their optimizer state) from any checkpoint; the
-        full parameters are rebuilt from the shards (stages 1-2)."""
+        """Fill this rank's shards (and their optimizer state) from any checkpoint, and
+        the frozen parameters the source holds (an initial source does, a checkpoint
+        does not); the full parameters are rebuilt from the shards (stages 1-2)."""
         load_shards(self.flats, self.comm.rank, self.placement, source, optimizer)
         load_rank_state(self.flats, self.placement, source, optimizer, self.comm.rank,
                         self.comm.size)
+        load_frozen(self.frozen_flats, self.frozen_whole, self.comm.rank, self.placement,
+                    source)
         self.after_optimizer_step()
 
 

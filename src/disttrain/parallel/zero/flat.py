@@ -3,10 +3,13 @@
 A :class:`Unit` is a group of parameters that is gathered, reduced and freed together:
 a block of the model's block list, or a *root* unit (parameters outside the blocks,
 gathered for the whole step), in one backward *scope* (the whole model, or one pipeline
-chunk). Each unit's parameters of one weight-decay class become a :class:`FlatParam`:
-one flat buffer padded to a multiple of dp, of which dp rank r owns elements
-``[r*S, (r+1)*S)``. The model's parameters become views into the flat buffers, so the
-model runs unchanged.
+chunk). Each unit's trainable parameters of one weight-decay class become a
+:class:`FlatParam`: one flat buffer padded to a multiple of dp, of which dp rank r owns
+elements ``[r*S, (r+1)*S)``. The model's parameters become views into the flat buffers,
+so the model runs unchanged. Parameters that do not train (``requires_grad=False``)
+are in no gradient buffer and have no optimizer state: stages 1-2 keep them whole,
+stage 3 shards them in a flat buffer of their own per unit (``frozen``), gathered with
+the unit's others.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class Unit:
 
     ``module``: the block whose forward and backward use them (stage 3 gathers around
     it), or None for a root unit (gathered when its scope's module starts its forward,
-    kept until the step ends). ``scope``: the backward scope (pipeline chunk) that
+    kept until the step ends). ``params``: the trainable ones, ``frozen``: those with
+    ``requires_grad=False``. ``scope``: the backward scope (pipeline chunk) that
     produces their gradients. ``entry``: the module whose forward starts the scope.
     """
 
@@ -34,6 +38,7 @@ class Unit:
     params: tuple[tuple[str, nn.Parameter], ...]
     scope: int
     entry: nn.Module
+    frozen: tuple[tuple[str, nn.Parameter], ...] = ()
 
 
 def build_units(scopes: Sequence[tuple[int, nn.Module, Sequence[nn.Module]]],
@@ -48,12 +53,12 @@ def build_units(scopes: Sequence[tuple[int, nn.Module, Sequence[nn.Module]]],
     for scope, entry, blocks in scopes:
         for block in blocks:
             named = _fresh(block.named_parameters(), seen)
-            units.append(Unit(block, tuple(named), scope, entry))
+            units.append(_unit(block, named, scope, entry))
         rest = _fresh(entry.named_parameters(), seen)
         root = [(n, p) for n, p in rest if id(p) not in separate]
         if root:
-            units.append(Unit(None, tuple(root), scope, entry))
-        units += [Unit(None, ((n, p),), scope, entry) for n, p in rest if id(p) in separate]
+            units.append(_unit(None, root, scope, entry))
+        units += [_unit(None, [(n, p)], scope, entry) for n, p in rest if id(p) in separate]
     return units
 
 
@@ -61,20 +66,28 @@ def _fresh(named: Iterator[tuple[str, nn.Parameter]], seen: set[int]
            ) -> list[tuple[str, nn.Parameter]]:
     out = []
     for n, p in named:
-        if p.requires_grad and id(p) not in seen:
+        if id(p) not in seen:
             seen.add(id(p))
             out.append((n, p))
     return out
 
 
+def _unit(module: nn.Module | None, named: list[tuple[str, nn.Parameter]], scope: int,
+          entry: nn.Module) -> Unit:
+    """The unit of ``named``: the trainable ones, and apart those that do not train."""
+    return Unit(module, tuple((n, p) for n, p in named if p.requires_grad), scope, entry,
+                frozen=tuple((n, p) for n, p in named if not p.requires_grad))
+
+
 @dataclass
 class FlatParam:
-    """One unit's parameters of one decay class.
+    """One unit's trainable parameters of one decay class, or (``frozen``) its
+    parameters that do not train (stage 3 only).
 
     full: [padded] fp32 (stage 3: storage freed between uses); shard: [padded / dp],
-    this rank's master copy (an ``nn.Parameter`` the optimizer updates); grad_full:
-    stage 1's persistent full gradient; grad_sum: the reduced shard gradients of this
-    step, unscaled.
+    this rank's master copy (an ``nn.Parameter`` the optimizer updates; a frozen one's
+    is in no optimizer group and gets no gradient); grad_full: stage 1's persistent full
+    gradient; grad_sum: the reduced shard gradients of this step, unscaled.
     """
 
     unit: int
@@ -89,6 +102,7 @@ class FlatParam:
     grad_full: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
     grad_sum: torch.Tensor | None = None
+    frozen: bool = False
 
     @property
     def padded(self) -> int:
@@ -123,14 +137,17 @@ class FlatParam:
         return slice(base + start, base + stop)
 
 
-def flatten_unit(unit: Unit, index: int, decay: bool, names: dict[int, str], rank: int,
-                 size: int, stage: int, device: torch.device | None = None
+def flatten_unit(unit: Unit, index: int, decay: bool | None, names: dict[int, str],
+                 rank: int, size: int, stage: int, device: torch.device | None = None
                  ) -> FlatParam | None:
-    """The FlatParam of ``unit``'s parameters of one decay class (None if it has none);
-    the parameters become views of its full buffer. Parameters on the meta device get
-    their storage here, on ``device``, with undefined values (filled by loading a
-    source): stage 3 then never holds more than its shard of them."""
-    params = [p for _, p in unit.params if (p.dim() >= 2) == decay]
+    """The FlatParam of ``unit``'s trainable parameters of one decay class, or (``decay``
+    None) of its frozen ones (None if it has none); the parameters become views of its
+    full buffer. Parameters on the meta device get their storage here, on ``device``,
+    with undefined values (filled by loading a source): stage 3 then never holds more
+    than its shard of them."""
+    frozen = decay is None
+    params = ([p for _, p in unit.frozen] if frozen
+              else [p for _, p in unit.params if (p.dim() >= 2) == decay])
     if not params:
         return None
     offsets, total = [], 0
@@ -152,17 +169,18 @@ def flatten_unit(unit: Unit, index: int, decay: bool, names: dict[int, str], ran
     # stage 3 frees the full buffer, so the shard is its own tensor
     if stage == 3:
         shard = nn.Parameter(torch.empty(n, dtype=full.dtype, device=where) if fresh
-                             else full[rank * n:(rank + 1) * n].clone())
+                             else full[rank * n:(rank + 1) * n].clone(),
+                             requires_grad=not frozen)
     else:
-        shard = nn.Parameter(full[rank * n:(rank + 1) * n])
+        shard = nn.Parameter(full[rank * n:(rank + 1) * n], requires_grad=not frozen)
     flat = FlatParam(unit=index, params=params, names=[names[id(p)] for p in params],
-                     offsets=offsets, full=full, shard=shard, decay=decay, scope=unit.scope,
-                     root=unit.module is None)
+                     offsets=offsets, full=full, shard=shard, decay=bool(decay),
+                     scope=unit.scope, root=unit.module is None, frozen=frozen)
     for p, view in zip(params, flat.views(full), strict=True):
         give_storage(p, view)
     if fresh and stage == 3:  # never written: its pages were never touched
         free(full)
-    if stage == 1:
+    if stage == 1 and not frozen:
         flat.grad_full = torch.zeros_like(full)
         for p, view in zip(params, flat.views(flat.grad_full), strict=True):
             p.grad = view

@@ -6,8 +6,10 @@
   the same order: within a scope the blocks last to first, then the root units.
 - :class:`Stage3Gathers`: stage 3's just-in-time parameters: a block's full parameters
   are all-gathered before its forward (the next block of the scope prefetched) and
-  again before its backward, and freed after each; root units are gathered when their
-  scope's module starts its forward and kept until the step ends.
+  again before its backward, and freed after each (a trainable flat once its gradient
+  is being reduced; a frozen one, which has no gradient, once the backward of the block
+  before it starts, when its own is over); root units are gathered when their scope's
+  module starts its forward and kept until the step ends.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ class ShardReducer:
 
     def end_scope(self, scope: int) -> None:
         """The scope's backward is over: reduce what is left in order (parameters that
-        got no gradient count as zero), reset for its next backward."""
+        got no gradient count as zero), reset for its next backward (a scope whose
+        parameters all are frozen has nothing to reduce)."""
+        if scope not in self.order:
+            return
         for f in self.order[scope][self.next[scope]:]:
             f.ready = set(range(len(f.params)))
         self._launch_ready(scope)
@@ -183,6 +188,14 @@ class Stage3Gathers:
         would set the peak."""
         self.gather(unit)
         self.backward_prefetch = (unit, self.prev_block.get(unit, -1))
+        done = self.next_block.get(unit)  # its backward ran just before this one's
+        if done is not None:
+            self._free_frozen(done)
+
+    def _free_frozen(self, unit: int) -> None:
+        for f in self.by_unit.get(unit, []):
+            if f.frozen:
+                free(f.full)
 
     def launched(self, flat: FlatParam) -> None:
         """``flat``'s gradient is being reduced: a block's full parameters are freed and
@@ -202,11 +215,17 @@ class Stage3Gathers:
             free(f.full)
 
     def end_step(self) -> None:
-        """Free the root units (kept for the whole step) and forget prefetches."""
+        """Free every unit still gathered (the root units, kept for the whole step; the
+        blocks' frozen parameters; a block prefetched for a backward that never came,
+        as one whose input needs no gradient), once its gather is done, and forget
+        prefetches."""
         self.backward_prefetch = None
-        for roots in self.roots.values():
-            for unit in roots:
-                self.free_unit(unit)
+        for works in self.gathers.values():
+            for w in works:
+                w.wait()
+        self.gathers.clear()
+        for unit in self.by_unit:
+            self.free_unit(unit)
 
     def gather_all(self) -> None:
         with torch.no_grad():

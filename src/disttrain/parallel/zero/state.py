@@ -14,10 +14,12 @@ buffer) is saved by each rank as its row of a [dp, *shape] tensor per parameter
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..interfaces import StatePiece, TensorSource, rank_local_state
-from ..placement import Placement, range_pieces
+from ..placement import Placement, range_pieces, tensor_pieces
 from ..replicated import rank_row_pieces, read_rank_row
 from .flat import FlatParam
 
@@ -25,12 +27,13 @@ MODEL, OPTIM = "model/", "optim/"
 
 
 def shard_pieces(flats: list[FlatParam], rank: int, placement: Placement,
-                 optimizer: torch.optim.Optimizer) -> list[StatePiece]:
+                 optimizer: torch.optim.Optimizer | None) -> list[StatePiece]:
     """What this rank saves: its part of every parameter it writes (not a tied copy; a
-    tp-replicated one on tp rank 0 only) and of that parameter's optimizer state."""
+    tp-replicated one on tp rank 0 only) and of that parameter's optimizer state (none
+    without an ``optimizer``: frozen parameters)."""
     out: list[StatePiece] = []
     for f in flats:
-        state = optimizer.state.get(f.shard, {})
+        state = {} if optimizer is None else optimizer.state.get(f.shard, {})
         for slot, p, name, a, b in f.pieces(rank):
             if not placement.writes(p):
                 continue
@@ -121,3 +124,32 @@ def _local_range(source: TensorSource, placement: Placement, tensor_name: str,
                  param_name: str, a: int, b: int) -> torch.Tensor:
     full = source.tensor(tensor_name)
     return placement.to_local(param_name, full).reshape(-1)[a:b]
+
+
+def whole_pieces(params: Sequence[torch.Tensor], placement: Placement) -> list[StatePiece]:
+    """Whole (or tensor-parallel boxes of) ``params`` this rank writes, as pieces of
+    their global tensors."""
+    out: list[StatePiece] = []
+    for p in params:
+        if placement.writes(p):
+            name = placement.name(p)
+            out += [StatePiece(MODEL + name, g.tensor, g.global_shape, g.offsets)
+                    for g in tensor_pieces(placement.boxes(name, p), p.detach())]
+    return out
+
+
+def load_frozen(flats: list[FlatParam], whole: Sequence[torch.Tensor], rank: int,
+                placement: Placement, source: TensorSource) -> None:
+    """The frozen parameters ``source`` holds: this rank's range of each one in the
+    stage-3 ``flats``, and each of the ``whole`` ones (stages 1-2). A checkpoint holds
+    none (they come from the run's initial source), so absent ones are left as they are."""
+    with torch.no_grad():
+        for f in flats:
+            for slot, _p, name, a, b in f.pieces(rank):
+                if MODEL + name in source.names(MODEL + name):
+                    f.shard[f.in_shard(rank, slot, a, b)] = _local_range(
+                        source, placement, MODEL + name, name, a, b)
+        for p in whole:
+            name = placement.name(p)
+            if MODEL + name in source.names(MODEL + name):
+                p.copy_(placement.to_local(name, source.tensor(MODEL + name)))

@@ -170,6 +170,51 @@ def test_packed_rows_train_the_loss_of_the_examples_alone(chat_run):
         _plain_loss(model, samples), rel=1e-5)
 
 
+def test_the_whole_job_of_the_guide_runs_as_printed(chat_run, tmp_path):
+    """The guide's three commands (chat data, packing, LoRA at tp 2, peft and merged
+    exports of the final weights) on the tiny Llama, one step, every packed row in it:
+    the step's loss is the base's per-example loss over trained tokens (LoRA's B starts
+    at zero), and the merged model's logits are peft's on the base with the adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.data.packing import PackedExamples
+
+    root, llama, prepared, _, _ = chat_run
+    train, *exports = _guide_commands("## The whole job")
+    assert [a for a in train if a.startswith("model.lora_rank")] and len(exports) == 2
+    seq = 32
+    ds = prepared.dataset("train")
+    rows = PackedExamples(ds, seq, seed=load_config().train.seed)
+    _run_guide_train(root, train, [f"model.seq_len={seq}", "data.val_fraction=0.25",
+                                   "train.steps=1", "train.warmup_steps=0",
+                                   "train.eval_samples=64", "train.log_every=1",
+                                   f"train.global_batch={len(rows)}"])
+    step1 = json.loads((root / "runs" / "chat-lora" / "metrics.jsonl").read_text()
+                       .splitlines()[0])
+    base = AutoModelForCausalLM.from_pretrained(llama).float().eval()
+    samples = [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist())
+               for i in range(len(ds))]
+    # fp32 throughout; the sums run in other orders (rows, tp shards, the fused loss)
+    assert step1["loss"] == pytest.approx(_plain_loss(base, samples), rel=1e-5)
+    for argv in exports:
+        assert argv[:2] == ["disttrain", "export"]
+        assert main([*[a.replace("./", f"{root}/", 1) if a.startswith("./") else
+                       str(root / a) if a.startswith("runs/") else a
+                       for a in argv[1:]]]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(root / "my-llama-chat").float().eval()
+    ids = torch.tensor([samples[0][0]])
+    with torch.no_grad():
+        got, before = merged(input_ids=ids).logits, base(input_ids=ids).logits
+    assert (got - before).abs().max() > 1e-4  # one step of lr 2e-4 moved the adapters
+    assert (root / "my-llama-chat-lora" / "adapter_model.safetensors").is_file()
+    peft = pytest.importorskip("peft", reason="peft is optional (the 'peft' extra): the "
+                               "adapter files are checked with it where installed")
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(base, root / "my-llama-chat-lora")(
+            input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # merged vs two matmuls
+
+
 def test_export_of_a_run_without_checkpoints_uses_its_final_weights(chat_run, capsys,
                                                                     monkeypatch):
     """The guide's export line, in the run's directory."""

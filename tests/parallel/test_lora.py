@@ -321,9 +321,9 @@ def test_the_merged_export_computes_the_base_plus_its_adapters(runs, kind, tmp_p
 
     from disttrain.lora.export import export_adapters
 
-    out, step = export_adapters(runs / f"{kind}-one", tmp_path / "merged", merge=True,
-                                warn=pytest.fail)
-    assert step == STEPS
+    out, weights = export_adapters(runs / f"{kind}-one", tmp_path / "merged", merge=True,
+                                   warn=pytest.fail)
+    assert weights.step == STEPS and weights.source.startswith("checkpoint")
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         got = merged(input_ids=IDS).logits
@@ -356,7 +356,7 @@ def test_exports_of_a_lora_run_refuse_what_cannot_hold_it(runs, tmp_path):
 
     from safetensors.torch import save_file
 
-    from disttrain.checkpoint.export import newest_checkpoint
+    from disttrain.checkpoint.export import newest_weights
     from disttrain.cli import main
     from disttrain.errors import EXIT_USAGE, UserError
     from disttrain.lora.export import export_merged, lora_run
@@ -369,8 +369,36 @@ def test_exports_of_a_lora_run_refuse_what_cannot_hold_it(runs, tmp_path):
     tensors = load_file(str(moved / "model.safetensors"))
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3
     save_file(tensors, str(moved / "model.safetensors"), metadata={"format": "pt"})
-    lora = lora_run(run, newest_checkpoint(run, warn=pytest.fail))
+    lora = lora_run(run, newest_weights(run, warn=pytest.fail))
     config = {**lora.config, "model": {**lora.config["model"], "pretrained": str(moved)}}
     with pytest.raises(UserError, match="model.norm.weight differ"):
         export_merged(dataclasses.replace(lora, config=config), run, tmp_path / "merged")
     assert not (tmp_path / "merged" / "model.safetensors").exists()
+
+
+def test_a_lora_run_without_checkpoints_exports_its_final_weights(runs, tmp_path, capsys):
+    """The run's final model.safetensors holds the base as trained and the adapters:
+    with no checkpoint the peft files carry the same adapters the checkpoint's do, the
+    merged model is the checkpoint's merge (its base from model.pretrained), and a
+    plain hf export is still refused (from_pretrained would drop the adapters)."""
+    from disttrain.cli import main
+    from disttrain.errors import EXIT_USAGE
+
+    run = tmp_path / "llama-final"
+    shutil.copytree(runs / "llama-one", run, ignore=shutil.ignore_patterns("checkpoints"))
+    assert not (run / "checkpoints").exists()
+    for fmt, where in (["peft"], "peft"), (["hf", "--merge"], "merged"):
+        for source, out in ((runs / "llama-one", tmp_path / f"ckpt-{where}"),
+                            (run, tmp_path / f"final-{where}")):
+            assert main(["export", str(source), "--format", *fmt, "--out", str(out)]) == 0
+        said = capsys.readouterr().out
+        assert "from checkpoint" in said and "from the final weights" in said
+        name = "adapter_model.safetensors" if where == "peft" else "model.safetensors"
+        got = load_file(str(tmp_path / f"final-{where}" / name))
+        want = load_file(str(tmp_path / f"ckpt-{where}" / name))
+        assert got.keys() == want.keys()
+        for key in want:  # the same tensors; the merge's W + (alpha/r) B A in fp32
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "x")]) \
+        == EXIT_USAGE
+    assert "--format peft" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import UserError
 from ..names import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from .format import SAFETENSORS_DTYPES, dtype_from_name
-from .manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
+from .manager import find_checkpoint, open_checkpoint
 from .state import MODEL
 from .stream import Entry, write_streamed
 
@@ -28,27 +29,18 @@ STEP_KEY = "step"  # the final weights' header: the step they are of
 _FROM_SAFETENSORS = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
-def newest_checkpoint(run_dir: Path, warn: Callable[[str], None]) -> LoadedCheckpoint:
-    """The newest intact checkpoint of ``run_dir``, open (refused in one line when the
-    directory or any checkpoint is missing): what an export that needs a checkpoint's
-    records (a LoRA run's adapters and fingerprint) reads."""
-    if not Path(run_dir).is_dir():
-        raise UserError(f"run directory {str(run_dir)!r} does not exist")
-    directory = find_checkpoint(Path(run_dir), warn)
-    if directory is None:
-        raise UserError(f"{run_dir} holds no checkpoint (train with checkpoint.every > 0)")
-    return open_checkpoint(directory)
-
-
 @dataclass(frozen=True)
 class ExportedWeights:
     """Where exported weights come from: every tensor's (plain name, shape, dtype), how
-    to read one whole, the step (None: not recorded), and the source in words."""
+    to read one whole, the step (None: not recorded), the source in words, and the
+    checkpoint's records (its ``meta``: the run's config, a fingerprint of frozen
+    tensors) when they come from one (None: the final weights)."""
 
     entries: list[Entry]
     fetch: Callable[[str], torch.Tensor]
     step: int | None
     source: str
+    meta: dict[str, Any] | None = None
 
 
 def newest_weights(run_dir: Path, warn: Callable[[str], None]) -> ExportedWeights:
@@ -59,7 +51,8 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None]) -> ExportedWeight
     directory = find_checkpoint(run_dir, warn)
     final = _final_weights(run_dir / WEIGHTS_FILE)
     if directory is not None:
-        reader = open_checkpoint(directory).reader
+        ckpt = open_checkpoint(directory)
+        reader = ckpt.reader
         step = reader.index.step
         if final is None or final.step is None or final.step <= step:
             names = reader.names(MODEL)
@@ -67,7 +60,7 @@ def newest_weights(run_dir: Path, warn: Callable[[str], None]) -> ExportedWeight
                 [(n[len(MODEL):], reader.shape(n),
                   dtype_from_name(reader.index.tensors[n].dtype)) for n in names],
                 lambda name: reader.tensor(MODEL + name), step,
-                f"checkpoint {directory.name}")
+                f"checkpoint {directory.name}", dict(ckpt.meta))
     if final is None:
         raise UserError(f"{run_dir} holds no checkpoint and no final weights "
                         f"({WEIGHTS_FILE}: the run has not finished); train with "

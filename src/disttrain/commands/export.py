@@ -49,15 +49,14 @@ def run_export(ns: argparse.Namespace) -> int:
     if ns.format == "peft" or ns.merge:
         from ..lora.export import export_adapters
 
-        out, step = export_adapters(run_dir, out_path, merge=ns.merge, warn=warn)
-        print(f"wrote {out} (step {step})")
-        return 0
-    if ns.format == "hf":
-        from ..lora.export import refuse_adapters
+        out, weights = export_adapters(run_dir, out_path, merge=ns.merge, warn=warn)
+    else:
+        if ns.format == "hf":
+            from ..lora.export import refuse_adapters
 
-        refuse_adapters(run_dir)
-    write = export_hf if ns.format == "hf" else export_weights
-    out, weights = write(run_dir, out_path, warn)
+            refuse_adapters(run_dir)
+        write = export_hf if ns.format == "hf" else export_weights
+        out, weights = write(run_dir, out_path, warn)
     said = "step unknown" if weights.step is None else f"step {weights.step}"
     print(f"wrote {out} ({said}, from {weights.source})")
     return 0

@@ -1,18 +1,22 @@
-"""A LoRA run's newest checkpoint as ``peft`` adapters, or merged into its base.
+"""A LoRA run's newest weights as ``peft`` adapters, or merged into its base.
 
-The checkpoint holds the adapters only; which layers they adapt comes from the run
-itself: its model (the transformers ``config.json`` the run kept, built on the meta
-device) with its own ``model.lora_*`` settings (the checkpoint's config) gives the same
-adapted layers :func:`~.apply.add_lora` gave the run.
+The newest weights are those :func:`~disttrain.checkpoint.export.newest_weights` picks:
+the newest checkpoint, which holds the adapters only, or the run's final
+``model.safetensors`` (no checkpoint, or a later step), which holds the base as trained
+and the adapters. Which layers they adapt comes from the run itself: its model (the
+transformers ``config.json`` the run kept, built on the meta device) with its own
+``model.lora_*`` settings (the checkpoint's config, or the run's ``config.toml``) gives
+the same adapted layers :func:`~.apply.add_lora` gave the run.
 
 - :func:`export_peft`: ``adapter_config.json`` + ``adapter_model.safetensors``, the
   tensors under peft's names (``base_model.model.<path>.lora_A.weight``), which
   ``PeftModel.from_pretrained(base, out_dir)`` loads onto the base model;
 - :func:`export_merged`: ``config.json`` + ``model.safetensors`` of the base with each
   adapted weight replaced by W + (alpha / r) B A (transposed for a GPT-2 ``Conv1D``),
-  which ``AutoModelForCausalLM.from_pretrained`` loads. The base is read from the run's
-  ``model.pretrained`` (or made by the seeded initialiser, for a run that had none), one
-  tensor at a time, and checked against the checkpoint's fingerprint of it.
+  which ``AutoModelForCausalLM.from_pretrained`` loads. The base is the final weights'
+  own; from a checkpoint it is read from the run's ``model.pretrained`` (or made by the
+  seeded initialiser, for a run that had none), one tensor at a time, and checked
+  against the checkpoint's fingerprint of it.
 """
 
 from __future__ import annotations
@@ -27,14 +31,13 @@ import torch
 from torch import nn
 
 from ..adapters import LORA_A, LORA_B
-from ..checkpoint.export import newest_checkpoint
+from ..checkpoint.export import ExportedWeights, newest_weights
 from ..checkpoint.fingerprint import FROZEN_KEY, first_difference, piece_checksums
-from ..checkpoint.format import dtype_from_name
-from ..checkpoint.manager import LoadedCheckpoint, find_checkpoint, open_checkpoint
 from ..checkpoint.state import MODEL
 from ..checkpoint.stream import write_streamed
-from ..errors import UserError
-from ..names import MODEL_CONFIG_FILE
+from ..config import load_config
+from ..errors import ConfigError, UserError
+from ..names import CONFIG_FILE, MODEL_CONFIG_FILE
 from ..weights import initial_weights, open_pretrained
 from ..weights.pretrained import model_tensor_shapes
 from .apply import LoRASettings, adapted_names, add_lora
@@ -45,21 +48,23 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 
 @dataclass(frozen=True)
 class LoRARun:
-    """What an export needs of a LoRA run: its checkpoint, its model on meta (with the
-    adapters), its settings and its adapted layers ((path, transposed) each)."""
+    """What an export needs of a LoRA run: its newest weights, its model on meta (with
+    the adapters), its settings, its adapted layers ((path, transposed) each) and its
+    config (as a mapping of sections)."""
 
-    checkpoint: LoadedCheckpoint
+    weights: ExportedWeights
     model: nn.Module
     settings: LoRASettings
     adapted: list[tuple[str, bool]]
     config: dict[str, Any]
 
 
-def lora_run(run_dir: Path, ckpt: LoadedCheckpoint) -> LoRARun | None:
-    """The LoRA side of ``run_dir``'s checkpoint ``ckpt``: None for a run without
+def lora_run(run_dir: Path, weights: ExportedWeights) -> LoRARun | None:
+    """The LoRA side of ``run_dir``'s newest ``weights``: None for a run without
     adapters; a :class:`~disttrain.errors.UserError` for one whose model the run did not
     keep (only transformers models' runs can be exported to peft or merged)."""
-    config = ckpt.meta.get("config", {})
+    config = (weights.meta.get("config", {}) if weights.meta is not None
+              else _run_config(run_dir))
     model_cfg = config.get("model", {})
     if not model_cfg.get("lora_rank"):
         return None
@@ -82,23 +87,35 @@ def lora_run(run_dir: Path, ckpt: LoadedCheckpoint) -> LoRARun | None:
     spec = hf_spec(model)
     adapted = adapted_names(model, settings, spec)
     add_lora(model, settings, spec, seed=0)  # the run's structure, on meta: nothing drawn
+    held = {name for name, _, _ in weights.entries}
     for path, _ in adapted:
         for factor in (LORA_A, LORA_B):
-            if f"{MODEL}{path}.{factor}.weight" not in ckpt.reader.names(MODEL + path):
-                raise UserError(f"{ckpt.directory} has no adapter tensor {path}.{factor}."
-                                "weight (a checkpoint of another run?)")
-    return LoRARun(ckpt, model, settings, adapted, config)
+            if f"{path}.{factor}.weight" not in held:
+                raise UserError(f"{weights.source} of {run_dir} has no adapter tensor "
+                                f"{path}.{factor}.weight (the weights of another run?)")
+    return LoRARun(weights, model, settings, adapted, config)
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's resolved config (``config.toml``, as the run wrote it) as sections."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no {CONFIG_FILE}: its final weights cannot be "
+                        "told apart from a LoRA run's (not a disttrain run directory?)")
+    try:
+        return load_config(path).to_dict()
+    except ConfigError as exc:
+        raise UserError(f"{path}: {exc}") from None
 
 
 def export_peft(run: LoRARun, out_dir: Path) -> Path:
     """``out_dir/adapter_config.json`` and ``out_dir/adapter_model.safetensors``."""
-    reader = run.checkpoint.reader
-    names = [f"{path}.{factor}.weight" for path, _ in run.adapted
-             for factor in (LORA_A, LORA_B)]
-    entries = [(PEFT_PREFIX + n, reader.shape(MODEL + n),
-                dtype_from_name(reader.index.tensors[MODEL + n].dtype)) for n in names]
+    names = {f"{path}.{factor}.weight" for path, _ in run.adapted
+             for factor in (LORA_A, LORA_B)}
+    entries = [(PEFT_PREFIX + n, shape, dtype) for n, shape, dtype in run.weights.entries
+               if n in names]
     write_streamed(out_dir / ADAPTER_WEIGHTS, entries,
-                   lambda key: reader.tensor(MODEL + key[len(PEFT_PREFIX):]),
+                   lambda key: run.weights.fetch(key[len(PEFT_PREFIX):]),
                    {"format": "pt"})
     pretrained = run.config.get("model", {}).get("pretrained") or None
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
@@ -114,16 +131,17 @@ def export_peft(run: LoRARun, out_dir: Path) -> Path:
 
 def export_merged(run: LoRARun, run_dir: Path, out_dir: Path) -> Path:
     """``out_dir/config.json`` and ``out_dir/model.safetensors``: the base with every
-    adapted weight merged (fp32), checked against the checkpoint's fingerprint of the
-    base (refused, nothing left behind, when they differ)."""
-    base = _base_source(run)
+    adapted weight merged (fp32). A checkpoint's base is read from the run's
+    ``model.pretrained`` and checked against the checkpoint's fingerprint of it
+    (refused, nothing left behind, when they differ); final weights hold their base."""
+    read = _base_reader(run)
     shapes, _ = model_tensor_shapes(run.model)
     merged = {f"{path}.weight": (path, transposed) for path, transposed in run.adapted}
     seen: dict[str, list[float]] = {}
-    frozen = run.checkpoint.meta.get(FROZEN_KEY) or {}
+    frozen = (run.weights.meta or {}).get(FROZEN_KEY) or {}
 
     def fetch(name: str) -> torch.Tensor:
-        t = base.tensor(MODEL + name).to(torch.float32)
+        t = read(name).to(torch.float32)
         if name in frozen:
             seen[name] = piece_checksums(t, tuple(t.shape), (0,) * t.dim()).tolist()
         if name in merged:
@@ -145,11 +163,19 @@ def export_merged(run: LoRARun, run_dir: Path, out_dir: Path) -> Path:
 
 def _delta(run: LoRARun, path: str, transposed: bool) -> torch.Tensor:
     """(alpha / r) B @ A of layer ``path``, in its weight's layout."""
-    reader = run.checkpoint.reader
-    a = reader.tensor(f"{MODEL}{path}.{LORA_A}.weight").to(torch.float32)
-    b = reader.tensor(f"{MODEL}{path}.{LORA_B}.weight").to(torch.float32)
+    a = run.weights.fetch(f"{path}.{LORA_A}.weight").to(torch.float32)
+    b = run.weights.fetch(f"{path}.{LORA_B}.weight").to(torch.float32)
     update = (b @ a) * (run.settings.alpha / run.settings.rank)
     return update.t() if transposed else update
+
+
+def _base_reader(run: LoRARun) -> Callable[[str], torch.Tensor]:
+    """plain name -> the base's tensor: the final weights' own, else the base a
+    checkpoint's adapters were trained on (:func:`_base_source`)."""
+    if run.weights.meta is None:
+        return run.weights.fetch
+    base = _base_source(run)
+    return lambda name: base.tensor(MODEL + name)
 
 
 def _base_source(run: LoRARun) -> Any:
@@ -167,30 +193,32 @@ def _base_source(run: LoRARun) -> Any:
 
 
 def export_adapters(run_dir: Path, out_dir: Path, *, merge: bool,
-                    warn: Callable[[str], None]) -> tuple[Path, int]:
-    """The newest checkpoint of LoRA run ``run_dir`` as peft adapters, or (``merge``)
-    merged into its base, in ``out_dir``; returns (out_dir, step)."""
-    ckpt = newest_checkpoint(run_dir, warn)
-    run = lora_run(run_dir, ckpt)
+                    warn: Callable[[str], None]) -> tuple[Path, ExportedWeights]:
+    """The newest weights of LoRA run ``run_dir`` as peft adapters, or (``merge``)
+    merged into its base, in ``out_dir``; returns (out_dir, where they came from)."""
+    weights = newest_weights(run_dir, warn)
+    run = lora_run(run_dir, weights)
     if run is None:
         raise UserError(f"{run_dir} trained every weight (model.lora_rank=0): it has no "
                         "adapters to export (use --format hf without --merge)")
     out_dir = Path(out_dir)
     if merge:
-        return export_merged(run, run_dir, out_dir), ckpt.step
-    return export_peft(run, out_dir), ckpt.step
+        return export_merged(run, run_dir, out_dir), weights
+    return export_peft(run, out_dir), weights
 
 
 def refuse_adapters(run_dir: Path) -> None:
-    """Refuse the plain hf export of a LoRA run: its checkpoints hold the adapters
-    only, which a transformers model does not load. A run that cannot be exported at
-    all (no model config, no checkpoint) is left for the export to refuse."""
+    """Refuse the plain hf export of a LoRA run: a transformers model does not load
+    its adapters (a checkpoint holds no base; final weights hold the adapters under
+    names the model does not have, which from_pretrained would drop in silence). A run
+    that cannot be exported at all is left for the export to refuse."""
     if not (Path(run_dir) / MODEL_CONFIG_FILE).is_file():
         return
-    found = find_checkpoint(Path(run_dir), warn=lambda _: None)
-    if found is None:
+    try:
+        run = lora_run(run_dir, newest_weights(run_dir, warn=lambda _: None))
+    except UserError:
         return
-    if open_checkpoint(found).meta.get("config", {}).get("model", {}).get("lora_rank"):
+    if run is not None:
         raise UserError(f"{run_dir} trained LoRA adapters beside a frozen base: export "
                         "them with --format peft, or merged into the base with --format "
                         "hf --merge")

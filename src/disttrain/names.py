@@ -102,8 +102,14 @@ def trace_rank_file(rank: int) -> str:
     """One rank's timeline before rank 0 merges them all into :data:`TRACE_FILE`."""
     return f"trace-rank{rank}.json"
 
-# train.optimizer values the composition looks at
+# train.optimizer values (the built-in optimizers; user code may register more)
+OPTIMIZER_ADAMW = "adamw"
+OPTIMIZER_SGD = "sgd"
+OPTIMIZER_LARS = "lars"    # momentum SGD with a layer-wise trust ratio
+OPTIMIZER_LAMB = "lamb"    # AdamW with a layer-wise trust ratio
 OPTIMIZER_ONEBIT_ADAM = "onebit_adam"
+OPTIMIZERS = (OPTIMIZER_ADAMW, OPTIMIZER_SGD, OPTIMIZER_LARS, OPTIMIZER_LAMB,
+              OPTIMIZER_ONEBIT_ADAM)
 
 # ----------------------------------------------------------- a batch's model inputs
 # the keyword inputs a causal LM takes (the built-in GPT and transformers models alike)

@@ -201,9 +201,14 @@ def with_logits(outputs: Any, logits: torch.Tensor) -> Any:
 # activation: the same gradient on every tp rank), ``sequence`` (replicated; under
 # sequence parallelism it runs on this rank's positions, so partial), ``split_sequence``
 # (replicated; its output starts the sequence-parallel region).
-TP_COLUMN = ("colwise", "colwise_qkv")
-TP_SWAPPED = (*TP_COLUMN, "rowwise", "vocab", "vocab_head")
-TP_STYLES = (*TP_SWAPPED, "partial", "replicated", "sequence", "split_sequence")
+TP_COLWISE, TP_COLWISE_QKV, TP_ROWWISE = "colwise", "colwise_qkv", "rowwise"
+TP_VOCAB, TP_VOCAB_HEAD = "vocab", "vocab_head"
+TP_PARTIAL, TP_REPLICATED = "partial", "replicated"
+TP_SEQUENCE, TP_SPLIT_SEQUENCE = "sequence", "split_sequence"
+TP_COLUMN = (TP_COLWISE, TP_COLWISE_QKV)
+TP_LINEAR = (*TP_COLUMN, TP_ROWWISE)  # the column- and row-parallel linear layers
+TP_SWAPPED = (*TP_LINEAR, TP_VOCAB, TP_VOCAB_HEAD)
+TP_STYLES = (*TP_SWAPPED, TP_PARTIAL, TP_REPLICATED, TP_SEQUENCE, TP_SPLIT_SEQUENCE)
 # what a parameter is under a plan, for its gradient
 SHARDED, IDENTICAL, PARTIAL = "sharded", "identical", "partial"
 # a LoRA adapter's factors under the style of the layer it adapts, split so that the
@@ -212,7 +217,7 @@ SHARDED, IDENTICAL, PARTIAL = "sharded", "identical", "partial"
 # row-parallel one shards A like its input columns and keeps B whole (B's partial)
 ADAPTER_KINDS = {**{(s, LORA_A): PARTIAL for s in TP_COLUMN},
                  **{(s, LORA_B): SHARDED for s in TP_COLUMN},
-                 ("rowwise", LORA_A): SHARDED, ("rowwise", LORA_B): PARTIAL}
+                 (TP_ROWWISE, LORA_A): SHARDED, (TP_ROWWISE, LORA_B): PARTIAL}
 
 
 class UnclassifiedParameter(ValueError):
@@ -237,7 +242,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, str
         chosen = next((s for p, s in plan.items() if fnmatchcase(n, p)), None)
         if chosen is not None:
             targets.append((n, chosen))
-    return sorted(targets, key=lambda t: t[1] == "vocab_head")
+    return sorted(targets, key=lambda t: t[1] == TP_VOCAB_HEAD)
 
 
 def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
@@ -251,7 +256,7 @@ def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, s
     to add. Works on a model on the meta device."""
     styles = dict(match_plan(model, plan))
     regions = sorted({n.rpartition(".")[0] for n, s in styles.items()
-                      if s in (*TP_COLUMN, "rowwise")})
+                      if s in TP_LINEAR})
     adapters = _adapter_styles(model, styles)
     kinds: dict[str, str] = {}
     seen: set[int] = set()
@@ -265,8 +270,8 @@ def classify_tp_params(model: nn.Module, plan: Mapping[str, str]) -> dict[str, s
             if mod_name in adapters:
                 kinds[name] = adapters[mod_name]
             elif style in TP_SWAPPED:
-                kinds[name] = IDENTICAL if (style, p_name) == ("rowwise", "bias") else SHARDED
-            elif style == "partial":
+                kinds[name] = IDENTICAL if (style, p_name) == (TP_ROWWISE, "bias") else SHARDED
+            elif style == TP_PARTIAL:
                 kinds[name] = PARTIAL
             elif style is not None:
                 kinds[name] = IDENTICAL
@@ -288,7 +293,7 @@ def _adapter_styles(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     for name, style in list(styles.items()):
         if not isinstance(model.get_submodule(name), LoRALinear):
             continue
-        if style not in (*TP_COLUMN, "rowwise"):
+        if style not in TP_LINEAR:
             raise UnclassifiedParameter(
                 f"module {name!r} carries a LoRA adapter and the tensor-parallel plan "
                 f"shards it as {style!r}: adapters split with column- and row-parallel "

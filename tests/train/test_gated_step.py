@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import tiny_config
 
-from disttrain.parallel.registry import OPTIMIZERS
+from disttrain.parallel.registry import OPTIMIZER_REGISTRY
 from disttrain.parallel.strategy import OptimizerContext
 from disttrain.train.optim import step_unless
 
@@ -28,7 +28,7 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
     train = tiny_config(optimizer=name, momentum=0.9).train
     groups = [{"params": params[:1], "weight_decay": 0.1},
               {"params": params[1:], "weight_decay": 0.0}]
-    return OPTIMIZERS.get(name).build(OptimizerContext(groups=groups, lr=1e-2, train=train,
+    return OPTIMIZER_REGISTRY.get(name).build(OptimizerContext(groups=groups, lr=1e-2, train=train,
                                                        replicas=None))
 
 

@@ -20,6 +20,8 @@ from ..names import (
     LOGGERS,
     NONFINITE_SKIP,
     NONFINITE_STOP,
+    OPTIMIZER_ADAMW,
+    OPTIMIZERS,
     SCHEDULE_1F1B,
     SCHEDULES,
     SYNC_EVERY_STEP,
@@ -150,12 +152,11 @@ class TrainConfig:
     lr_scaling: str = _f("none", "scale lr with the global batch (linear: lr x "
                          "global_batch / base_batch)", choices=("none", "linear"))
     base_batch: int = _f(32, "global batch at which train.lr applies unscaled", ge=1)
-    optimizer: str = _f("adamw", "optimizer: adamw, sgd (momentum), lars (momentum SGD "
+    optimizer: str = _f(OPTIMIZER_ADAMW, "optimizer: adamw, sgd (momentum), lars (momentum SGD "
                         "with a layer-wise trust ratio), lamb (AdamW with one) or "
                         "onebit_adam (AdamW, then a frozen variance and the momentum "
                         "averaged over dp in 1 bit per element after train.freeze_step)",
-                        choices=("adamw", "sgd", "lars", "lamb", "onebit_adam"),
-                        registered=True)
+                        choices=OPTIMIZERS, registered=True)
     freeze_step: int = _f(0, "onebit_adam: dense AdamW steps before the variance is "
                           "frozen and the momentum compressed; 0 = 15% of train.steps",
                           ge=0)

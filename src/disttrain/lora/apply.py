@@ -26,7 +26,7 @@ from torch import nn
 from ..adapters import LORA_A, AdapterFactor, LoRALinear, lora_modules
 from ..config.schema import ModelConfig
 from ..errors import ConfigError
-from ..spec import TP_COLUMN, ModelSpec
+from ..spec import TP_LINEAR, ModelSpec
 from ..weights.seeded import tensor_seed
 
 
@@ -52,7 +52,7 @@ def lora_settings(model: ModelConfig) -> LoRASettings | None:
 def default_targets(spec: ModelSpec) -> tuple[str, ...]:
     """The plan's column- and row-parallel patterns: the attention and MLP projections."""
     plan = spec.tp_plan or {}
-    return tuple(p for p, s in plan.items() if s in (*TP_COLUMN, "rowwise"))
+    return tuple(p for p, s in plan.items() if s in TP_LINEAR)
 
 
 def _matches(name: str, pattern: str) -> bool:

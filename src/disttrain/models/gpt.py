@@ -17,7 +17,18 @@ from torch import nn
 from ..attention import AttentionSlot
 from ..config.schema import ModelConfig
 from ..names import DOCUMENT_IDS, POSITION_IDS
-from ..spec import Divisor, ModelSpec, register_spec
+from ..spec import (
+    TP_COLWISE,
+    TP_COLWISE_QKV,
+    TP_ROWWISE,
+    TP_SEQUENCE,
+    TP_SPLIT_SEQUENCE,
+    TP_VOCAB,
+    TP_VOCAB_HEAD,
+    Divisor,
+    ModelSpec,
+    register_spec,
+)
 from ..targets import IGNORE_INDEX
 
 
@@ -167,16 +178,16 @@ def gpt_finish(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # disttrain.parallel.tensor.apply_tensor_parallel): Megatron's split of attention and MLP,
 # the vocabulary sharded in the embedding and the (tied) head.
 GPT_TP_PLAN: dict[str, str] = {
-    "tok_emb": "vocab",
-    "drop": "split_sequence",
-    "blocks.*.ln1": "sequence",
-    "blocks.*.attn.qkv": "colwise_qkv",
-    "blocks.*.attn.out": "rowwise",
-    "blocks.*.ln2": "sequence",
-    "blocks.*.mlp.up": "colwise",
-    "blocks.*.mlp.down": "rowwise",
-    "ln_f": "sequence",
-    "head": "vocab_head",
+    "tok_emb": TP_VOCAB,
+    "drop": TP_SPLIT_SEQUENCE,
+    "blocks.*.ln1": TP_SEQUENCE,
+    "blocks.*.attn.qkv": TP_COLWISE_QKV,
+    "blocks.*.attn.out": TP_ROWWISE,
+    "blocks.*.ln2": TP_SEQUENCE,
+    "blocks.*.mlp.up": TP_COLWISE,
+    "blocks.*.mlp.down": TP_ROWWISE,
+    "ln_f": TP_SEQUENCE,
+    "head": TP_VOCAB_HEAD,
 }
 
 

@@ -46,6 +46,12 @@ from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from ..names import POSITION_IDS
 from ..spec import (
+    TP_COLWISE,
+    TP_COLWISE_QKV,
+    TP_PARTIAL,
+    TP_ROWWISE,
+    TP_VOCAB,
+    TP_VOCAB_HEAD,
     Divisor,
     ModelSpec,
     UnclassifiedParameter,
@@ -424,9 +430,9 @@ def _tp_layout(model: nn.Module, spec: ModelSpec, head: str | None, embedding: s
         return None
     plan, transposed, attrs, mlp_width = layout
     prefix = f"{spec.blocks}.*."
-    full_plan = {embedding: "vocab", **{prefix + n: s for n, s in plan.items()}}
+    full_plan = {embedding: TP_VOCAB, **{prefix + n: s for n, s in plan.items()}}
     if head is not None:
-        full_plan[head] = "vocab_head"
+        full_plan[head] = TP_VOCAB_HEAD
     vocab = _int_attr(model.get_submodule(embedding), "num_embeddings")
     divisors = [Divisor(fields.get("heads", "num_attention_heads"), heads, heads,
                         "attention heads"),
@@ -468,15 +474,15 @@ def _llama_like(modules: dict[str, nn.Module], heads: int
     if not (_linear(modules.get(mlp_names["up_proj"]))
             and _linear(modules.get(mlp_names["down_proj"]))):
         return None
-    plan = {attn_names["q_proj"]: "colwise", attn_names["k_proj"]: "colwise",
-            attn_names["v_proj"]: "colwise", attn_names["o_proj"]: "rowwise",
-            mlp_names["up_proj"]: "colwise", mlp_names["down_proj"]: "rowwise"}
+    plan = {attn_names["q_proj"]: TP_COLWISE, attn_names["k_proj"]: TP_COLWISE,
+            attn_names["v_proj"]: TP_COLWISE, attn_names["o_proj"]: TP_ROWWISE,
+            mlp_names["up_proj"]: TP_COLWISE, mlp_names["down_proj"]: TP_ROWWISE}
     if mlp_names["gate_proj"] in modules:
         if not _linear(modules[mlp_names["gate_proj"]]):
             return None
-        plan[mlp_names["gate_proj"]] = "colwise"
+        plan[mlp_names["gate_proj"]] = TP_COLWISE
     head_dim = _int_attr(modules[attn_names["q_proj"]], "out_features") // heads
-    plan |= {n: "partial" for n in _per_head_modules(modules, attn, head_dim)}
+    plan |= {n: TP_PARTIAL for n in _per_head_modules(modules, attn, head_dim)}
     parent = modules[attn] if attn else None
     # older transformers versions reshape by these counts; newer ones by -1
     attrs = [join(attn, a) for a in ("num_heads", "num_key_value_heads", "hidden_size")
@@ -528,8 +534,8 @@ def _gpt2_like(modules: dict[str, nn.Module], heads: int
              if isinstance(getattr(parent, a, None), int)]
     if not any(a.endswith("split_size") for a in attrs):
         return None  # nothing says how the fused output splits into q, k, v
-    plan = {names[0]: "colwise_qkv", names[1]: "rowwise", names[2]: "colwise",
-            names[3]: "rowwise"}
+    plan = {names[0]: TP_COLWISE_QKV, names[1]: TP_ROWWISE, names[2]: TP_COLWISE,
+            names[3]: TP_ROWWISE}
     return plan, transposed, attrs, int(weights[2].shape[out_dim])
 
 

@@ -63,7 +63,7 @@ from .interfaces import (
     TensorSource,
 )
 from .placement import Placement, tensor_pieces
-from .registry import OPTIMIZERS, SYNC_MODES, get_strategy
+from .registry import OPTIMIZER_REGISTRY, SYNC_MODE_REGISTRY, get_strategy
 from .strategy import OptimizerContext, StrategyContext, SyncContext
 from .topology import Topology
 
@@ -144,7 +144,7 @@ class Parallelized:
         """The optimizer ``train.optimizer`` names over :attr:`state`'s groups, handed
         to the parts that follow it."""
         train = config.train
-        optimizer = OPTIMIZERS.get(train.optimizer).build(OptimizerContext(
+        optimizer = OPTIMIZER_REGISTRY.get(train.optimizer).build(OptimizerContext(
             groups=self.state.optimizer_groups(train.weight_decay), lr=lr, train=train,
             replicas=self.groups.replicas))
         self.bind_optimizer(optimizer)
@@ -328,13 +328,13 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     if fresh:  # what the strategy left (parameters that do not train)
         allocate(module, replicas.device)
     followers = []
-    wrap = OPTIMIZERS.get(train.optimizer).wrap_grads
+    wrap = OPTIMIZER_REGISTRY.get(train.optimizer).wrap_grads
     if wrap is not None:  # the gradient side the optimizer needs
         grads = wrap(grads, replicas)
         followers.append(grads)
     if mp.applied:
         grads = ModelParallelGrads(grads, mp, groups.world)
-    sync = SYNC_MODES.get(train.sync).build(SyncContext(
+    sync = SYNC_MODE_REGISTRY.get(train.sync).build(SyncContext(
         model=model, replicas=replicas, num_samples=num_samples, train=train,
         comm=config.comm))
     passes: StepPass = mp.cut.step_pass(grads, groups.world, replicas, tracer,

@@ -9,6 +9,7 @@ import torch
 from ..config.layout import Layout
 from ..config.schema import Config
 from ..errors import ConfigError
+from ..names import OPTIMIZER_ADAMW, OPTIMIZER_LAMB, OPTIMIZER_LARS, OPTIMIZER_SGD
 from ..optim import LAMB, LARS
 from .strategy import OptimizerContext, OptimizerKind
 
@@ -53,6 +54,7 @@ def check_layerwise(config: Config, layout: Layout) -> None:
                           "with lars/lamb, or train.optimizer=adamw/sgd with ZeRO")
 
 
-BUILTIN_OPTIMIZERS = (OptimizerKind("adamw", _adamw), OptimizerKind("sgd", _sgd),
-                      OptimizerKind("lars", _lars, check_layerwise),
-                      OptimizerKind("lamb", _lamb, check_layerwise))
+BUILTIN_OPTIMIZERS = (OptimizerKind(OPTIMIZER_ADAMW, _adamw),
+                      OptimizerKind(OPTIMIZER_SGD, _sgd),
+                      OptimizerKind(OPTIMIZER_LARS, _lars, check_layerwise),
+                      OptimizerKind(OPTIMIZER_LAMB, _lamb, check_layerwise))

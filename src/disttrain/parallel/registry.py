@@ -70,9 +70,12 @@ class Registry(Generic[E]):
         return self._entries[name]
 
 
-STRATEGIES: Registry[DataParallelStrategy] = Registry("parallel.strategy", "register_strategy")
-SYNC_MODES: Registry[SyncMode] = Registry("train.sync", "register_sync_mode")
-OPTIMIZERS: Registry[OptimizerKind] = Registry("train.optimizer", "register_optimizer")
+# the registered choices of each key (the names a key accepts: names.py's tuples hold
+# the built-ins' names, these the entries, user-registered ones included)
+STRATEGY_REGISTRY: Registry[DataParallelStrategy] = Registry("parallel.strategy",
+                                                             "register_strategy")
+SYNC_MODE_REGISTRY: Registry[SyncMode] = Registry("train.sync", "register_sync_mode")
+OPTIMIZER_REGISTRY: Registry[OptimizerKind] = Registry("train.optimizer", "register_optimizer")
 
 
 def register_strategy(name: str, build: Callable[[StrategyContext], tuple],
@@ -81,33 +84,33 @@ def register_strategy(name: str, build: Callable[[StrategyContext], tuple],
     ``build``; ``check`` refuses configurations it cannot train, before launch;
     ``allocates``: ``build`` gives meta parameters their storage (see
     :class:`~.strategy.StrategyContext`)."""
-    STRATEGIES.register(DataParallelStrategy(name, build, check, allocates))
+    STRATEGY_REGISTRY.register(DataParallelStrategy(name, build, check, allocates))
 
 
 def register_sync_mode(mode: SyncMode) -> None:
     """Make ``train.sync = mode.name`` run ``mode.build(ctx)`` between steps."""
-    SYNC_MODES.register(mode)
+    SYNC_MODE_REGISTRY.register(mode)
 
 
 def register_optimizer(kind: OptimizerKind) -> None:
     """Make ``train.optimizer = kind.name`` build ``kind.build(ctx)``."""
-    OPTIMIZERS.register(kind)
+    OPTIMIZER_REGISTRY.register(kind)
 
 
 def strategy_names() -> list[str]:
     """The registered data-parallel strategy names (``parallel.strategy``), sorted."""
-    return sorted(STRATEGIES.names())
+    return sorted(STRATEGY_REGISTRY.names())
 
 
 def get_strategy(config: Config) -> DataParallelStrategy:
-    return STRATEGIES.get(selected_strategy(config))
+    return STRATEGY_REGISTRY.get(selected_strategy(config))
 
 
 def selected_entries(config: Config) -> list[DataParallelStrategy | SyncMode | OptimizerKind]:
     """The sync mode, data-parallel strategy and optimizer ``config`` selects (an unknown
     name is refused naming its key)."""
-    return [SYNC_MODES.get(config.train.sync), get_strategy(config),
-            OPTIMIZERS.get(config.train.optimizer)]
+    return [SYNC_MODE_REGISTRY.get(config.train.sync), get_strategy(config),
+            OPTIMIZER_REGISTRY.get(config.train.optimizer)]
 
 
 def check_selected(config: Config, layout: Layout) -> None:
@@ -117,8 +120,8 @@ def check_selected(config: Config, layout: Layout) -> None:
 
 
 for _strategy in (DDP, ZERO, LOCAL):
-    STRATEGIES.register(_strategy)
+    STRATEGY_REGISTRY.register(_strategy)
 for _mode in SYNC_MODES_BUILTIN:
-    SYNC_MODES.register(_mode)
+    SYNC_MODE_REGISTRY.register(_mode)
 for _kind in (*BUILTIN_OPTIMIZERS, ONEBIT_ADAM):
-    OPTIMIZERS.register(_kind)
+    OPTIMIZER_REGISTRY.register(_kind)

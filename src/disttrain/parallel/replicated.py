@@ -21,6 +21,7 @@ from ..config.layout import Layout
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
+from ..optim import decay_groups
 from .activation import canonical_name
 from .interfaces import StatePiece, TensorSource, rank_local_state
 from .placement import Placement, range_pieces, tensor_pieces
@@ -38,9 +39,8 @@ class ReplicatedState:
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return decay_groups((p for p in self.module.parameters() if p.requires_grad),
+                            weight_decay)
 
     def _parameters(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()

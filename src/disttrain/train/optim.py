@@ -11,7 +11,8 @@ from torch import nn
 
 from ..comm.collectives import Communicator
 from ..config.schema import TrainConfig
-from ..parallel.registry import OPTIMIZERS
+from ..optim import decay_groups
+from ..parallel.registry import OPTIMIZER_REGISTRY
 from ..parallel.strategy import OptimizerContext
 
 
@@ -22,11 +23,9 @@ def build_optimizer(model: nn.Module, train: TrainConfig, lr: float,
     on matrices, dim >= 2, only), or over ``groups`` (a composed state's optimizer
     groups); ``replicas``: the group an optimizer that communicates uses."""
     if groups is None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2],
-                   "weight_decay": train.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return OPTIMIZERS.get(train.optimizer).build(
+        groups = decay_groups((p for p in model.parameters() if p.requires_grad),
+                              train.weight_decay)
+    return OPTIMIZER_REGISTRY.get(train.optimizer).build(
         OptimizerContext(groups=groups, lr=lr, train=train, replicas=replicas))
 
 

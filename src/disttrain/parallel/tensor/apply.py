@@ -55,8 +55,16 @@ from ...spec import (
     IDENTICAL,
     PARTIAL,
     SHARDED,
+    TP_COLWISE_QKV,
+    TP_LINEAR,
+    TP_PARTIAL,
+    TP_ROWWISE,
+    TP_SEQUENCE,
+    TP_SPLIT_SEQUENCE,
     TP_STYLES,
     TP_SWAPPED,
+    TP_VOCAB,
+    TP_VOCAB_HEAD,
     ModelSpec,
     UnclassifiedParameter,
     classify_tp_params,
@@ -238,7 +246,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
         classify_tp_params(model, plan)  # before anything is swapped
     except UnclassifiedParameter as e:
         raise TensorParallelLayoutError("parallel.tp", comm.size, str(e)) from None
-    if sequence_parallel and "split_sequence" not in plan.values():
+    if sequence_parallel and TP_SPLIT_SEQUENCE not in plan.values():
         raise ValueError("sequence_parallel=True needs a 'split_sequence' entry in the "
                          "plan: the module whose output enters the sequence-parallel region")
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard
@@ -248,13 +256,13 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, *,
         if style in TP_SWAPPED:
             _swap(model, name, _build(style, module, comm, sequence_parallel, shards,
                                       transposed=name in transposed))
-        elif style == "partial" or (sequence_parallel and style == "sequence"):
+        elif style == TP_PARTIAL or (sequence_parallel and style == TP_SEQUENCE):
             partial.extend(p for p in module.parameters() if p.requires_grad)
-        elif sequence_parallel and style == "split_sequence":
+        elif sequence_parallel and style == TP_SPLIT_SEQUENCE:
             module.register_forward_hook(
                 lambda _m, _inp, out: scatter_to_sequence_region(out, comm))
     _set_local_heads(model, comm.size, spec.tp_head_attrs)
-    vocab_sharded = any(style == "vocab_head" for _, style in targets)
+    vocab_sharded = any(style == TP_VOCAB_HEAD for _, style in targets)
     return _handle(model, comm, partial, sequence_parallel, vocab_sharded)
 
 
@@ -272,16 +280,16 @@ def _check_ties(model: nn.Module, targets: list[tuple[str, str]]) -> None:
                              "(a head tied to a 'vocab' embedding: 'vocab_head')")
 
 
-_EXPECTED = {"colwise": nn.Linear, "colwise_qkv": nn.Linear, "rowwise": nn.Linear,
-             "vocab": nn.Embedding, "vocab_head": nn.Linear}
+_EXPECTED = {**dict.fromkeys(TP_LINEAR, nn.Linear), TP_VOCAB: nn.Embedding,
+             TP_VOCAB_HEAD: nn.Linear}
 
 
 def _check_module(style: str, module: nn.Module, transposed: bool) -> None:
     """Refuse a module that ``style`` cannot shard (a LoRA adapter's: its base layer;
     adapters on vocabulary styles are refused by the plan's classification)."""
-    if isinstance(module, LoRALinear) and style in ("colwise", "colwise_qkv", "rowwise"):
+    if isinstance(module, LoRALinear) and style in TP_LINEAR:
         module = module.base_layer
-    if transposed and style in ("colwise", "colwise_qkv", "rowwise"):
+    if transposed and style in TP_LINEAR:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"style {style!r} on a transposed module needs a 2-D "
@@ -296,20 +304,20 @@ def _build(style: str, module: nn.Module, comm: Communicator, sequence_parallel:
     full_weight = module.weight
     tied = shards.get(id(full_weight))
     new: VocabParallelEmbedding | ColumnParallelLinear | RowParallelLinear
-    if tied is not None and style != "vocab_head":
+    if tied is not None and style != TP_VOCAB_HEAD:
         raise ValueError(f"a {style!r} module shares a weight with a module already "
                          "sharded; only a 'vocab_head' may share the 'vocab' embedding's")
     sp = {"sequence_parallel": sequence_parallel}
-    if style == "vocab":
+    if style == TP_VOCAB:
         new = VocabParallelEmbedding(_checked(module, nn.Embedding), comm)
-    elif style == "vocab_head":
+    elif style == TP_VOCAB_HEAD:
         new = VocabParallelHead(_checked(module, nn.Linear), comm, tied=tied, **sp)
     elif isinstance(module, LoRALinear):  # the adapter split with the layer
         new = adapted_layer(style, module, comm, transposed=transposed, **sp)
-    elif style == "rowwise":
+    elif style == TP_ROWWISE:
         new = RowParallelLinear(module, comm, transposed=transposed, **sp)
     else:
-        new = ColumnParallelLinear(module, comm, parts=3 if style == "colwise_qkv" else 1,
+        new = ColumnParallelLinear(module, comm, parts=3 if style == TP_COLWISE_QKV else 1,
                                    transposed=transposed, **sp)
     shards[id(full_weight)] = new.weight
     return new

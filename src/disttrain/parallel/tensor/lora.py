@@ -26,6 +26,7 @@ from torch import nn
 
 from ...adapters import LoRALinear
 from ...comm.collectives import Communicator
+from ...spec import TP_COLWISE_QKV, TP_ROWWISE
 from ..placement import Box, whole_box
 from .functions import (
     copy_to_tp_region,
@@ -123,9 +124,9 @@ def adapted_layer(style: str, adapted: LoRALinear, comm: Communicator, *,
                   ) -> ColumnParallelLinear | RowParallelLinear:
     """The tensor-parallel form of ``adapted`` under plan style ``style`` (``colwise``,
     ``colwise_qkv`` or ``rowwise``)."""
-    if style == "rowwise":
+    if style == TP_ROWWISE:
         return RowParallelLoRALinear(adapted, comm, sequence_parallel=sequence_parallel,
                                      transposed=transposed)
-    return ColumnParallelLoRALinear(adapted, comm, parts=3 if style == "colwise_qkv" else 1,
+    return ColumnParallelLoRALinear(adapted, comm, parts=3 if style == TP_COLWISE_QKV else 1,
                                     sequence_parallel=sequence_parallel,
                                     transposed=transposed)

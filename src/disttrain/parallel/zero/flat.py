@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ...optim import takes_decay
 from ...weights.materialize import give_storage
 
 
@@ -147,7 +148,7 @@ def flatten_unit(unit: Unit, index: int, decay: bool | None, names: dict[int, st
     than its shard of them."""
     frozen = decay is None
     params = ([p for _, p in unit.frozen] if frozen
-              else [p for _, p in unit.params if (p.dim() >= 2) == decay])
+              else [p for _, p in unit.params if takes_decay(p) == decay])
     if not params:
         return None
     offsets, total = [], 0

@@ -23,7 +23,6 @@ replicas divided out).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from .applied import AppliedDimension, ApplyContext, Composed, HeadHolder, Model
 from .clipping import clip_to_global_norm, squared_norm
 from .dimensions import in_apply_order
 from .fused_loss import replace_submodule
+from .grads import GradSyncOver
 from .interfaces import GradSync, StepPass, StepTracer, Work
 from .placement import Placement, whole_model_placement
 from .step_pass import WholeModelPass
@@ -192,27 +192,15 @@ def apply_model_parallel(model: nn.Module, spec: ModelSpec, parallel: ParallelCo
     return ModelParallel(parts=parts, cut=cut, placement=placement, spec=spec)
 
 
-class ModelParallelGrads:
+class ModelParallelGrads(GradSyncOver):
     """The data-parallel strategy's :class:`~.interfaces.GradSync`, seen through the
     model-parallel parts: the same reductions, then each part's fix-ups on the reduced
     gradients, a global norm over every stage and shard, and the loss totals summed over
     the world (only the ranks that count the loss contribute)."""
 
     def __init__(self, inner: GradSync, mp: ModelParallel, world: Communicator) -> None:
-        self.inner, self.mp, self.world = inner, mp, world
-
-    @property
-    def grad_replicas(self) -> int:
-        return self.inner.grad_replicas  # may change with the step (1-bit Adam's phase)
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.inner.no_sync()
-
-    def backward(self, scope: int, last: bool) -> contextlib.AbstractContextManager[None]:
-        return self.inner.backward(scope, last)
+        super().__init__(inner)
+        self.mp, self.world = mp, world
 
     def reduce_loss_totals(self, totals: torch.Tensor) -> Work:
         if not self.mp.counts_loss:
@@ -225,9 +213,6 @@ class ModelParallelGrads:
         self.mp.fix_gradients({id(p): g for p, g in pieces})
         self.mp.check_first_step(pieces, self.world)
 
-    def gradient_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return self.inner.gradient_pieces()
-
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every stage, shard and replica (a 0-dim tensor on
         the device); clip the pieces this rank holds if ``max_norm > 0``."""
@@ -236,15 +221,3 @@ class ModelParallelGrads:
         sq = squared_norm([g for _, g in pieces], self.world.device,
                           [weight(p) / self.grad_replicas for p, _ in pieces])
         return clip_to_global_norm([g for _, g in pieces], sq, self.world, max_norm)
-
-    def after_optimizer_step(self) -> None:
-        self.inner.after_optimizer_step()
-
-    def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return self.inner.model_state_bytes(optimizer)
-
-    def comm_stats(self) -> dict[str, float]:
-        return self.inner.comm_stats()
-
-    def finalize(self) -> None:
-        self.inner.finalize()

@@ -10,12 +10,13 @@ from torch import nn
 
 from ...comm.collectives import Communicator
 from ..clipping import clip_to_global_norm, squared_norm
-from ..interfaces import GradSync, Work, grad_of
+from ..grads import GradSyncOver
+from ..interfaces import GradSync
 from ..zero import ZeroDataParallel
 from .adam import FlatShard, OnebitAdam
 
 
-class OnebitGrads:
+class OnebitGrads(GradSyncOver):
     """:class:`~disttrain.parallel.interfaces.GradSync` over ``inner`` (the ddp
     strategy's) that follows a :class:`~.adam.OnebitAdam`'s phase, decided at the start
     of each step (:meth:`zero_grad`):
@@ -28,13 +29,15 @@ class OnebitGrads:
       estimates' norms over dp (one all-reduce of a scalar), the same on every rank, so
       every rank clips by the same factor and skips a non-finite step together.
 
-    Over ZeRO-1 the local gradients are the whole ones stage 1 keeps (``.grad`` of each
-    parameter, views of its flat buffer's), the optimizer updates every rank's whole
-    copy of the parameters itself, and no parameter all-gather follows a local step.
+    Over ZeRO-1 the local gradients are the whole ones stage 1 keeps
+    (:meth:`~..zero.ZeroDataParallel.whole_gradients`), the optimizer updates every
+    rank's whole copy of the parameters itself, and no parameter all-gather follows a
+    local step.
     """
 
     def __init__(self, inner: GradSync, comm: Communicator) -> None:
-        self.inner, self.comm = inner, comm
+        super().__init__(inner)
+        self.comm = comm
         self.zero = inner if isinstance(inner, ZeroDataParallel) else None
         if self.zero is not None and self.zero.stage != 1:
             raise ValueError(f"1-bit Adam runs over ZeRO-1, not stage {self.zero.stage}")
@@ -54,17 +57,13 @@ class OnebitGrads:
             raise TypeError(f"OnebitGrads follows a OnebitAdam, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         if self.zero is not None:
-            flats: dict[torch.Tensor, FlatShard] = {}
-            for f in self.zero.flats:
-                if f.grad_full is None:  # never: ZeRO-1 keeps each flat's full gradient
-                    raise RuntimeError(f"ZeRO-1 flat of unit {f.unit} has no grad_full")
-                flats[f.shard] = FlatShard(full=f.full, grad=f.grad_full, numel=f.numel)
-            optimizer.shard_over(flats)
+            optimizer.shard_over({shard: FlatShard(full=full, grad=grad, numel=numel)
+                                  for shard, full, grad, numel in self.zero.whole_flats()})
 
     def _local_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, this rank's own whole gradient) during a local step."""
         if self.zero is not None:
-            return [(p, grad_of(p)) for f in self.zero.flats for p in f.params]
+            return self.zero.whole_gradients()
         return self.inner.gradient_pieces()
 
     def zero_grad(self) -> None:
@@ -74,14 +73,8 @@ class OnebitGrads:
         if self.local:  # no backward of this step reduces, the last one included
             self._held.enter_context(self.inner.no_sync())
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.inner.no_sync()
-
     def backward(self, scope: int, last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self.local else self.inner.backward(scope, last)
-
-    def reduce_loss_totals(self, totals: torch.Tensor) -> Work | None:
-        return self.inner.reduce_loss_totals(totals)
 
     def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         if not self.local:

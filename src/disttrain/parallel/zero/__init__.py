@@ -30,7 +30,7 @@ from ...comm.collectives import Communicator, TrackedWork
 from ...names import STRATEGY_ZERO
 from ...spec import block_list, generic_spec
 from ..clipping import clip_to_global_norm, squared_norm
-from ..interfaces import StatePiece, TensorSource
+from ..interfaces import StatePiece, TensorSource, grad_of
 from ..placement import Placement
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from .check import check_zero
@@ -153,6 +153,29 @@ class ZeroDataParallel:
         return [(p, f.shard.grad[f.in_shard(self.comm.rank, slot, a, b)])
                 for f in self.flats if f.shard.grad is not None
                 for slot, p, _, a, b in f.pieces(self.comm.rank)]
+
+    def whole_flats(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """Stage 1 only, which keeps every rank's whole unreduced gradient: per flat
+        buffer (this rank's shard, the whole buffer [padded], the whole local gradient
+        [padded], its real elements). What a step that skips the reduction (1-bit Adam
+        once it compresses) works on."""
+        if self.stage != 1:
+            raise ValueError(f"whole local gradients are kept by ZeRO-1, not stage "
+                             f"{self.stage}")
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        for f in self.flats:
+            if f.grad_full is None:  # never: ZeRO-1 keeps each flat's full gradient
+                raise RuntimeError(f"ZeRO-1 flat of unit {f.unit} has no grad_full")
+            out.append((f.shard, f.full, f.grad_full, f.numel))
+        return out
+
+    def whole_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Stage 1: (parameter, this rank's whole unreduced gradient, a view of its flat
+        buffer's)."""
+        if self.stage != 1:
+            raise ValueError(f"whole local gradients are kept by ZeRO-1, not stage "
+                             f"{self.stage}")
+        return [(p, grad_of(p)) for f in self.flats for p in f.params]
 
     def zero_grad(self) -> None:
         self.reducer.new_step()

@@ -1,0 +1,40 @@
+"""FLOPs per token of a transformers causal LM, from its modules' shapes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...config.schema import ModelConfig
+from .common import as_causal_lm
+
+
+def matmul_flops_per_token(model: nn.Module, seq_len: int, n_layer: int,
+                           d_model: int) -> int:
+    """Training FLOPs per token from the model's shapes: 6 per weight of every matrix
+    that multiplies activations (embedding lookups excluded, a tied output head counted)
+    plus attention's scores and weighted sum, 12 T d per layer (forward and backward)."""
+    matmul = sum(p.numel() for m in model.modules() if not isinstance(m, nn.Embedding)
+                 for p in m.parameters(recurse=False) if p.dim() == 2)
+    return int(6 * matmul + 12 * n_layer * seq_len * d_model)
+
+
+def hf_flops_per_token(model: nn.Module, seq_len: int) -> int | None:
+    """:func:`matmul_flops_per_token` of a transformers model at ``seq_len`` (its layers
+    and width from its config); None for any other model."""
+    config = getattr(model, "config", None)
+    if not type(model).__module__.startswith("transformers.") or config is None:
+        return None
+    try:
+        return matmul_flops_per_token(model, seq_len, int(config.num_hidden_layers),
+                                      int(config.hidden_size))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def hf_dimensions(model: nn.Module, cfg: ModelConfig) -> tuple[int, int, int]:
+    """(seq_len, n_layer, d_model) of a built model: from ``[model]``, or from the
+    transformers config when ``model.hf_config`` chose it."""
+    if not cfg.hf_config:
+        return cfg.seq_len, cfg.n_layer, cfg.d_model
+    c = as_causal_lm(model).config
+    return cfg.seq_len, int(c.num_hidden_layers), int(c.hidden_size)

@@ -9,6 +9,9 @@ from torch.utils.data import Dataset
 
 from disttrain.config import load_config
 from disttrain.models import IGNORE_INDEX
+from disttrain.parallel.compose import Parallelized
+from disttrain.parallel.placement import tensor_pieces
+from disttrain.param_names import canonical_name
 
 TINY_MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "d_model": 32}
 
@@ -92,3 +95,30 @@ def copy_checkpoint(src, dst, step: int) -> None:
         shutil.copytree(Path(src) / "checkpoints" / name, Path(dst) / "checkpoints" / name)
         (Path(dst) / "checkpoints" / "latest").write_text(name + "\n")
     dist.barrier()
+
+
+def full_state(par: Parallelized) -> dict[str, torch.Tensor] | None:
+    """The unsharded model's parameters and buffers on global rank 0 (None
+    elsewhere), after ``grads.finalize()`` (a Trainer's ``parallel`` after ``fit()``).
+    Where no dimension changed the model every rank holds them; otherwise each
+    replica-rank-0 rank sends the boxes it saves (one gather of small objects: meant for
+    tests' tiny models, not for models too large for one host)."""
+    world = par.groups.world
+    if not par.mp.applied:
+        return ({canonical_name(k): v for k, v in par.module.state_dict().items()}
+                if world.rank == 0 else None)
+    mine = []
+    if par.groups.replicas.rank == 0:
+        for name, p in par.mp.named_parameters():
+            if par.placement.writes(p):
+                mine += [(name, g.global_shape, g.offsets, g.tensor.detach().cpu().clone())
+                         for g in tensor_pieces(par.placement.boxes(name, p), p)]
+    everyone = world.all_gather_object(mine)
+    if world.rank != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for pieces in everyone:
+        for name, shape, offsets, t in pieces:
+            out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
+            out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
+    return full

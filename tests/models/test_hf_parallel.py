@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_support import padded_rows, plain_loop
+from support import full_state
 
 from disttrain.testing import run_distributed
 
@@ -76,7 +77,7 @@ def _fit(root: str, family: str, name: str, parallel: dict, train: dict | None =
         "checkpoint": {"every": 4, "async": False}, "monitor": {"peak_tflops": 1.0}},
         run_dir=f"{root}/{family}-{name}", progress=False)
     trainer.fit()
-    full = trainer.parallel.full_state()
+    full = full_state(trainer.parallel)
     if full is None:
         return None, trainer.start_step
     names = {n for n, _ in _model(family).named_parameters()}  # buffers left out

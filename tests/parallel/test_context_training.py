@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import copy_checkpoint
+from support import copy_checkpoint, full_state
 
 from disttrain.data import GlobalOrderSampler
 from disttrain.testing import run_distributed
@@ -133,7 +133,7 @@ def _fit(run_dir: str, family: str, parallel: dict, steps: int = STEPS,
         "monitor": {"peak_tflops": 1.0}}, eval_dataset=_rows(family, HELD_OUT, seed=4),
         run_dir=run_dir, progress=False)
     summary = trainer.fit()
-    full = trainer.parallel.full_state()
+    full = full_state(trainer.parallel)
     weights = None
     if full is not None:
         names = {n for n, _ in _model(family).named_parameters()}  # buffers left out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_support import padded_rows
-from support import TINY_MODEL, SyntheticTokens, tiny_config
+from support import TINY_MODEL, SyntheticTokens, full_state, tiny_config
 
 from disttrain.testing import run_distributed
 
@@ -70,7 +70,7 @@ def _fit(root: str, family: str, fused: bool, parallel: dict, loss_fn=None) -> d
         trainer = Trainer(model, padded_rows(32, SEQ, VOCAB), None, cfg, run_dir=name,
                           progress=False)
     trainer.fit()
-    full = trainer.parallel.full_state()
+    full = full_state(trainer.parallel)
     names = {n for n, _ in model.named_parameters()}
     logits_dim = None
     if parallel.get("tp", 1) == 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from packing_support import BUILD, MODEL, examples, unpacked_loss
+from support import full_state
 
 from disttrain.monitor.callbacks import Callback
 from disttrain.testing import run_distributed
@@ -75,7 +76,7 @@ def _fit_cases(root: str) -> dict:
             "monitor": {"peak_tflops": 1.0}},
             run_dir=f"{root}/{family}-{name}", progress=False, callbacks=[losses])
         trainer.fit()
-        full = trainer.parallel.full_state()
+        full = full_state(trainer.parallel)
         out[(family, name)] = ({k: v.clone() for k, v in full.items()}
                                if full is not None else None, losses.losses,
                                losses.first_eval)

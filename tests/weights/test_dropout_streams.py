@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
-from support import SyntheticTokens
+from support import SyntheticTokens, full_state
 
 from disttrain.testing import run_distributed
 
@@ -33,7 +33,7 @@ def _fit(run_dir: str, draws: int) -> dict[str, torch.Tensor] | None:
         "parallel": {"tp": 2}, "checkpoint": {"every": 0}, "monitor": {"peak_tflops": 1.0}},
         collate_fn=collate_token_batch, run_dir=run_dir, progress=False)
     trainer.fit()
-    return trainer.parallel.full_state()
+    return full_state(trainer.parallel)
 
 
 def _twice(root: str) -> list:

@@ -32,37 +32,31 @@ the result's interfaces.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checkpoint.state import MODEL
 from ..comm.collectives import CollectiveLedger, Communicator
-from ..config.layout import Layout
 from ..config.schema import Config, TrainConfig
 from ..dimensions import Role, mesh_order
-from ..param_names import canonical_name
 from ..spec import ModelSpec, block_list, output_logits
 from ..targets import IGNORE_INDEX
-from ..weights.materialize import allocate, fill_buffers, on_meta, persistent_buffers
+from ..weights.materialize import allocate, on_meta
 from .compilation import compile_blocks
 from .fused_loss import FusedHead, fuse_output_head, head_refusal, loss_line
 from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import (
     GradSync,
-    PartialSource,
     RunsOwnLoop,
     ShardedState,
-    StatePiece,
     StepPass,
     StepTracer,
     SyncStrategy,
-    TensorSource,
 )
-from .placement import Placement, tensor_pieces
+from .placement import Placement
 from .registry import OPTIMIZER_REGISTRY, SYNC_MODE_REGISTRY, get_strategy
 from .strategy import OptimizerContext, StrategyContext, SyncContext
 from .topology import Topology
@@ -114,9 +108,8 @@ class Parallelized:
     linear + cross-entropy when ``fused`` swapped the output head: the outputs are then
     hidden states; else a part's, such as the vocabulary-parallel cross-entropy when
     the head is sharded over tp), or None for the ordinary one; ``fused``: the swapped
-    head (None: the fused loss is off); ``layout_head``: the banner's line for the
-    layout (empty when no dimension changed the model); ``loss_line``: its line for the
-    loss (fused or not, and why).
+    head (None: the fused loss is off); ``loss_line``: how the loss is computed (fused
+    or not, and why), in a line for the start-up banner.
     """
 
     module: nn.Module
@@ -131,7 +124,6 @@ class Parallelized:
     zero_stage: int = 0
     token_loss: Callable[..., Any] | None = None  # what the module's outputs need
     followers: list[Any] = field(default_factory=list)  # parts that track the optimizer
-    layout_head: str = ""
     fused: FusedHead | None = None
     loss_line: str = ""
 
@@ -149,19 +141,6 @@ class Parallelized:
             replicas=self.groups.replicas))
         self.bind_optimizer(optimizer)
         return optimizer
-
-    def layout_lines(self) -> str:
-        """For the start-up banner: which ranks hold which layers and shards (where a
-        dimension changed the model; a collective over the world), then how the loss is
-        computed."""
-        loss = f"\n{self.loss_line}" if self.loss_line else ""
-        if not self.layout_head:
-            return loss
-        g = self.groups
-        where = ", ".join(f"{d.key} {g.axis(d.axis).rank}" for d in mesh_order())
-        mine = f"rank {g.world.rank} ({where}): {self.describe()}"
-        return self.layout_head + "".join(
-            f"\n  {line}" for line in g.world.all_gather_object(mine)) + loss
 
     def restore_head(self) -> None:
         """Put the output head the fused loss stood in for back (the end of ``fit()``:
@@ -195,105 +174,6 @@ class Parallelized:
                                "the logits of")
         return self.mp.full_logits_loss(loss_fn)
 
-    def local_boxes(self, optimizer: torch.optim.Optimizer
-                    ) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-        """``model/<name>`` -> the (global offsets, sizes) boxes of that tensor this rank
-        holds: its tensor-parallel boxes, or under ZeRO the boxes of its shard's range
-        (a tensor this rank holds but does not save, such as a tied copy, is absent:
-        read whole). What a :class:`~.interfaces.PartialSource` reads for it."""
-        if self.zero_stage:
-            out: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-            for piece in self.state.state_pieces(optimizer) + self.state.frozen_pieces():
-                if piece.name.startswith(MODEL):
-                    out.setdefault(piece.name, []).append(
-                        (piece.offsets, tuple(piece.tensor.shape)))
-            return out
-        return {MODEL + self.placement.name(p): [
-            (b.global_offsets, b.shape)
-            for b in self.placement.boxes(self.placement.name(p), p)]
-            for p in self.module.parameters() if id(p) in self.placement.names}
-
-    def fill(self, source: TensorSource, optimizer: torch.optim.Optimizer) -> None:
-        """Give this rank's part of a model built on the meta device its values from
-        ``source`` (global tensors by ``model/<name>``: the seeded initialiser, a
-        pretrained directory), each rank reading only what it holds; then whatever
-        follows the weights (a sync mode's round) starts from them."""
-        if isinstance(source, PartialSource):
-            source.want(self.local_boxes(optimizer))
-        self.state.load_state(source, optimizer)
-        # buffers by their full-model names: a pipeline chunk keeps the model's paths
-        for part in self.mp.cut.buffer_holders():
-            fill_buffers(part, source)
-        self.sync.restart()
-
-    def describe(self) -> str:
-        """This rank's part, in one line (for the start-up banner)."""
-        stage = f" (ZeRO-{self.zero_stage})" if self.zero_stage else ""
-        layout = self.mp.describe()
-        return f"{self.strategy}{stage}" + (f"; {layout}" if layout else "")
-
-    def weight_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
-        """The pieces of the model's weights this rank contributes to the final weights
-        (``model/<name>`` boxes of global tensors; over all ranks they cover every
-        parameter, and every persistent buffer, at least once): under ZeRO each rank's
-        shard pieces, else the data-parallel rank 0 replicas' parameters (their boxes
-        where a dimension changed the model). No rank gathers anything: the writer
-        assembles one tensor at a time. Valid before ``grads.finalize()``."""
-        world, replicas = self.groups.world, self.groups.replicas
-        whole = not self.mp.applied
-        if self.zero_stage:
-            pieces = [p for p in self.state.state_pieces(optimizer)
-                      if p.name.startswith(MODEL)] + self.state.frozen_pieces()
-        elif replicas.rank != 0:
-            pieces = []
-        elif whole:
-            pieces = [StatePiece(MODEL + self.placement.name(p), p.detach(),
-                                 tuple(p.shape), (0,) * p.dim())
-                      for p in _unique(self.module.parameters())] if world.rank == 0 else []
-        else:
-            pieces = [StatePiece(MODEL + name, g.tensor.detach(), g.global_shape, g.offsets)
-                      for name, p in self.mp.named_parameters() if self.placement.writes(p)
-                      for g in tensor_pieces(self.placement.boxes(name, p), p)]
-        if whole and world.rank == 0:  # buffers the model saves (whole)
-            pieces += [StatePiece(MODEL + n, b.detach(), tuple(b.shape), (0,) * b.dim())
-                       for n, b in persistent_buffers(self.module)]
-        return pieces
-
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded model's parameters and buffers on global rank 0 (None
-        elsewhere), after ``grads.finalize()``. Where no dimension changed the model
-        every rank holds them; otherwise each replica-rank-0 rank sends the boxes it
-        saves (one gather of small objects: meant for final weights, not for models too
-        large for one host)."""
-        world = self.groups.world
-        if not self.mp.applied:
-            return ({canonical_name(k): v for k, v in self.module.state_dict().items()}
-                    if world.rank == 0 else None)
-        mine = []
-        if self.groups.replicas.rank == 0:
-            for name, p in self.mp.named_parameters():
-                if self.placement.writes(p):
-                    mine += [(name, g.global_shape, g.offsets, g.tensor.detach().cpu().clone())
-                             for g in tensor_pieces(self.placement.boxes(name, p), p)]
-        everyone = world.all_gather_object(mine)
-        if world.rank != 0:
-            return None
-        full: dict[str, torch.Tensor] = {}
-        for pieces in everyone:
-            for name, shape, offsets, t in pieces:
-                out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
-                out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
-        return full
-
-
-def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,
@@ -346,7 +226,6 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
                         mp=mp, placement=placement, strategy=strategy.name, groups=groups,
                         zero_stage=topology.layout.zero, token_loss=token_loss,
                         followers=followers, fused=fused,
-                        layout_head=_layout_head(topology.layout, mp, micro_batches),
                         loss_line=loss_line(spec.head, refusal))
 
 
@@ -358,12 +237,3 @@ def _fused_refusal(model: nn.Module, spec: ModelSpec, train: TrainConfig,
     if not default_loss:
         return "the loss_fn given takes the logits"
     return head_refusal(model, spec)
-
-
-def _layout_head(lay: Layout, mp: ModelParallel, micro_batches: int) -> str:
-    """The banner's layout line where a dimension changed the model (empty otherwise):
-    every degree in rank order, and what the cut adds (a pipeline's schedule)."""
-    if not mp.applied:
-        return ""
-    degrees = " x ".join(f"{d.key}={lay.degree(d.key)}" for d in mesh_order())
-    return f"\nlayout {degrees}" + mp.cut.headline(micro_batches)

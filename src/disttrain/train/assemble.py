@@ -39,6 +39,7 @@ from ..monitor.watchdog import HangWatchdog, default_store
 from ..names import METRICS_FILE, NONFINITE_STOP
 from ..parallel.compose import Groups, compose
 from ..parallel.interfaces import TensorSource
+from ..parallel.pieces import fill, local_boxes
 from ..parallel.topology import Topology, build_topology
 from ..spec import ModelSpec
 from ..weights import on_meta, stream_seed
@@ -144,7 +145,7 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
     closing.callback(model.parallel.restore_head)
     checkpoints = RunCheckpoints(run_dir, config, plan, world, model.parallel.state,
                                  model.optimizer,
-                                 model.parallel.local_boxes(model.optimizer),
+                                 local_boxes(model.parallel, model.optimizer),
                                  frozen_fingerprint(model.parallel, model.optimizer, world))
     start_step = _resume(checkpoints, cursor, model, reporter, run_dir, runtime)
     train = config.train
@@ -201,7 +202,7 @@ def _build_model(inputs: RunInputs, runtime: Runtime, mesh: Mesh, cursor: DataCu
     loss_fn = parallel.loss_for(inputs.loss_fn, token_loss)
     optimizer = parallel.build_optimizer(config, inputs.plan.lr)
     if inputs.weights is not None:
-        parallel.fill(inputs.weights, optimizer)
+        fill(parallel, inputs.weights, optimizer)
     return RunModel(parallel=parallel, optimizer=optimizer, parameters=parameters,
                     flops_per_term=flops), loss_fn
 

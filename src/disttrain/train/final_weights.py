@@ -1,7 +1,7 @@
 """The run's final weights written from every rank's pieces, one tensor at a time.
 
 No rank gathers the model: each rank writes the pieces it holds
-(:meth:`~disttrain.parallel.compose.Parallelized.weight_pieces`) to a staging file of its
+(:func:`~disttrain.parallel.pieces.weight_pieces`) to a staging file of its
 own in the run directory; rank 0 then assembles each global tensor from the staging
 files and streams it into ``model.safetensors`` (:func:`~disttrain.checkpoint.stream.
 write_streamed`), holding at most one whole tensor, and removes the staging directory.

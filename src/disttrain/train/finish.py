@@ -17,6 +17,7 @@ from ..monitor.record import (
 )
 from ..monitor.trace import merge_traces
 from ..names import TRACE_FILE, trace_rank_file
+from ..parallel.pieces import weight_pieces
 from . import rundir
 from .final_weights import write_final_weights
 from .outputs import on_main
@@ -29,7 +30,7 @@ def finish_run(run: Run, result: LoopResult) -> dict[str, Any]:
     weights and the timeline (collectives: every rank calls it)."""
     summary = _summary(run, result)
     # the final weights from every rank's pieces, one tensor at a time on rank 0
-    problem = write_final_weights(run.parallel.weight_pieces(run.model.optimizer),
+    problem = write_final_weights(weight_pieces(run.parallel, run.model.optimizer),
                                   run.world, run.run_dir, run.config.train.steps)
     if problem is not None:
         raise CheckpointSaveError(f"could not write the final weights: {problem}")

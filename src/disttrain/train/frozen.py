@@ -17,6 +17,7 @@ from ..checkpoint.fingerprint import piece_checksums
 from ..checkpoint.state import MODEL
 from ..comm import Communicator
 from ..parallel.compose import Parallelized
+from ..parallel.pieces import weight_pieces
 
 
 def frozen_fingerprint(parallel: Parallelized, optimizer: torch.optim.Optimizer,
@@ -31,7 +32,7 @@ def frozen_fingerprint(parallel: Parallelized, optimizer: torch.optim.Optimizer,
         return {}
     index = {MODEL + n: i for i, n in enumerate(names)}
     sums = torch.zeros(len(names), 4, dtype=torch.float64, device=world.device)
-    for piece in parallel.weight_pieces(optimizer):
+    for piece in weight_pieces(parallel, optimizer):
         i = index.get(piece.name)
         if i is not None:
             sums[i] += piece_checksums(piece.tensor, piece.global_shape, piece.offsets)

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from ..dimensions import Role, with_role
+from ..config.layout import Layout
+from ..dimensions import Role, mesh_order, with_role
 from ..monitor import MetricsRecord, ProgressBar
 from ..monitor.callbacks import Callbacks
 from ..monitor.callbacks import Trainer as CallbackSubject
 from ..monitor.telemetry import Telemetry
+from ..parallel.compose import Parallelized
 
 
 class RunReporter:
@@ -85,6 +87,29 @@ def banner_text(world_size: int, device: torch.device, backend: str, plan: Any,
     if initial_eval is not None:
         text += f"\ninitial held-out loss {initial_eval:.4f}"
     return text
+
+
+def layout_lines(par: Parallelized, layout: Layout, micro_batches: int) -> str:
+    """For the start-up banner: where a dimension changed the model, the layout in rank
+    order with what the cut adds (a pipeline's schedule) and which ranks hold which
+    layers and shards (a collective over the world); then how the loss is computed."""
+    loss = f"\n{par.loss_line}" if par.loss_line else ""
+    if not par.mp.applied:
+        return loss
+    degrees = " x ".join(f"{d.key}={layout.degree(d.key)}" for d in mesh_order())
+    head = f"\nlayout {degrees}" + par.mp.cut.headline(micro_batches)
+    g = par.groups
+    where = ", ".join(f"{d.key} {g.axis(d.axis).rank}" for d in mesh_order())
+    mine = f"rank {g.world.rank} ({where}): {_part(par)}"
+    return head + "".join(f"\n  {line}" for line in g.world.all_gather_object(mine)) + loss
+
+
+def _part(par: Parallelized) -> str:
+    """This rank's part, in one line: its data-parallel strategy and what each
+    dimension gave it."""
+    stage = f" (ZeRO-{par.zero_stage})" if par.zero_stage else ""
+    layout = par.mp.describe()
+    return f"{par.strategy}{stage}" + (f"; {layout}" if layout else "")
 
 
 def device_name(device: torch.device) -> str:

@@ -36,7 +36,7 @@ from .nonfinite import NonFinitePolicy
 from .optim import lr_at
 from .precision import LossScaler, autocast
 from .preemption import SignalStop
-from .report import RunReporter, banner_text
+from .report import RunReporter, banner_text, layout_lines
 from .runtime import Runtime
 
 
@@ -154,7 +154,8 @@ class Run:
     def announce(self, initial_eval: float | None) -> None:
         self.reporter.say(banner_text(
             self.runtime.world_size, self.runtime.device, self.runtime.backend, self.plan,
-            self.model.parameters, self.run_dir, self.parallel.layout_lines(),
+            self.model.parameters, self.run_dir,
+            layout_lines(self.parallel, self.plan.layout, self.plan.batch.grad_accum),
             initial_eval))
 
     # ----------------------------------------------------------------- evaluation

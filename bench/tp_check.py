@@ -27,7 +27,7 @@ from disttrain.config.layout import Layout
 from disttrain.config.schema import ModelConfig, ParallelConfig
 from disttrain.models import GPT, gpt_spec
 from disttrain.parallel.compose import Groups
-from disttrain.parallel.hybrid import apply_model_parallel
+from disttrain.parallel.model_parallel import apply_model_parallel
 from disttrain.parallel.tensor.dimension import TensorShards, check_identical_grads
 from disttrain.parallel.topology import build_topology
 from disttrain.testing import run_distributed

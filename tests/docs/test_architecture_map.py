@@ -3,7 +3,7 @@
 
 - a path (``train/step.py``, ``parallel/zero/``) is a file or folder of the package
   (relative to ``src/disttrain``, or to a folder the same section names);
-- ``module.Name`` (``hybrid.WholeModel``, ``step_pass.WholeModelPass``) is defined in
+- ``module.Name`` (``model_parallel.WholeModel``, ``step_pass.WholeModelPass``) is defined in
   that module; a bare ``Name`` or ``name()`` is defined somewhere in the package (a
   class, function, method, constant, field or enum member);
 - ``section.key`` is a config key (``parallel.strategy``, ``train.sync``);

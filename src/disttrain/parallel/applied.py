@@ -3,10 +3,10 @@
 A dimension whose entry applies something to the model (:mod:`.dimensions`) is handed
 the model, its spec, the config and its axis's communicator (:class:`ApplyContext`) and
 returns an :class:`AppliedDimension`: its part of the composed model, which the
-composition (:mod:`.hybrid`) folds with the others' without knowing which it holds.
+composition (:mod:`.model_parallel`) folds with the others' without knowing which it holds.
 The dimension that cuts the model's layers into stages returns a :class:`ModelCut`,
 which also decides how a step's micro-batches run; without one the whole model is the
-cut (:class:`~.hybrid.WholeModel`).
+cut (:class:`~.model_parallel.WholeModel`).
 
 Every method of :class:`AppliedDimension` has the answer of a part that changes
 nothing (a dimension overrides what it changes): it counts the loss, leaves

@@ -9,14 +9,14 @@ of step it needs. In order, over an unchanged model:
    (:func:`~.compilation.compile_blocks`), first, so every later wrapper and hook stays
    outside the compiled regions;
 1. every dimension of the layout that applies something to a model, where its degree
-   is > 1 (:func:`~.hybrid.apply_model_parallel`: the declared entries' behaviours,
+   is > 1 (:func:`~.model_parallel.apply_model_parallel`: the declared entries' behaviours,
    :mod:`.dimensions`), with activation checkpointing on the blocks;
 2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
    the replica group, on whatever step 1 left this rank (blocks grouped per pipeline
    chunk);
 3. the gradient side the optimizer ``train.optimizer`` needs, if any (1-bit Adam's
    follows its phase: local once the momentum is compressed), then, where a dimension
-   changed the model, seen through :class:`~.hybrid.ModelParallelGrads`;
+   changed the model, seen through :class:`~.model_parallel.ModelParallelGrads`;
 4. the sync mode ``train.sync``;
 5. how a step's micro-batches run forward and backward (:class:`~.interfaces.StepPass`:
    the model cut's, through the whole module or through the pipeline schedule);
@@ -47,7 +47,6 @@ from ..targets import IGNORE_INDEX
 from ..weights.materialize import allocate, on_meta
 from .compilation import compile_blocks
 from .fused_loss import FusedHead, fuse_output_head, head_refusal, loss_line
-from .hybrid import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .interfaces import (
     GradSync,
     RunsOwnLoop,
@@ -56,6 +55,7 @@ from .interfaces import (
     StepTracer,
     SyncStrategy,
 )
+from .model_parallel import ModelParallel, ModelParallelGrads, apply_model_parallel
 from .placement import Placement
 from .registry import OPTIMIZER_REGISTRY, SYNC_MODE_REGISTRY, get_strategy
 from .strategy import OptimizerContext, StrategyContext, SyncContext

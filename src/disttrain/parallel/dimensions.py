@@ -9,7 +9,7 @@ entry has exactly one, from its own home.
 
 - ``apply``: what the dimension does to a model replica (:mod:`.applied`); None for
   one that applies nothing itself (dp: the data-parallel strategy runs over the replica
-  group). The composition (:mod:`.hybrid`) applies the in-place ones innermost axis
+  group). The composition (:mod:`.model_parallel`) applies the in-place ones innermost axis
   first (tp), then activation checkpointing, then the one that cuts the layers (pp).
 - ``check``: its compatibility check against the config, the model's spec and the
   resolved layout (before any process group exists; ``micro_batches`` per step and

@@ -1,6 +1,6 @@
 """A gradient sync that wraps another and changes part of what it does
 (:class:`GradSyncOver`): the model-parallel view of the data-parallel strategy
-(:class:`~.hybrid.ModelParallelGrads`) and 1-bit Adam's phase-following sync
+(:class:`~.model_parallel.ModelParallelGrads`) and 1-bit Adam's phase-following sync
 (:class:`~.onebit.grads.OnebitGrads`) override what they change; everything else goes to
 the wrapped sync unchanged."""
 

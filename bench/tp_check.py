@@ -41,9 +41,9 @@ def _body(args: argparse.Namespace) -> dict:
     topology = build_topology(Layout.of(dp=1, tp=args.tp), "cpu")
     groups = Groups.build(topology, CollectiveLedger())
     world = groups.world
-    mp = apply_model_parallel(model, gpt_spec(cfg), ParallelConfig(tp=args.tp),
+    model_parallel = apply_model_parallel(model, gpt_spec(cfg), ParallelConfig(tp=args.tp),
                               dict(groups.axes), micro_batches=1)
-    shards = next(p for p in mp.parts if isinstance(p, TensorShards))
+    shards = next(p for p in model_parallel.parts if isinstance(p, TensorShards))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 256, (8, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
 
@@ -51,7 +51,7 @@ def _body(args: argparse.Namespace) -> dict:
         loss, count = shards.tp.loss_fn(model(ids[:, :-1]), ids[:, 1:])
         opt.zero_grad()
         (loss / count).backward()
-        mp.fix_gradients({id(p): p.grad for p in model.parameters()})
+        model_parallel.fix_gradients({id(p): p.grad for p in model.parameters()})
 
     step()
     pieces = [(p, p.grad) for p in model.parameters()]
@@ -59,7 +59,7 @@ def _body(args: argparse.Namespace) -> dict:
     for _ in range(args.reps):
         world.barrier()
         t0 = time.perf_counter()
-        check_identical_grads(shards.tp, mp.placement, pieces, world)
+        check_identical_grads(shards.tp, model_parallel.placement, pieces, world)
         checks.append(time.perf_counter() - t0)
     for _ in range(args.reps):
         world.barrier()

@@ -97,22 +97,22 @@ def copy_checkpoint(src, dst, step: int) -> None:
     dist.barrier()
 
 
-def full_state(par: Parallelized) -> dict[str, torch.Tensor] | None:
+def full_state(parallel: Parallelized) -> dict[str, torch.Tensor] | None:
     """The unsharded model's parameters and buffers on global rank 0 (None
     elsewhere), after ``grads.finalize()`` (a Trainer's ``parallel`` after ``fit()``).
     Where no dimension changed the model every rank holds them; otherwise each
     replica-rank-0 rank sends the boxes it saves (one gather of small objects: meant for
     tests' tiny models, not for models too large for one host)."""
-    world = par.groups.world
-    if not par.mp.applied:
-        return ({canonical_name(k): v for k, v in par.module.state_dict().items()}
+    world = parallel.groups.world
+    if not parallel.model_parallel.applied:
+        return ({canonical_name(k): v for k, v in parallel.module.state_dict().items()}
                 if world.rank == 0 else None)
     mine = []
-    if par.groups.replicas.rank == 0:
-        for name, p in par.mp.named_parameters():
-            if par.placement.writes(p):
+    if parallel.groups.replicas.rank == 0:
+        for name, p in parallel.model_parallel.named_parameters():
+            if parallel.placement.writes(p):
                 mine += [(name, g.global_shape, g.offsets, g.tensor.detach().cpu().clone())
-                         for g in tensor_pieces(par.placement.boxes(name, p), p)]
+                         for g in tensor_pieces(parallel.placement.boxes(name, p), p)]
     everyone = world.all_gather_object(mine)
     if world.rank != 0:
         return None

@@ -65,7 +65,7 @@ class CountingGrads:
         self.inner, self.optimizer = inner, None
         self.steps = 0
 
-    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
     def __getattr__(self, name: str) -> Any:  # every other GradSync call: the inner one

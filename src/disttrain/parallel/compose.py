@@ -102,7 +102,7 @@ class Parallelized:
     ``module``: what this rank runs (the model, or a ModuleList of its pipeline chunks);
     ``grads`` / ``state``: the declared interfaces the loop uses; ``sync``: what happens
     between steps (``train.sync``); ``passes``: how a step's micro-batches run forward
-    and backward; ``mp``: the model-parallel dimensions' parts (none when no dimension
+    and backward; ``model_parallel``: the model-parallel dimensions' parts (none when no dimension
     changed the model) and the model's cut; ``strategy``: the data-parallel strategy's
     name; ``token_loss``: the per-token loss the module's outputs need (the fused
     linear + cross-entropy when ``fused`` swapped the output head: the outputs are then
@@ -117,13 +117,13 @@ class Parallelized:
     state: ShardedState
     sync: SyncStrategy
     passes: StepPass
-    mp: ModelParallel
+    model_parallel: ModelParallel
     placement: Placement
     strategy: str
     groups: Groups
     zero_stage: int = 0
     token_loss: Callable[..., Any] | None = None  # what the module's outputs need
-    followers: list[Any] = field(default_factory=list)  # parts that track the optimizer
+    optimizer_users: list[Any] = field(default_factory=list)  # parts that track the optimizer
     fused: FusedHead | None = None
     loss_line: str = ""
 
@@ -134,7 +134,7 @@ class Parallelized:
 
     def build_optimizer(self, config: Config, lr: float) -> torch.optim.Optimizer:
         """The optimizer ``train.optimizer`` names over :attr:`state`'s groups, handed
-        to the parts that follow it."""
+        to the parts that use it."""
         train = config.train
         optimizer = OPTIMIZER_REGISTRY.get(train.optimizer).build(OptimizerContext(
             groups=self.state.optimizer_groups(train.weight_decay), lr=lr, train=train,
@@ -150,9 +150,9 @@ class Parallelized:
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hand the optimizer, once built over :attr:`state`'s groups, to the parts of
-        the composition that follow it (1-bit Adam's gradient side follows its phase)."""
-        for part in self.followers:
-            part.follow(optimizer)
+        the composition that use it (1-bit Adam's gradient side follows its phase)."""
+        for part in self.optimizer_users:
+            part.bind_optimizer(optimizer)
 
     def loss_for(self, loss_fn: Callable[..., Any] | None, plain: Callable[..., Any]
                  ) -> Callable[..., Any] | None:
@@ -172,7 +172,7 @@ class Parallelized:
         if self.fused is not None:  # never: see compose()
             raise RuntimeError(f"a loss_fn ({loss_fn!r}) with a token loss it cannot take "
                                "the logits of")
-        return self.mp.full_logits_loss(loss_fn)
+        return self.model_parallel.full_logits_loss(loss_fn)
 
 
 
@@ -184,7 +184,7 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
     ``num_samples``: the training set's size (federated partitions); ``default_loss``:
     the step's loss is the causal-LM token loss (no ``loss_fn`` of the user's, or
     :func:`disttrain.models.token_loss`), which alone the fused loss may compute."""
-    train, par = config.train, config.parallel
+    train, parallel = config.train, config.parallel
     refusal = _fused_refusal(model, spec, train, default_loss)  # on the unchanged model
     checkpointing = (train.activation_checkpointing, train.activation_checkpointing_k)
     fresh = on_meta(model)  # built on meta: only this rank's part gets storage, below
@@ -193,39 +193,40 @@ def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topolog
         if blocks is None:
             raise ValueError("train.compile compiles the model's blocks; its spec names none")
         compile_blocks(blocks)
-    mp = apply_model_parallel(model, spec, par, dict(groups.axes),
+    model_parallel = apply_model_parallel(model, spec, parallel, dict(groups.axes),
                               micro_batches=micro_batches, checkpointing=checkpointing,
                               seq_len=config.model.seq_len)
-    module, placement = mp.module, mp.placement
+    module, placement = model_parallel.module, model_parallel.placement
     strategy = get_strategy(config)
     replicas = groups.replicas
     if fresh:  # parameters too unless the strategy allocates its own part of them
         allocate(module, replicas.device, params=not strategy.allocates)
     grads, state = strategy.build(StrategyContext(
-        module=module, placement=placement, units=mp.cut.units(model),
-        replicas=replicas, parallel=par, comm=config.comm, seed=train.seed,
+        module=module, placement=placement, units=model_parallel.cut.units(model),
+        replicas=replicas, parallel=parallel, comm=config.comm, seed=train.seed,
         tracer=tracer, fresh=fresh))
     if fresh:  # what the strategy left (parameters that do not train)
         allocate(module, replicas.device)
-    followers = []
+    optimizer_users = []
     wrap = OPTIMIZER_REGISTRY.get(train.optimizer).wrap_grads
     if wrap is not None:  # the gradient side the optimizer needs
         grads = wrap(grads, replicas)
-        followers.append(grads)
-    if mp.applied:
-        grads = ModelParallelGrads(grads, mp, groups.world)
+        optimizer_users.append(grads)
+    if model_parallel.applied:
+        grads = ModelParallelGrads(grads, model_parallel, groups.world)
     sync = SYNC_MODE_REGISTRY.get(train.sync).build(SyncContext(
         model=model, replicas=replicas, num_samples=num_samples, train=train,
         comm=config.comm))
-    passes: StepPass = mp.cut.step_pass(grads, groups.world, replicas, tracer,
-                                        mp.composed())
-    fused = (fuse_output_head(spec.head, mp.cut.head_holder())
+    passes: StepPass = model_parallel.cut.step_pass(grads, groups.world, replicas, tracer,
+                                        model_parallel.composed())
+    fused = (fuse_output_head(spec.head, model_parallel.cut.head_holder())
              if refusal is None and spec.head is not None else None)
-    token_loss = fused.token_loss if fused is not None else mp.token_loss()
+    token_loss = fused.token_loss if fused is not None else model_parallel.token_loss()
     return Parallelized(module=module, grads=grads, state=state, sync=sync, passes=passes,
-                        mp=mp, placement=placement, strategy=strategy.name, groups=groups,
+                        model_parallel=model_parallel, placement=placement,
+                        strategy=strategy.name, groups=groups,
                         zero_stage=topology.layout.zero, token_loss=token_loss,
-                        followers=followers, fused=fused,
+                        optimizer_users=optimizer_users, fused=fused,
                         loss_line=loss_line(spec.head, refusal))
 
 

@@ -198,26 +198,26 @@ class ModelParallelGrads(GradSyncOver):
     gradients, a global norm over every stage and shard, and the loss totals summed over
     the world (only the ranks that count the loss contribute)."""
 
-    def __init__(self, inner: GradSync, mp: ModelParallel, world: Communicator) -> None:
+    def __init__(self, inner: GradSync, model_parallel: ModelParallel, world: Communicator) -> None:
         super().__init__(inner)
-        self.mp, self.world = mp, world
+        self.model_parallel, self.world = model_parallel, world
 
     def reduce_loss_totals(self, totals: torch.Tensor) -> Work:
-        if not self.mp.counts_loss:
+        if not self.model_parallel.counts_loss:
             totals.zero_()
         return self.world.all_reduce(totals, async_op=True)
 
     def finish_gradient_sync(self, scale: float | torch.Tensor = 1.0) -> None:
         self.inner.finish_gradient_sync(scale)
         pieces = self.inner.gradient_pieces()
-        self.mp.fix_gradients({id(p): g for p, g in pieces})
-        self.mp.check_first_step(pieces, self.world)
+        self.model_parallel.fix_gradients({id(p): g for p, g in pieces})
+        self.model_parallel.check_first_step(pieces, self.world)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every stage, shard and replica (a 0-dim tensor on
         the device); clip the pieces this rank holds if ``max_norm > 0``."""
         pieces = self.inner.gradient_pieces()
-        weight = self.mp.placement.norm_weight
+        weight = self.model_parallel.placement.norm_weight
         sq = squared_norm([g for _, g in pieces], self.world.device,
                           [weight(p) / self.grad_replicas for p, _ in pieces])
         return clip_to_global_norm([g for _, g in pieces], sq, self.world, max_norm)

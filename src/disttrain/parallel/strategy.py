@@ -150,13 +150,14 @@ class OptimizerContext:
         return self.replicas
 
 
-class FollowsOptimizer(Protocol):
-    """A gradient side that follows the optimizer built after it (its phase)."""
+class UsesOptimizer(Protocol):
+    """A gradient side that reads the optimizer built after it (1-bit Adam's phase):
+    handed it once built (:meth:`bind_optimizer`)."""
 
-    def follow(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
 
-class GradsFollowingOptimizer(GradSync, FollowsOptimizer, Protocol):
+class GradsUsingOptimizer(GradSync, UsesOptimizer, Protocol):
     """Both: what an optimizer's ``wrap_grads`` returns."""
 
 
@@ -169,4 +170,4 @@ class OptimizerKind:
     name: str
     build: Callable[[OptimizerContext], torch.optim.Optimizer]
     check: Check = no_check
-    wrap_grads: Callable[[GradSync, Communicator], GradsFollowingOptimizer] | None = None
+    wrap_grads: Callable[[GradSync, Communicator], GradsUsingOptimizer] | None = None

@@ -89,27 +89,27 @@ def banner_text(world_size: int, device: torch.device, backend: str, plan: Any,
     return text
 
 
-def layout_lines(par: Parallelized, layout: Layout, micro_batches: int) -> str:
+def layout_lines(parallel: Parallelized, layout: Layout, micro_batches: int) -> str:
     """For the start-up banner: where a dimension changed the model, the layout in rank
     order with what the cut adds (a pipeline's schedule) and which ranks hold which
     layers and shards (a collective over the world); then how the loss is computed."""
-    loss = f"\n{par.loss_line}" if par.loss_line else ""
-    if not par.mp.applied:
+    loss = f"\n{parallel.loss_line}" if parallel.loss_line else ""
+    if not parallel.model_parallel.applied:
         return loss
     degrees = " x ".join(f"{d.key}={layout.degree(d.key)}" for d in mesh_order())
-    head = f"\nlayout {degrees}" + par.mp.cut.headline(micro_batches)
-    g = par.groups
+    head = f"\nlayout {degrees}" + parallel.model_parallel.cut.headline(micro_batches)
+    g = parallel.groups
     where = ", ".join(f"{d.key} {g.axis(d.axis).rank}" for d in mesh_order())
-    mine = f"rank {g.world.rank} ({where}): {_part(par)}"
+    mine = f"rank {g.world.rank} ({where}): {_part(parallel)}"
     return head + "".join(f"\n  {line}" for line in g.world.all_gather_object(mine)) + loss
 
 
-def _part(par: Parallelized) -> str:
+def _part(parallel: Parallelized) -> str:
     """This rank's part, in one line: its data-parallel strategy and what each
     dimension gave it."""
-    stage = f" (ZeRO-{par.zero_stage})" if par.zero_stage else ""
-    layout = par.mp.describe()
-    return f"{par.strategy}{stage}" + (f"; {layout}" if layout else "")
+    stage = f" (ZeRO-{parallel.zero_stage})" if parallel.zero_stage else ""
+    layout = parallel.model_parallel.describe()
+    return f"{parallel.strategy}{stage}" + (f"; {layout}" if layout else "")
 
 
 def device_name(device: torch.device) -> str:

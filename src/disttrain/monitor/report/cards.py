@@ -144,10 +144,10 @@ def _spread(totals: list[float]) -> str:
 
 
 # --------------------------------------------------------------------------- summary
-def _layout(n: int, lay: dict[str, Any]) -> str:
-    """``lay``: a run's recorded layout (config key -> degree, and zero)."""
-    parts = " × ".join(f"{d.key} {lay[d.key]}" for d in DIMENSIONS if d.key in lay)
-    zero = f", ZeRO-{lay['zero']}" if lay.get("zero") else ""
+def _layout(n: int, layout: dict[str, Any]) -> str:
+    """``layout``: a run's recorded layout (config key -> degree, and zero)."""
+    parts = " × ".join(f"{d.key} {layout[d.key]}" for d in DIMENSIONS if d.key in layout)
+    zero = f", ZeRO-{layout['zero']}" if layout.get("zero") else ""
     return f"{n} = {parts}{zero}"
 
 

@@ -50,7 +50,7 @@ class OnebitGrads(GradSyncOver):
         """During a local step every dp rank holds an estimate of the same gradient."""
         return self.comm.size if self.local else self.inner.grad_replicas
 
-    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Take the phase from ``optimizer`` (the trainer binds it once built); over
         ZeRO-1, hand it the flat buffers its shards belong to."""
         if not isinstance(optimizer, OnebitAdam):

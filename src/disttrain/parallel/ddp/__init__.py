@@ -14,7 +14,7 @@ from ...names import STRATEGY_DDP
 from ..interfaces import GradSync, ShardedState
 from ..replicated import ReplicatedState, check_replica
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
-from ..sync.base import LocalGradients
+from ..sync.local import LocalGradients
 from .data_parallel import DataParallel, apply_data_parallel
 
 

@@ -27,11 +27,13 @@ from ..interfaces import GradSync, ShardedState
 from ..replicated import ReplicatedState, check_replica
 from ..strategy import DataParallelStrategy, StrategyContext, SyncContext, SyncMode
 from .async_ps import AsyncParameterServer, AsyncReport, assign_shards
-from .base import EveryStep, LocalGradients, flatten, unflatten_into, weighted_average
 from .check import apart_check, check_async
 from .diloco import DiLoCo, OuterNesterov, outer_round
 from .fedavg import FedAvg, choose_clients, client_partition
+from .local import LocalGradients
 from .local_sgd import LocalSGD
+from .modes import EveryStep
+from .vectors import flatten, unflatten_into, weighted_average
 
 
 def _local_sgd(ctx: SyncContext) -> LocalSGD:

@@ -79,7 +79,8 @@ from ...faults import maybe_slow_down
 from ...monitor.record import MetricsRecord
 from ...names import NONFINITE_STOP, SYNC_ASYNC
 from ..interfaces import OwnLoopInputs, OwnLoopResult
-from .base import EveryStep, flatten, unflatten_into
+from .modes import EveryStep
+from .vectors import flatten, unflatten_into
 
 HEADER = 5
 PUSH, BYE, PARAMS, STOP = 1.0, 2.0, 3.0, 4.0

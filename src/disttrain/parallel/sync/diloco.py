@@ -29,7 +29,8 @@ from torch import nn
 from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator
 from ...names import SYNC_DILOCO
-from .base import PeriodicSync, flatten, unflatten_into
+from .modes import PeriodicSync
+from .vectors import flatten, unflatten_into
 
 
 class OuterNesterov:

@@ -30,7 +30,8 @@ from torch import nn
 from ...comm.collectives import Communicator
 from ...data.sampler import GlobalOrderSampler
 from ...names import SYNC_FEDAVG
-from .base import PeriodicSync, weighted_average
+from .modes import PeriodicSync
+from .vectors import weighted_average
 
 
 def client_partition(num_samples: int, client: int, clients: int) -> range:

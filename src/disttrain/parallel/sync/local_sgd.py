@@ -23,7 +23,8 @@ from torch import nn
 from ...comm.codecs import GradientCodec
 from ...comm.collectives import Communicator
 from ...names import SYNC_LOCAL_SGD
-from .base import PeriodicSync, flatten, unflatten_into, weighted_average
+from .modes import PeriodicSync
+from .vectors import flatten, unflatten_into, weighted_average
 
 
 class LocalSGD(PeriodicSync):

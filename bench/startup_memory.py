@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import sys
 import tempfile
 
 import torch
@@ -33,6 +35,59 @@ def _rss() -> int:
 
 def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+STEP_PHASES = ("forward", "backward", "reduce", "optimizer")
+
+
+class PhasePeaks:
+    """The resident peak of each phase of a run: the kernel's high-water mark
+    (``VmHWM``) is read and reset (``/proc/self/clear_refs``) at every phase change,
+    so each phase's figure is the peak reached while it ran (the largest over its
+    repeats: every micro-batch's forward, every evaluation)."""
+
+    def __init__(self) -> None:
+        self.current, self.peaks = "start", {}
+
+    @staticmethod
+    def _hwm() -> int:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM"))
+        return int(line.split()[1]) * 1024
+
+    def enter(self, phase: str) -> None:
+        if phase == self.current:
+            return
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self._hwm())
+        if os.environ.get("PHASE_DEBUG") and os.environ.get("RANK") == "0":
+            print(f"{self.current} -> {phase}: peak {self._hwm() / 2**20:.0f} MiB, "
+                  f"now {_rss() / 2**20:.0f} MiB", file=sys.stderr)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.current = phase
+
+    def watch(self, trainer, steps: int) -> None:
+        """Phase changes at the model's forward (with or without gradients: a step's
+        forward, an evaluation's), its end (the backward starts), the gradients' sync
+        (the reduce-scatters left), the optimizer's step (clipping and update) and the
+        last evaluation (then the final weights)."""
+        module, grads = trainer.parallel.module, trainer.parallel.grads
+        module.register_forward_pre_hook(lambda m, a: self.enter(
+            "forward" if torch.is_grad_enabled() else "eval"))
+
+        def after_forward(_m, _a, _o) -> None:
+            if torch.is_grad_enabled():
+                self.enter("backward")
+        module.register_forward_hook(after_forward)
+        finish = grads.finish_gradient_sync
+
+        def finish_sync(scale):  # this bench's own instance: the trainer calls it
+            self.enter("reduce")
+            finish(scale)
+            self.enter("optimizer")
+        grads.finish_gradient_sync = finish_sync
+        trainer.optimizer.register_step_post_hook(lambda *a: self.enter("between"))
+        self.last_step = steps
 
 
 def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: bool,
@@ -57,22 +112,24 @@ def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: boo
             return {"input_ids": t[:-1], "targets": t[1:]}
 
     marks: dict[str, int] = {}
+    phases = PhasePeaks()
 
     class Mark(Callback):
         all_ranks = True
 
         def on_train_start(self, trainer) -> None:
             marks["start"] = _peak()
+            phases.watch(trainer, args.steps)
 
-        def on_step_end(self, trainer, record) -> None:
-            marks.setdefault("step", _peak())
+        def on_eval(self, trainer, step, eval_loss) -> None:
+            phases.enter("final_weights" if step == args.steps else "between")
 
     dp, pp, tp, zero = layout
     cfg = load_config(values={
         "model": {"vocab_size": 256, "seq_len": args.seq_len, "n_layer": args.n_layer,
                   "n_head": 16, "d_model": args.d_model},
-        "train": {"steps": 1, "global_batch": dp * 2, "grad_accum": 2, "eval_samples": 2,
-                  "log_every": 1},
+        "train": {"steps": args.steps, "global_batch": dp * 2, "grad_accum": 2,
+                  "eval_samples": 2 * dp, "log_every": 1},
         "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero},
         "checkpoint": {"every": 0}, "monitor": {"peak_tflops": 1.0}})
     if meta:
@@ -82,11 +139,15 @@ def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: boo
         torch.manual_seed(0)
         model = GPT(cfg.model)
     fp32 = 4 * sum(p.numel() for p in model.parameters())
-    Trainer(model, Tokens(), token_loss, cfg, collate_fn=collate_token_batch,
+    Trainer(model, Tokens(), token_loss, cfg, eval_dataset=Tokens(),
+            collate_fn=collate_token_batch,
             run_dir=f"{root}/{'meta' if meta else 'whole'}-{dp}x{pp}x{tp}-z{zero}",
             progress=False, callbacks=[Mark()]).fit()
-    marks["end"] = _peak()
-    return {k: (v - base) / fp32 for k, v in marks.items()} | {"fp32_bytes": fp32}
+    phases.enter("done")
+    marks["step"] = max(phases.peaks.get(k, 0) for k in STEP_PHASES)
+    marks["end"] = max(phases.peaks.values())  # the whole run's (the phases' largest)
+    out = {k: (v - base) / fp32 for k, v in marks.items()} | {"fp32_bytes": fp32}
+    return out | {f"phase_{k}": (v - base) / fp32 for k, v in phases.peaks.items()}
 
 
 def main() -> None:
@@ -95,6 +156,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--only", default="", help="run only the cases whose name "
                         "(e.g. zero3_meta) contains this")
@@ -116,6 +178,8 @@ def main() -> None:
                     out[f"{key}_{point}_x_model"] = round(
                         max(r[point] for r in ranks), 3)
                 out[f"{key}_end_x_model_rank0"] = round(ranks[0]["end"], 3)
+                for phase in sorted(k for k in ranks[0] if k.startswith("phase_")):
+                    out[f"{key}_{phase}_x_model"] = round(max(r.get(phase, 0) for r in ranks), 3)
     print(json.dumps(out))
 
 

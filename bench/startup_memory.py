@@ -1,24 +1,34 @@
-"""Peak host memory per rank of starting (and running) a model that is sharded.
+"""Peak host memory per rank of starting and running a model that is sharded.
 
-    python bench/startup_memory.py [--n-layer 16] [--d-model 1024] [--world 8]
+    python bench/startup_memory.py [--n-layer 16] [--d-model 1024] [--world 8] [--steps 2]
 
 The built-in GPT of ``--n-layer`` x ``--d-model`` (16 x 1024: 201M parameters, 0.81 GB
-of fp32 weights) trains one step at world ``--world`` (Gloo, CPU) in two layouts: dp
-ZeRO-3, and tp 2 x pp 2 x dp (world / 4) ZeRO-1. Each layout runs twice: built on the
-meta device (what the command line does: each rank allocates and fills only its part),
-and built with values on every rank (the model a user passes, moved whole before
-sharding). Each rank reads its resident-set peak (``ru_maxrss``) at three points:
-when training starts (everything built and filled), after the step, and after the run's
-end (final weights gathered and written). Figures are each rank's peak above its RSS
-after a bare ``import torch, disttrain``, as a multiple of the whole model's fp32 bytes
-(the largest over ranks). One JSON line.
+of fp32 weights) trains ``--steps`` steps (two micro-batches each) with an evaluation
+before the first and after the last, at world ``--world`` (Gloo, CPU), in two layouts:
+dp ZeRO-3, and tp 2 x pp 2 x dp (world / 4) ZeRO-1. Each layout runs twice: built on
+the meta device (what the command line does: each rank allocates and fills only its
+part), and built with values on every rank (the model a user passes, moved whole before
+sharding). Each rank reads its resident-set peak per phase: the kernel's high-water
+mark, read and reset (``/proc/self/clear_refs``) as a phase begins: ``start``
+(everything built and filled), ``eval`` (every evaluation), ``forward``, ``backward``
+(with the reduce-scatters overlapping it), ``reduce`` (those left after it),
+``optimizer`` (clipping, the update), ``between`` (records, logging) and
+``final_weights`` (written, the run closed). ``step`` is the largest of a step's
+phases, ``end`` the whole run's. Figures are each rank's peak above its RSS after a bare
+``import torch, disttrain``, as a multiple of the whole model's fp32 bytes (the largest
+over ranks). For ZeRO-3 the floor the run is held to: the sharded state (16 bytes per
+parameter / world: 4 / world of the fp32 model), two blocks gathered (the running one
+and the prefetched one), and the process (what the start holds beyond its shard).
+``--trace-phases`` prints rank 0's phase changes. One JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import sys
 import tempfile
 
 import torch
@@ -33,6 +43,60 @@ def _rss() -> int:
 
 def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+STEP_PHASES = ("forward", "backward", "reduce", "optimizer")
+
+
+class PhasePeaks:
+    """The resident peak of each phase of a run: the kernel's high-water mark
+    (``VmHWM``) is read and reset (``/proc/self/clear_refs``) at every phase change,
+    so each phase's figure is the peak reached while it ran (the largest over its
+    repeats: every micro-batch's forward, every evaluation)."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.current, self.verbose = "start", verbose
+        self.peaks: dict[str, int] = {}
+
+    @staticmethod
+    def _hwm() -> int:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM"))
+        return int(line.split()[1]) * 1024
+
+    def enter(self, phase: str) -> None:
+        if phase == self.current:
+            return
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self._hwm())
+        if self.verbose:
+            print(f"{self.current} -> {phase}: peak {self._hwm() / 2**20:.0f} MiB, "
+                  f"now {_rss() / 2**20:.0f} MiB", file=sys.stderr)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.current = phase
+
+    def watch(self, trainer, steps: int) -> None:
+        """Phase changes at the model's forward (with or without gradients: a step's
+        forward, an evaluation's), its end (the backward starts), the gradients' sync
+        (the reduce-scatters left), the optimizer's step (clipping and update) and the
+        last evaluation (then the final weights)."""
+        module, grads = trainer.parallel.module, trainer.parallel.grads
+        module.register_forward_pre_hook(lambda m, a: self.enter(
+            "forward" if torch.is_grad_enabled() else "eval"))
+
+        def after_forward(_m, _a, _o) -> None:
+            if torch.is_grad_enabled():
+                self.enter("backward")
+        module.register_forward_hook(after_forward)
+        finish = grads.finish_gradient_sync
+
+        def finish_sync(scale):  # this bench's own instance: the trainer calls it
+            self.enter("reduce")
+            finish(scale)
+            self.enter("optimizer")
+        grads.finish_gradient_sync = finish_sync
+        trainer.optimizer.register_step_post_hook(lambda *a: self.enter("between"))
+        self.last_step = steps
 
 
 def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: bool,
@@ -57,22 +121,24 @@ def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: boo
             return {"input_ids": t[:-1], "targets": t[1:]}
 
     marks: dict[str, int] = {}
+    phases = PhasePeaks(args.trace_phases and os.environ.get("RANK") == "0")
 
     class Mark(Callback):
         all_ranks = True
 
         def on_train_start(self, trainer) -> None:
             marks["start"] = _peak()
+            phases.watch(trainer, args.steps)
 
-        def on_step_end(self, trainer, record) -> None:
-            marks.setdefault("step", _peak())
+        def on_eval(self, trainer, step, eval_loss) -> None:
+            phases.enter("final_weights" if step == args.steps else "between")
 
     dp, pp, tp, zero = layout
     cfg = load_config(values={
         "model": {"vocab_size": 256, "seq_len": args.seq_len, "n_layer": args.n_layer,
                   "n_head": 16, "d_model": args.d_model},
-        "train": {"steps": 1, "global_batch": dp * 2, "grad_accum": 2, "eval_samples": 2,
-                  "log_every": 1},
+        "train": {"steps": args.steps, "global_batch": dp * 2, "grad_accum": 2,
+                  "eval_samples": 2 * dp, "log_every": 1},
         "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero},
         "checkpoint": {"every": 0}, "monitor": {"peak_tflops": 1.0}})
     if meta:
@@ -82,11 +148,17 @@ def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: boo
         torch.manual_seed(0)
         model = GPT(cfg.model)
     fp32 = 4 * sum(p.numel() for p in model.parameters())
-    Trainer(model, Tokens(), token_loss, cfg, collate_fn=collate_token_batch,
+    block = 4 * max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    Trainer(model, Tokens(), token_loss, cfg, eval_dataset=Tokens(),
+            collate_fn=collate_token_batch,
             run_dir=f"{root}/{'meta' if meta else 'whole'}-{dp}x{pp}x{tp}-z{zero}",
             progress=False, callbacks=[Mark()]).fit()
-    marks["end"] = _peak()
-    return {k: (v - base) / fp32 for k, v in marks.items()} | {"fp32_bytes": fp32}
+    phases.enter("done")
+    marks["step"] = max(phases.peaks.get(k, 0) for k in STEP_PHASES)
+    marks["end"] = max(phases.peaks.values())  # the whole run's (the phases' largest)
+    out = {k: (v - base) / fp32 for k, v in marks.items()} | {"fp32_bytes": fp32,
+                                                              "block_x_model": block / fp32}
+    return out | {f"phase_{k}": (v - base) / fp32 for k, v in phases.peaks.items()}
 
 
 def main() -> None:
@@ -95,6 +167,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--trace-phases", action="store_true")
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--only", default="", help="run only the cases whose name "
                         "(e.g. zero3_meta) contains this")
@@ -102,7 +176,8 @@ def main() -> None:
     w = args.world
     layouts = {"zero3": (w, 1, 1, 3), "tp2_pp2_zero1": (w // 4, 2, 2, 1)}
     out: dict = {"bench": "startup_memory", "world": w, "n_layer": args.n_layer,
-                 "d_model": args.d_model, "target_start_x_model": 0.75}
+                 "d_model": args.d_model, "target_start_x_model": 0.75,
+                 "target_run_x_model": 0.75}
     with tempfile.TemporaryDirectory() as root:
         for name, layout in layouts.items():
             for meta in (True, False):
@@ -116,6 +191,14 @@ def main() -> None:
                     out[f"{key}_{point}_x_model"] = round(
                         max(r[point] for r in ranks), 3)
                 out[f"{key}_end_x_model_rank0"] = round(ranks[0]["end"], 3)
+                if layout[3] == 3:  # the floor: state + the blocks gathered at once
+                    state, gathered = 4 / layout[0], 2 * ranks[0]["block_x_model"]
+                    out[f"{key}_floor_state_x_model"] = round(state, 3)
+                    out[f"{key}_floor_gathered_x_model"] = round(gathered, 3)
+                    out[f"{key}_process_x_model"] = round(  # what the start holds beyond
+                        max(r["start"] for r in ranks) - 1 / layout[0], 3)  # its shard
+                for phase in sorted(k for k in ranks[0] if k.startswith("phase_")):
+                    out[f"{key}_{phase}_x_model"] = round(max(r.get(phase, 0) for r in ranks), 3)
     print(json.dumps(out))
 
 

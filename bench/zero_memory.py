@@ -51,7 +51,7 @@ from disttrain.testing import run_distributed
 WORLD_SIZE = 4
 WARMUP_STEPS = 2
 SYSTEMS = ("stage0", "stage1", "stage2", "stage3", "fsdp2", "fsdp2_keep")
-TARGET_MEMORY = 1.0   # ZeRO-3 peak / FSDP2 peak
+TARGET_MEMORY = 0.85  # ZeRO-3 peak / FSDP2 peak (issue 44)
 TARGET_TIME = 1.0     # ZeRO-3 step / FSDP2 step; ZeRO-2 / FSDP2 without resharding
 MiB = 2**20
 CPU = torch.device("cpu")

@@ -32,6 +32,7 @@ from ..names import (
 # Upper bounds that keep a value finite and usable: a bucket beyond any device's memory
 # buys nothing; a collective that waits a week is hung.
 MAX_BUCKET_MB = 65536.0
+MAX_ZERO_PREFETCH = 8  # blocks gathered ahead under ZeRO-3: past a few, only memory grows
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -233,6 +234,9 @@ class ParallelConfig:
                  "sequence must be a multiple of 2 x cp", ge=1)
     zero: int = _f(0, "ZeRO sharding stage over the replicas, dp x cp (0 = none)", ge=0,
                    le=3)
+    zero_prefetch: int = _f(1, "ZeRO-3: blocks whose parameters are gathered ahead of "
+                            "the running one (at most 1 + this many held at once; 0: "
+                            "each gathered only when needed)", ge=0, le=MAX_ZERO_PREFETCH)
     strategy: str = _f("auto", "how dp replicas share gradients and training state: auto "
                        "(zero when parallel.zero > 0, local when train.sync is not "
                        "every_step, else ddp), ddp, zero, local, or a name registered "

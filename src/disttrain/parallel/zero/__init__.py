@@ -55,7 +55,7 @@ class ZeroDataParallel:
 
     def __init__(self, units: list[Unit], comm: Communicator, stage: int,
                  placement: Placement, reduce_dtype: torch.dtype | None = None, *,
-                 gather_at_end: bool = True) -> None:
+                 gather_at_end: bool = True, prefetch: int = 1) -> None:
         self.comm, self.stage, self.placement = comm, stage, placement
         self.gather_at_end = gather_at_end
         self.modules = list({id(u.entry): u.entry for u in units}.values())
@@ -72,7 +72,10 @@ class ZeroDataParallel:
             if (flat := flatten_unit(unit, index, None, placement.names, comm.rank,
                                      comm.size, stage, device)) is not None]
         self.frozen_whole = [] if stage == 3 else [p for u in units for _, p in u.frozen]
-        self.gathers = (Stage3Gathers(units, self.flats + self.frozen_flats, comm)
+        # stage 3: at most 1 + prefetch blocks gathered at once; a block's backward
+        # first frees the unsharded gradients whose reduce-scatter is done
+        self.gathers = (Stage3Gathers(units, self.flats + self.frozen_flats, comm, prefetch,
+                                      release=lambda: self.reducer.drain(done_only=True))
                         if stage == 3 else None)
         self.reducer = ShardReducer(self.flats, comm, stage, reduce_dtype,
                                     self.gathers.launched if self.gathers else lambda f: None)
@@ -180,7 +183,7 @@ class ZeroDataParallel:
     def zero_grad(self) -> None:
         self.reducer.new_step()
         for f in self.flats:
-            f.shard.grad, f.grad_sum = None, None
+            f.shard.grad, f.grad_sum, f.grad_flat = None, None, None
             if f.grad_full is not None:
                 f.grad_full.zero_()
                 for p, view in zip(f.params, f.views(f.grad_full), strict=True):
@@ -283,17 +286,18 @@ def model_units(model: nn.Module) -> list[Unit]:
 def apply_zero(model: nn.Module, comm: Communicator, stage: int, names: dict[int, str],
                reduce_dtype: torch.dtype | None = None, *,
                units: list[Unit] | None = None, placement: Placement | None = None,
-               fresh: bool = False) -> ZeroDataParallel:
+               fresh: bool = False, prefetch: int = 1) -> ZeroDataParallel:
     """Shard ``model``'s training state over ``comm``'s group; ``names`` maps id(param)
     to its canonical name (for checkpoints); gradients are reduce-scattered in
     ``reduce_dtype`` (None: the parameters' dtype) and summed into fp32 shards.
     ``units`` (default: :func:`model_units`) and ``placement`` come from the
     composition under pipeline and tensor parallelism; ``fresh``: the values are filled
-    afterwards alike on every rank (nothing broadcast, the shards kept at the end)."""
+    afterwards alike on every rank (nothing broadcast, the shards kept at the end);
+    ``prefetch``: stage 3's blocks gathered ahead of the running one."""
     placement = placement or Placement(names=names)
     zero = ZeroDataParallel(model_units(model) if units is None else units, comm, stage,
                             placement,
-                            reduce_dtype, gather_at_end=not fresh)
+                            reduce_dtype, gather_at_end=not fresh, prefetch=prefetch)
     if not fresh:
         zero.broadcast_parameters()
     return zero
@@ -303,7 +307,8 @@ def build_zero(ctx: StrategyContext) -> tuple[ZeroDataParallel, ZeroDataParallel
     """The registry's builder: :func:`apply_zero` on the composition's units."""
     wire = CAST_DTYPES.get(ctx.comm.codec, WIRE_DTYPES[ctx.parallel.grad_reduce_dtype])
     zero = apply_zero(ctx.module, ctx.replicas, ctx.parallel.zero, ctx.placement.names, wire,
-                      units=ctx.units, placement=ctx.placement, fresh=ctx.fresh)
+                      units=ctx.units, placement=ctx.placement, fresh=ctx.fresh,
+                      prefetch=ctx.parallel.zero_prefetch)
     return zero, zero
 
 

@@ -88,7 +88,9 @@ class FlatParam:
     full: [padded] fp32 (stage 3: storage freed between uses); shard: [padded / dp],
     this rank's master copy (an ``nn.Parameter`` the optimizer updates; a frozen one's
     is in no optimizer group and gets no gradient); grad_full: stage 1's persistent full
-    gradient; grad_sum: the reduced shard gradients of this step, unscaled.
+    gradient; grad_flat: stage 3's unsharded gradient [padded] during the unit's
+    backward (the parameters' ``.grad`` are views of it; freed once reduce-scattered);
+    grad_sum: the reduced shard gradients of this step, unscaled.
     """
 
     unit: int
@@ -104,6 +106,7 @@ class FlatParam:
     ready: set[int] = field(default_factory=set)
     grad_sum: torch.Tensor | None = None
     frozen: bool = False
+    grad_flat: torch.Tensor | None = None
 
     @property
     def padded(self) -> int:

@@ -5,16 +5,19 @@
   in a fixed order per backward scope, so every dp rank issues the same collectives in
   the same order: within a scope the blocks last to first, then the root units.
 - :class:`Stage3Gathers`: stage 3's just-in-time parameters: a block's full parameters
-  are all-gathered before its forward (the next block of the scope prefetched) and
-  again before its backward, and freed after each (a trainable flat once its gradient
-  is being reduced; a frozen one, which has no gradient, once the backward of the block
-  before it starts, when its own is over); root units are gathered when their scope's
-  module starts its forward and kept until the step ends.
+  are all-gathered before its forward (the next ``prefetch`` blocks of the scope
+  prefetched) and again before its backward, and freed after each (a trainable flat
+  once its gradient is being reduced; a frozen one, which has no gradient, once the
+  backward of the block before it starts, when its own is over); root units are
+  gathered when their scope's module starts its forward and kept until the step ends.
+  A block's gradients accumulate into one flat buffer per flat, allocated as its
+  backward starts, which is what is reduce-scattered (no copy), and is freed as soon
+  as the reduce-scatter is done: one unsharded gradient travels at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -84,24 +87,25 @@ class ShardReducer:
                 raise RuntimeError(f"ZeRO stage 1 flat of unit {flat.unit} has no grad_full")
             source = flat.grad_full
         else:
-            source = torch.zeros(flat.padded, dtype=flat.full.dtype, device=flat.full.device)
-            for p, view in zip(flat.params, flat.views(source), strict=True):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                    p.grad = None
+            source = _unsharded_grad(flat)
             self.on_launch(flat)
         if self.reduce_dtype is not None and self.reduce_dtype != source.dtype:
             source = source.to(self.reduce_dtype)  # the shard is cast back on arrival
+        if self.stage > 1:  # one unsharded gradient in flight at most: the previous one
+            self.drain()    # is freed before this one travels
         out = torch.empty(flat.shard.numel(), dtype=source.dtype, device=source.device)
         work = self.comm.reduce_scatter(out, source, async_op=True)
         self.in_flight.append((flat, work, out, source))
-        if self.stage > 1:  # at most two full-size gradients alive: this one, the previous
-            self.drain(keep=1)
 
-    def drain(self, keep: int = 0) -> None:
-        """Wait for all but ``keep`` in-flight reductions, adding their shards up."""
+    def drain(self, keep: int = 0, *, done_only: bool = False) -> None:
+        """Wait for all but ``keep`` in-flight reductions (``done_only``: take only those
+        already complete, waiting for none), adding their shards up; each one's
+        unsharded gradient is freed as it is taken."""
         while len(self.in_flight) > keep:
-            flat, work, out, _source = self.in_flight.pop(0)
+            flat, work, out, _source = self.in_flight[0]
+            if done_only and not work.is_completed():
+                return
+            self.in_flight.pop(0)
             work.wait()
             out = out.to(flat.shard.dtype)
             if flat.grad_sum is None:
@@ -110,12 +114,35 @@ class ShardReducer:
                 flat.grad_sum.add_(out)
 
 
-class Stage3Gathers:
-    """Stage 3: gathers and frees the full parameters around the modules that use them."""
+def _unsharded_grad(flat: FlatParam) -> torch.Tensor:
+    """``flat``'s whole gradient [padded], the parameters' ``.grad`` released: stage 3's
+    flat buffer they accumulated into (:meth:`Stage3Gathers.grad_buffer`), or (a root
+    unit, or a block whose backward hook did not run) a new one they are copied into."""
+    source, flat.grad_flat = flat.grad_flat, None
+    fresh = source is None
+    if source is None:
+        source = torch.zeros(flat.padded, dtype=flat.full.dtype, device=flat.full.device)
+    for p, view in zip(flat.params, flat.views(source), strict=True):
+        g = p.grad
+        if g is not None and (fresh or g.data_ptr() != view.data_ptr()):
+            view.copy_(g)  # autograd replaced the view (or there was none)
+        p.grad = None
+    return source
 
-    def __init__(self, units: list[Unit], flats: list[FlatParam], comm: Communicator
-                 ) -> None:
-        self.comm = comm
+
+class Stage3Gathers:
+    """Stage 3: gathers and frees the full parameters around the modules that use them.
+
+    At most ``1 + prefetch`` blocks of a scope are gathered at once: in forward the
+    running block and the ``prefetch`` after it; in backward the running block, then,
+    once its gradient is being reduced and its parameters freed, the ``prefetch`` before
+    it. ``release`` frees the unsharded gradients whose reduce-scatter is done (called
+    as a block's backward starts, before its gradient buffer is allocated).
+    """
+
+    def __init__(self, units: list[Unit], flats: list[FlatParam], comm: Communicator,
+                 prefetch: int = 1, release: Callable[[], None] = lambda: None) -> None:
+        self.comm, self.prefetch, self.release = comm, prefetch, release
         self.by_unit: dict[int, list[FlatParam]] = {}
         for f in flats:
             self.by_unit.setdefault(f.unit, []).append(f)
@@ -129,9 +156,17 @@ class Stage3Gathers:
             for a, b in zip(seq, seq[1:], strict=False):
                 self.next_block[a], self.prev_block[b] = b, a
         self.first_block = {scope: seq[0] for scope, seq in blocks.items()}
+        self.root_units = {unit for seq in self.roots.values() for unit in seq}
         self.gathers: dict[int, list[TrackedWork]] = {}
-        self.backward_prefetch: tuple[int, int] | None = None  # (freed unit, next unit)
+        self.backward_prefetch: int | None = None  # the block whose launch prefetches
         self.hooks = self._install(units)
+
+    def _following(self, unit: int, links: dict[int, int]) -> list[int]:
+        """The ``prefetch`` blocks after ``unit`` along ``links`` (next or previous)."""
+        out: list[int] = []
+        while len(out) < self.prefetch and (unit := links.get(unit, -1)) >= 0:
+            out.append(unit)
+        return out
 
     def _install(self, units: list[Unit]) -> list[RemovableHandle]:
         hooks: list[RemovableHandle] = []
@@ -145,7 +180,7 @@ class Stage3Gathers:
                 self._gather_for_backward(i)
             hooks += [
                 u.module.register_forward_pre_hook(lambda m, a, i=i: self.gather(
-                    i, prefetch=self.next_block.get(i))),
+                    i, prefetch=self._following(i, self.next_block))),
                 u.module.register_forward_hook(lambda m, a, o, i=i: self.free_unit(i)),
                 u.module.register_full_backward_pre_hook(before_backward)]
         for entry, scope in entries.values():
@@ -164,10 +199,10 @@ class Stage3Gathers:
                                                        async_op=True))
         self.gathers[unit] = works
 
-    def gather(self, unit: int, prefetch: int | None = None) -> None:
+    def gather(self, unit: int, prefetch: Sequence[int] = ()) -> None:
         self._start(unit)
-        if prefetch is not None:
-            self._start(prefetch)
+        for ahead in prefetch:
+            self._start(ahead)
         for w in self.gathers.pop(unit, []):
             w.wait()
 
@@ -182,15 +217,22 @@ class Stage3Gathers:
             self.gather(unit)
 
     def _gather_for_backward(self, unit: int) -> None:
-        """Gather ``unit`` for its backward; the previous block is prefetched once this
-        one's parameters are freed (:meth:`launched`), not now: at the start of backward
-        the activations are at their largest, and two gathered blocks on top of them
-        would set the peak."""
+        """Gather ``unit`` for its backward and give its trainable flats their gradient
+        buffers (the reduce-scatters already done free theirs first); the blocks before
+        it are prefetched once this one's parameters are freed (:meth:`launched`), not
+        now: at the start of backward the activations are at their largest, and more
+        gathered blocks on top of them would set the peak."""
         self.gather(unit)
-        self.backward_prefetch = (unit, self.prev_block.get(unit, -1))
+        self.backward_prefetch = unit
         done = self.next_block.get(unit)  # its backward ran just before this one's
         if done is not None:
             self._free_frozen(done)
+        self.release()
+        for f in self.by_unit.get(unit, []):
+            if not f.frozen and f.grad_flat is None:
+                f.grad_flat = torch.zeros_like(f.full)
+                for p, view in zip(f.params, f.views(f.grad_flat), strict=True):
+                    p.grad = view  # autograd accumulates into it in place
 
     def _free_frozen(self, unit: int) -> None:
         for f in self.by_unit.get(unit, []):
@@ -199,16 +241,20 @@ class Stage3Gathers:
 
     def launched(self, flat: FlatParam) -> None:
         """``flat``'s gradient is being reduced: a block's full parameters are freed and
-        the block whose backward comes next starts gathering, overlapping the
+        the blocks whose backward comes next start gathering, overlapping the
         reduce-scatter."""
         if flat.root:
             return
         free(flat.full)
-        pending = self.backward_prefetch
-        if pending is not None and pending[0] == flat.unit:
+        if self.backward_prefetch == flat.unit:
             self.backward_prefetch = None
-            if pending[1] >= 0:
-                self._start(pending[1])
+            for unit in self._following(flat.unit, self.prev_block):
+                self._start(unit)
+
+    def gathered(self) -> list[int]:
+        """The block units whose parameters are materialised now (roots excluded)."""
+        return [unit for unit, flats in self.by_unit.items()
+                if unit not in self.root_units and any(not is_freed(f.full) for f in flats)]
 
     def free_unit(self, unit: int) -> None:
         for f in self.by_unit.get(unit, []):

@@ -112,7 +112,7 @@ def full_state(parallel: Parallelized) -> dict[str, torch.Tensor] | None:
         for name, p in parallel.model_parallel.named_parameters():
             if parallel.placement.writes(p):
                 mine += [(name, g.global_shape, g.offsets, g.tensor.detach().cpu().clone())
-                         for g in tensor_pieces(parallel.placement.boxes(name, p), p)]
+                         for g in tensor_pieces(name, parallel.placement.boxes(name, p), p)]
     everyone = world.all_gather_object(mine)
     if world.rank != 0:
         return None

@@ -47,7 +47,3 @@ def test_the_reader_finds_a_late_attribute():
     source = ("class A:\n    x: int = 0\n    def __init__(self):\n        self.y = 1\n"
               "    def build(self):\n        self.x = self.y = 2\n        self.z = 3\n")
     assert late_attributes(source) == ["A.z:7"]
-
-
-def test_the_trainer_stays_small():
-    assert len((TRAIN / "trainer.py").read_text().splitlines()) < 300

@@ -11,8 +11,8 @@ same way (:mod:`.registry`).
 """
 
 from .compose import Groups, Parallelized, compose
-from .interfaces import GradSync, ShardedState, StatePiece, SyncStrategy, TensorSource
-from .placement import Placement
+from .interfaces import GradSync, ShardedState, SyncStrategy, TensorSource
+from .placement import Placement, StatePiece
 from .registry import register_optimizer, register_strategy, register_sync_mode, strategy_names
 from .strategy import OptimizerContext, OptimizerKind, StrategyContext, SyncContext, SyncMode
 

@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from .placement import StatePiece
+
 
 class Work(Protocol):
     """An asynchronous collective in flight."""
@@ -82,29 +84,6 @@ class GradSync(Protocol):
 
     def finalize(self) -> None:
         """End of training: the model is left plain, with its full parameters."""
-
-
-@dataclass(frozen=True)
-class StatePiece:
-    """A box of a global tensor of the training state, held by this rank.
-
-    ``name``: ``model/<parameter>`` or ``optim/<parameter>/<key>``; ``global_shape`` and
-    ``offsets``: where the box lies (``()`` for a scalar); ``tensor``: its data (a view
-    that the checkpoint copies); ``eager``: changes during the forward pass (buffers),
-    so an asynchronous save copies it at once.
-    """
-
-    name: str
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    eager: bool = False
-
-    @property
-    def is_whole(self) -> bool:
-        """Whether the piece is the whole global tensor (no sharding)."""
-        return tuple(self.tensor.shape) == tuple(self.global_shape) and \
-            not any(self.offsets)
 
 
 class TensorSource(Protocol):

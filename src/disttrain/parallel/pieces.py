@@ -13,8 +13,8 @@ from torch import nn
 from ..checkpoint.state import MODEL
 from ..weights.materialize import fill_buffers, persistent_buffers
 from .compose import Parallelized
-from .interfaces import PartialSource, StatePiece, TensorSource
-from .placement import tensor_pieces
+from .interfaces import PartialSource, TensorSource
+from .placement import StatePiece, tensor_pieces
 
 
 def local_boxes(parallel: Parallelized, optimizer: torch.optim.Optimizer
@@ -71,10 +71,10 @@ def weight_pieces(parallel: Parallelized, optimizer: torch.optim.Optimizer
                              tuple(p.shape), (0,) * p.dim())
                   for p in _unique(parallel.module.parameters())] if world.rank == 0 else []
     else:
-        pieces = [StatePiece(MODEL + name, g.tensor.detach(), g.global_shape, g.offsets)
-                  for name, p in parallel.model_parallel.named_parameters()
+        pieces = [piece for name, p in parallel.model_parallel.named_parameters()
                   if parallel.placement.writes(p)
-                  for g in tensor_pieces(parallel.placement.boxes(name, p), p)]
+                  for piece in tensor_pieces(MODEL + name, parallel.placement.boxes(name, p),
+                                             p.detach())]
     if whole and world.rank == 0:  # buffers the model saves (whole)
         pieces += [StatePiece(MODEL + n, b.detach(), tuple(b.shape), (0,) * b.dim())
                    for n, b in persistent_buffers(parallel.module)]

@@ -50,12 +50,28 @@ BoxesFn = Callable[[str, torch.Tensor], list[Box]]
 
 
 @dataclass(frozen=True)
-class GlobalPiece:
-    """A box of a global tensor held by this rank: ``tensor`` is its data (a view)."""
+class StatePiece:
+    """A box of a named global tensor held by this rank: the one type for a region of a
+    global tensor (placements give them, states save and load them, the final weights
+    are written from them).
 
+    ``name``: ``model/<parameter>`` or ``optim/<parameter>/<key>``; ``global_shape`` and
+    ``offsets``: where the box lies (``()`` for a scalar); ``tensor``: its data (a view
+    that the checkpoint copies); ``eager``: changes during the forward pass (buffers),
+    so an asynchronous save copies it at once.
+    """
+
+    name: str
+    tensor: torch.Tensor
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
-    tensor: torch.Tensor
+    eager: bool = False
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether the piece is the whole global tensor (no sharding)."""
+        return tuple(self.tensor.shape) == tuple(self.global_shape) and \
+            not any(self.offsets)
 
 
 @dataclass
@@ -147,11 +163,11 @@ def range_boxes(shape: tuple[int, ...], start: int, stop: int
         yield from range_boxes(shape, last_row * inner, stop)
 
 
-def range_pieces(boxes: list[Box], local_shape: tuple[int, ...], start: int, stop: int,
-                 data: torch.Tensor) -> list[GlobalPiece]:
-    """The global boxes of elements ``[start, stop)`` of a local tensor of
-    ``local_shape`` whose boxes are ``boxes``; ``data`` [stop - start] holds those
-    elements (e.g. a slice of a ZeRO shard)."""
+def range_pieces(name: str, boxes: list[Box], local_shape: tuple[int, ...], start: int,
+                 stop: int, data: torch.Tensor) -> list[StatePiece]:
+    """The pieces of global tensor ``name`` held by elements ``[start, stop)`` of a local
+    tensor of ``local_shape`` whose boxes are ``boxes``; ``data`` [stop - start] holds
+    those elements (e.g. a slice of a ZeRO shard)."""
     out = []
     for offs, sizes, flat in range_boxes(tuple(local_shape), start, stop):
         segment = data[flat - start:flat - start + _numel(sizes)].view(sizes)
@@ -164,13 +180,13 @@ def range_pieces(boxes: list[Box], local_shape: tuple[int, ...], start: int, sto
             view = segment[tuple(slice(a - o, z - o) for a, z, o in zip(lo, hi, offs, strict=True))]
             glob = tuple(g + a - lo_b for g, a, lo_b in
                          zip(b.global_offsets, lo, b.local_offsets, strict=True))
-            out.append(GlobalPiece(b.global_shape, glob, view))
+            out.append(StatePiece(name, view, b.global_shape, glob))
     return out
 
 
-def tensor_pieces(boxes: list[Box], tensor: torch.Tensor) -> list[GlobalPiece]:
-    """A whole local tensor as pieces of its global tensor (one per box)."""
-    return [GlobalPiece(b.global_shape, b.global_offsets, tensor[b.local_slices()])
+def tensor_pieces(name: str, boxes: list[Box], tensor: torch.Tensor) -> list[StatePiece]:
+    """A whole local tensor as pieces of global tensor ``name`` (one per box)."""
+    return [StatePiece(name, tensor[b.local_slices()], b.global_shape, b.global_offsets)
             for b in boxes]
 
 

@@ -23,8 +23,8 @@ from ..errors import ConfigError
 from ..names import SYNC_EVERY_STEP
 from ..optim import decay_groups
 from .activation import canonical_name
-from .interfaces import StatePiece, TensorSource, rank_local_state
-from .placement import Placement, range_pieces, tensor_pieces
+from .interfaces import TensorSource, rank_local_state
+from .placement import Placement, StatePiece, range_pieces, tensor_pieces
 from .strategy import Check
 
 
@@ -67,8 +67,7 @@ class ReplicatedState:
                 else:
                     tensors.append((f"{OPTIM}{name}/{key}", t.detach()))
             for full, t in tensors:
-                candidates += [StatePiece(full, g.tensor, g.global_shape, g.offsets)
-                               for g in tensor_pieces(boxes, t)]
+                candidates += tensor_pieces(full, boxes, t)
         if self.placement.leads:
             candidates += [StatePiece(MODEL + n, b.detach(), tuple(b.shape),
                                       (0,) * b.dim(), eager=True)
@@ -79,10 +78,10 @@ class ReplicatedState:
         """The frozen parameters (their tensor-parallel boxes), from dp rank 0."""
         if self.dp_rank != 0:
             return []
-        return [StatePiece(MODEL + name, g.tensor, g.global_shape, g.offsets)
-                for name, p in self._parameters()
+        return [piece for name, p in self._parameters()
                 if not p.requires_grad and self.placement.writes(p)
-                for g in tensor_pieces(self.placement.boxes(name, p), p.detach())]
+                for piece in tensor_pieces(MODEL + name, self.placement.boxes(name, p),
+                                           p.detach())]
 
     def _rank_pieces(self, optimizer: torch.optim.Optimizer) -> list[StatePiece]:
         """State that differs between dp ranks (1-bit Adam's residuals), written by
@@ -101,9 +100,8 @@ class ReplicatedState:
                                        self.dp_size)
             boxes = self.placement.boxes(name, p)
             for key, (start, stop, data) in local.range_state(p).items():
-                out += [StatePiece(f"{OPTIM}{name}/{key}", g.tensor, g.global_shape,
-                                   g.offsets)
-                        for g in range_pieces(boxes, tuple(p.shape), start, stop, data)]
+                out += range_pieces(f"{OPTIM}{name}/{key}", boxes, tuple(p.shape), start,
+                                    stop, data)
         return out
 
     def _mine(self, pieces: list[StatePiece]) -> list[StatePiece]:
@@ -154,9 +152,10 @@ def rank_row_pieces(placement: Placement, name: str, p: torch.Tensor, key: str,
                     t: torch.Tensor, dp_rank: int, dp_size: int) -> list[StatePiece]:
     """``t`` (state of parameter ``p`` that differs on every dp rank, ``p``-shaped) as
     row ``dp_rank`` of the global [dp, *shape] tensor ``optim/<name>/<key>``."""
-    return [StatePiece(f"{OPTIM}{name}/{key}", g.tensor.unsqueeze(0),
-                       (dp_size, *g.global_shape), (dp_rank, *g.offsets))
-            for g in tensor_pieces(placement.boxes(name, p), t.view(p.shape))]
+    return [StatePiece(g.name, g.tensor.unsqueeze(0), (dp_size, *g.global_shape),
+                       (dp_rank, *g.offsets))
+            for g in tensor_pieces(f"{OPTIM}{name}/{key}", placement.boxes(name, p),
+                                   t.view(p.shape))]
 
 
 def read_rank_row(source: TensorSource, full: str, model_name: str, dp_rank: int,

@@ -26,7 +26,8 @@ from ..comm import Communicator, ReduceOp
 from ..config import Config, RunPlan
 from ..errors import CheckpointSaveError, DivergenceError, UserError
 from ..names import SUMMARY_FILE
-from ..parallel.interfaces import ShardedState, StatePiece
+from ..parallel.interfaces import ShardedState
+from ..parallel.placement import StatePiece
 
 # torch's stubs type ReduceOp's members as ReduceOp.RedOpType; at run time they
 # are ReduceOp instances, what Communicator.all_reduce takes

@@ -23,7 +23,7 @@ from ..checkpoint.state import MODEL
 from ..checkpoint.stream import write_streamed
 from ..comm.collectives import Communicator
 from ..names import WEIGHTS_FILE
-from ..parallel.interfaces import StatePiece
+from ..parallel.placement import StatePiece
 
 STAGING = ".final-weights"
 # a rank's pieces: (name, global shape, offsets, piece shape, dtype) each

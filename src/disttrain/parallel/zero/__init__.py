@@ -30,8 +30,8 @@ from ...comm.collectives import Communicator, TrackedWork
 from ...names import STRATEGY_ZERO
 from ...spec import block_list, generic_spec
 from ..clipping import clip_to_global_norm, squared_norm
-from ..interfaces import StatePiece, TensorSource, grad_of
-from ..placement import Placement
+from ..interfaces import TensorSource, grad_of
+from ..placement import Placement, StatePiece
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from .check import check_zero
 from .flat import FlatParam, Unit, build_units, flatten_unit, free

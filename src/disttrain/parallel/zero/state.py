@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..interfaces import StatePiece, TensorSource, rank_local_state
-from ..placement import Placement, range_pieces, tensor_pieces
+from ..interfaces import TensorSource, rank_local_state
+from ..placement import Placement, StatePiece, range_pieces, tensor_pieces
 from ..replicated import rank_row_pieces, read_rank_row
 from .flat import FlatParam
 
@@ -47,8 +47,7 @@ def shard_pieces(flats: list[FlatParam], rank: int, placement: Placement,
                     t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
                     out.append(StatePiece(f"{OPTIM}{name}/{key}", t.detach(), (), ()))
             for global_name, data in tensors:
-                out += [StatePiece(global_name, g.tensor, g.global_shape, g.offsets)
-                        for g in range_pieces(boxes, tuple(p.shape), a, b, data)]
+                out += range_pieces(global_name, boxes, tuple(p.shape), a, b, data)
     return out
 
 
@@ -133,8 +132,7 @@ def whole_pieces(params: Sequence[torch.Tensor], placement: Placement) -> list[S
     for p in params:
         if placement.writes(p):
             name = placement.name(p)
-            out += [StatePiece(MODEL + name, g.tensor, g.global_shape, g.offsets)
-                    for g in tensor_pieces(placement.boxes(name, p), p.detach())]
+            out += tensor_pieces(MODEL + name, placement.boxes(name, p), p.detach())
     return out
 
 

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-exec .venv/bin/python -m pytest "$@"
+# the 20 slowest tests printed at the end of every run (what keeps the suite quick)
+exec .venv/bin/python -m pytest --durations=20 "$@"

@@ -109,9 +109,3 @@ def adapter_init(init_fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     """(path, module) of every :class:`LoRALinear` of ``model``, in module order."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
-
-
-def is_adapter_parameter(name: str) -> bool:
-    """Whether parameter ``name`` (any model's) is an adapter factor's."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in (LORA_A, LORA_B) and parts[-1] == "weight"

@@ -11,7 +11,6 @@ is module-level state.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -58,10 +57,6 @@ class Topology:
         for axis in self.role_axes(role):
             index = index * self._size(axis) + self.coordinate(axis)
         return index
-
-    def role_size(self, role: Role) -> int:
-        """The number of ranks in :meth:`role_group`."""
-        return math.prod(self._size(axis) for axis in self.role_axes(role))
 
     def _size(self, axis: str) -> int:
         return self.mesh.size(MESH_AXES.index(axis))

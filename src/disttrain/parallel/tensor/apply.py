@@ -127,14 +127,6 @@ class TensorParallel:
         self.vocab_sharded = vocab_sharded
         self._boxes, self._sharded, self._partial = boxes, sharded, partial
 
-    @property
-    def tp_size(self) -> int:
-        return self.comm.size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.comm.rank
-
     def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, target count: a 0-dim device tensor) from local logits

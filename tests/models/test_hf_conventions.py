@@ -95,7 +95,7 @@ def test_dp2_and_every_zero_stage_follow_a_plain_loop(references, tmp_path):
     for family, zero in cases:
         _close(got[0][(family, zero)][0], references[family], f"{family} dp=2 zero={zero}")
         _close(got[1][(family, zero)][0], got[0][(family, zero)][0], "ranks agree")
-    # throughput counts label tokens: more loss terms per second than samples
+    # throughput counts tokens: more tokens per second than samples
     summary = got[0][("llama", 0)][1]
     assert summary["tokens_per_s"] > 5 * summary["samples_seen"] / summary["train_time_s"]
 

@@ -59,12 +59,11 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def matmul_flops_per_label_token() -> float:
-    """Training FLOPs of TinyLM's linear layers per counted label token: 6 per weight
-    per position (forward, and both backward products), SEQ positions for SEQ - 1
-    labels (the last position predicts nothing)."""
+def matmul_flops_per_token() -> float:
+    """Training FLOPs of TinyLM's linear layers per token (per position the loss runs
+    over, trained or not): 6 per weight (forward, and both backward products)."""
     weights = sum(m.weight.numel() for m in TinyLM().modules() if isinstance(m, nn.Linear))
-    return 6 * weights * SEQ / (SEQ - 1)
+    return 6 * weights
 
 
 def _rows() -> list[dict[str, torch.Tensor]]:
@@ -96,10 +95,15 @@ def test_counting_flops_leaves_the_first_steps_bitwise_unchanged(tmp_path):
     for k, v in given[0].items():
         assert torch.equal(counted[0][k], v), k
     assert counted[1]["final_train_loss"] == given[1]["final_train_loss"]
-    # the count is still made and reported: FLOPs per label token (CPU attention
-    # kernels have no formula, so about the linear layers' share) and the MFU
+    # the count is still made and reported: FLOPs per token (CPU attention kernels
+    # have no formula, so about the linear layers' share) and the MFU
     flops = counted[1]["model_flops_per_s"] / counted[1]["tokens_per_s"]
-    assert 0.99 <= flops / matmul_flops_per_label_token() <= 1.3, flops
+    assert 0.99 <= flops / matmul_flops_per_token() <= 1.3, flops
+    # tokens/s counts every position the model computes; trained tokens/s the loss's
+    # terms: SEQ - 1 of each row's SEQ (the last position predicts nothing), same clock
+    summary = counted[1]
+    assert summary["trained_tokens_per_s"] == pytest.approx(
+        summary["tokens_per_s"] * (SEQ - 1) / SEQ, rel=1e-9)
     records = [json.loads(line) for line in
                (Path(tmp_path) / "counted" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["mfu"] is not None and r["mfu"] > 0 for r in records)

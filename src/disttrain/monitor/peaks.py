@@ -166,10 +166,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     return 2 * n ** 3 * count / (time.perf_counter() - start)
 
 
-def model_flops_utilisation(terms_per_s: float, flops_per_term: float | None,
+def model_flops_utilisation(tokens_per_s: float, flops_per_token: float | None,
                             peak_flops: float, world: int) -> float | None:
     """Model FLOP/s over the ``world`` devices' peak; None when FLOPs or peak are
-    unknown. ``terms_per_s``: loss terms (tokens) of the whole job per second."""
-    if not flops_per_term or peak_flops <= 0:
+    unknown. ``tokens_per_s``: tokens the whole job processes per second (every
+    position the loss runs over, trained or not)."""
+    if not flops_per_token or peak_flops <= 0:
         return None
-    return terms_per_s * flops_per_term / (peak_flops * world)
+    return tokens_per_s * flops_per_token / (peak_flops * world)

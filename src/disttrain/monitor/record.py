@@ -43,7 +43,8 @@ class MetricsRecord:
     comm_wire_bytes_per_step: float | None = None  # sent on the wire (their algorithms)
     # telemetry: averages over the logging window, gathered from every rank
     loss: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None          # processed: every position, trained or not
+    trained_tokens_per_s: float | None = None  # the loss's terms (masked positions out)
     step_time_s: float | None = None
     time_compute_s: float | None = None
     time_comm_s: float | None = None         # exposed (blocking) communication only

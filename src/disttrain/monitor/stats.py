@@ -19,7 +19,8 @@ class StepStats:
     blocked waiting for collectives); ``compute_s`` is forward + backward."""
 
     loss: float = 0.0
-    terms: int = 0        # global loss terms (tokens) in the step
+    terms: int = 0        # global loss terms (trained tokens) in the step
+    positions: int = 0    # global positions the loss ran over (tokens, trained or not)
     samples: int = 0      # samples this rank processed
     total_s: float = 0.0
     compute_s: float = 0.0
@@ -62,8 +63,13 @@ class StatsWindow:
         return getattr(self.sum, name) / max(self.steps, 1)
 
     def terms_per_s(self) -> float:
-        """Loss terms (tokens) per second of wall time."""
+        """Loss terms (trained tokens) per second of wall time."""
         return self.sum.terms / max(self.wall_s, 1e-9)
+
+    def positions_per_s(self) -> float:
+        """Positions (tokens processed, trained or not: padding and masked prompts
+        included, which the model computes all the same) per second of wall time."""
+        return self.sum.positions / max(self.wall_s, 1e-9)
 
     def samples_per_s(self, global_batch: int) -> float:
         """Global samples per second of wall time."""

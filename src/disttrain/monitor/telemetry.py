@@ -53,7 +53,7 @@ class Telemetry:
         return [dict(zip(_GATHERED, row.tolist(), strict=True)) | {RANK: r} for r, row in
                 enumerate(rows)]
 
-    def log(self, record: MetricsRecord | Mapping[str, Any], flops_per_term: float | None
+    def log(self, record: MetricsRecord | Mapping[str, Any], flops_per_token: float | None
             ) -> tuple[MetricsRecord, list[dict[str, float]]]:
         """Complete ``record`` (step, lr, ... from the trainer) with the figures of
         every rank and write it on rank 0; return it and those figures (on every
@@ -61,7 +61,7 @@ class Telemetry:
         ranks = self.gather()
         busy = [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks]
         stragglers = self.detector.update(busy)
-        mfu = model_flops_utilisation(self.window.terms_per_s(), flops_per_term,
+        mfu = model_flops_utilisation(self.window.positions_per_s(), flops_per_token,
                                       self.peak.flops, len(ranks))
         record = replace(as_record(record), **self._window_fields(ranks),
                          stragglers=stragglers, mfu=mfu,
@@ -78,7 +78,8 @@ class Telemetry:
 
         def mean(key: str) -> float:
             return sum(r[key] for r in ranks) / len(ranks)
-        return dict(loss=w.loss(), tokens_per_s=w.terms_per_s(),
+        return dict(loss=w.loss(), tokens_per_s=w.positions_per_s(),
+                    trained_tokens_per_s=w.terms_per_s(),
                     step_time_s=w.wall_per_step(),
                     time_compute_s=mean(RANK_COMPUTE_S), time_comm_s=mean(RANK_COMM_S),
                     time_data_s=mean(RANK_DATA_S), time_optim_s=mean(RANK_OPTIM_S),

@@ -56,7 +56,7 @@ class GradSync(Protocol):
         ``last``: the chunk's last backward of the step."""
 
     def reduce_loss_totals(self, totals: torch.Tensor) -> Work | None:
-        """Start summing ``totals`` ([summed loss, loss terms], float64) over the ranks
+        """Start summing ``totals`` ([summed loss, loss terms, positions], float64) over the ranks
         whose gradients are summed with this one's; None if none are."""
 
     def finish_gradient_sync(self, scale: float | torch.Tensor) -> None:
@@ -163,10 +163,12 @@ class SyncStrategy(Protocol):
 
 class WorkerGradients(Protocol):
     """One worker's forward and backward over its micro-batches, without the update:
-    (summed loss, loss terms, the gradient's norm before clipping), the gradient
-    normalised by its own terms and clipped, in ``.grad``."""
+    (summed loss, loss terms, the gradient's norm before clipping, the positions the
+    loss ran over), the gradient normalised by its own terms and clipped, in
+    ``.grad``."""
 
-    def __call__(self, micro_batches: list[list[int]]) -> tuple[float, int, float]: ...
+    def __call__(self, micro_batches: list[list[int]]
+                 ) -> tuple[float, int, float, int]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,12 +190,14 @@ class OwnLoopInputs:
 
 @dataclass(frozen=True, kw_only=True)
 class OwnLoopResult:
-    """What such a loop reports: the samples consumed, loss terms, seconds in the loop,
+    """What such a loop reports: the samples consumed, loss terms and positions (see
+    :class:`~disttrain.monitor.stats.StepStats`), seconds in the loop,
     the mean training loss, the pushes skipped as non-finite, and (step, what) if it
     stopped on a non-finite value."""
 
     samples: int
     terms: int
+    positions: int
     loop_s: float
     train_loss: float
     nonfinite_skipped: int
@@ -271,9 +275,10 @@ class StepPass(Protocol):
     ``loss(outputs, batch)`` gives (summed loss, loss terms) of a micro-batch;
     ``autocast()`` the forward's precision context; ``loss_scale`` (a 0-dim tensor on the
     device, or None) multiplies the loss before backward (fp16). Nothing is read on the
-    host: counts stay tensors. :meth:`forward_backward` adds each micro-batch's summed loss
-    and terms into ``totals`` ([2], float64) and returns the started reduction of the
-    totals (or None) and the activation bytes saved for backward, when it measured them.
+    host: counts stay tensors. :meth:`forward_backward` adds each micro-batch's summed loss,
+    loss terms and positions (a host int: ``batch.positions()``) into ``totals`` ([3],
+    float64) and returns the started reduction of the totals (or None) and the
+    activation bytes saved for backward, when it measured them.
     ``eval_comm``: the group over which held-out totals are summed.
     """
 

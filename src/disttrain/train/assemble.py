@@ -48,7 +48,7 @@ from .batch import BatchLoss, LossFn
 from .cadence import CheckpointCadence
 from .checkpointing import RunCheckpoints, finished_run
 from .cursor import DataCursor
-from .flops import count_flops_per_term, shape_flops_per_token
+from .flops import count_flops_per_token, shape_flops_per_token
 from .frozen import frozen_fingerprint
 from .loading import StepLoader
 from .nonfinite import NonFinitePolicy
@@ -191,7 +191,7 @@ def _build_model(inputs: RunInputs, runtime: Runtime, mesh: Mesh, cursor: DataCu
     check_agreement(mesh.world, config, model)  # before any sized collective
     if not on_meta(model):  # else: only this rank's part gets storage, in compose
         model.to(runtime.device)
-    flops = _flops_per_term(inputs, runtime, cursor)  # on the model as the user gave it
+    flops = _flops_per_token(inputs, runtime, cursor)  # on the model as the user gave it
     parallel = compose(model, inputs.spec, config, mesh.topology, mesh.groups,
                        micro_batches=inputs.plan.batch.grad_accum,
                        num_samples=_num_samples(inputs.dataset), tracer=tracer,
@@ -204,20 +204,20 @@ def _build_model(inputs: RunInputs, runtime: Runtime, mesh: Mesh, cursor: DataCu
     if inputs.weights is not None:
         fill(parallel, inputs.weights, optimizer)
     return RunModel(parallel=parallel, optimizer=optimizer, parameters=parameters,
-                    flops_per_term=flops), loss_fn
+                    flops_per_token=flops), loss_fn
 
 
-def _flops_per_term(inputs: RunInputs, runtime: Runtime, cursor: DataCursor) -> float:
-    """Training FLOPs per loss term: given, or from the spec, else counted on the
-    first micro-batch of the sample order, on a pass apart from training (see
-    :mod:`.flops`)."""
+def _flops_per_token(inputs: RunInputs, runtime: Runtime, cursor: DataCursor) -> float:
+    """Training FLOPs per token (per position the loss runs over): given, or from the
+    spec, else counted on the first micro-batch of the sample order, on a pass apart
+    from training (see :mod:`.flops`)."""
     known = inputs.flops_per_token or inputs.spec.flops_per_token
     if known:
         return known
     batch = cursor.loader.load(cursor.first_micro_batch())  # before any plan: loaded here
     if on_meta(inputs.model):  # no values to run: from the shapes, where known
         return shape_flops_per_token(inputs.model, batch)
-    return count_flops_per_term(inputs.model, batch, inputs.loss_fn,
+    return count_flops_per_token(inputs.model, batch, inputs.loss_fn,
                                 inputs.config.train.precision, runtime.device)
 
 

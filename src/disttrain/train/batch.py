@@ -64,6 +64,13 @@ class Batch:
             raise ValueError("this batch has no tensor input to read its tokens from")
         return found
 
+    def positions(self) -> int:
+        """The positions the loss runs over, counted or not: every element of the
+        targets (B x T of a causal LM's, padding and masked prompts included: the model
+        computes them all; B for a loss over samples). What tokens/s and MFU count."""
+        t = self.targets
+        return int(t.numel()) if isinstance(t, torch.Tensor) else len(t)
+
     def tokens_shape(self) -> tuple[int, int]:
         """(B, T) of :meth:`tokens`."""
         ids = self.tokens()

@@ -57,7 +57,8 @@ def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
         "wall_time_s": result.wall_time, "train_time_s": result.totals.wall_s,
         "busy_time_s": result.totals.busy_s(),
         "comm_wait_s": result.totals.sum.comm_s, "data_time_s": result.totals.sum.data_s,
-        "tokens_per_s": result.totals.terms_per_s(),
+        "tokens_per_s": result.totals.positions_per_s(),
+        "trained_tokens_per_s": result.totals.terms_per_s(),
         "samples_seen": run.cursor.position, "run_dir": str(run.run_dir),
         "parameters": run.model.parameters,
         "comm_bytes_per_step": run.tally.step_bytes / ran,
@@ -65,7 +66,7 @@ def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
         "collectives": run.tally.ledger.seq,
         "nonfinite_skipped": run.facts.nonfinite_skipped,
     }
-    flops = run.model.flops_per_term
+    flops = run.model.flops_per_token
     if flops:
         peak = run.reporter.telemetry.peak
         summary["model_flops_per_s"] = summary["tokens_per_s"] * flops

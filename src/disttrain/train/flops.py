@@ -1,4 +1,5 @@
-"""Training FLOPs per loss term of a model without a formula, counted on a pass of its own.
+"""Training FLOPs per token (per position the loss runs over) of a model without a
+formula, counted on a pass of its own.
 
 torch's ``FlopCounterMode`` cannot watch a real training step without changing it: it
 runs every op that has no FLOP formula through that op's decomposition (``silu_backward``
@@ -29,11 +30,13 @@ from .batch import Batch, LossFn, loss_sum_and_terms
 from .precision import autocast
 
 
-def count_flops_per_term(model: nn.Module, batch: Batch, loss_fn: LossFn | None,
+def count_flops_per_token(model: nn.Module, batch: Batch, loss_fn: LossFn | None,
                          precision: str, device: torch.device) -> float:
     """FLOPs of one training forward and backward of ``model`` on ``batch``, divided by
-    the batch's loss terms (tokens or samples, as ``loss_fn`` counts them). Leaves the
-    model's parameters, gradients, buffers and the RNG state as they were."""
+    the positions the loss runs over (:meth:`~.batch.Batch.positions`: every token,
+    trained or not, since the model computes them all; samples for a per-sample loss).
+    Leaves the model's parameters, gradients, buffers and the RNG state as they
+    were."""
     params = {name: p.detach().requires_grad_(p.requires_grad)
               for name, p in model.named_parameters()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -41,10 +44,10 @@ def count_flops_per_term(model: nn.Module, batch: Batch, loss_fn: LossFn | None,
         with autocast(precision, device):
             outputs = torch.func.functional_call(model, {**params, **buffers},
                                                  batch.args, batch.kwargs)
-            loss_sum, count, _ = loss_sum_and_terms(loss_fn, outputs, batch)
+            loss_sum, _, _ = loss_sum_and_terms(loss_fn, outputs, batch)
         _backward_dropping_grads(loss_sum.float(),
                                  [p for p in params.values() if p.requires_grad])
-    return counter.get_total_flops() / max(int(count), 1)
+    return counter.get_total_flops() / max(batch.positions(), 1)
 
 
 def _backward_dropping_grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> None:

@@ -46,11 +46,11 @@ class RunReporter:
     def checkpoint(self, step: int, path: Path) -> None:
         self.callbacks.checkpoint(self.subject, step, path)
 
-    def log(self, record: MetricsRecord, flops_per_term: float | None
+    def log(self, record: MetricsRecord, flops_per_token: float | None
             ) -> list[dict[str, Any]]:
         """Gather ``record`` over the ranks (a collective), write it, and hand rank 0's
         full record to the callbacks; returns every rank's figures."""
-        record, ranks = self.telemetry.log(record, flops_per_term)
+        record, ranks = self.telemetry.log(record, flops_per_token)
         self.callbacks.log(self.subject, record)
         return ranks
 

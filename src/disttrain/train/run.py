@@ -71,7 +71,7 @@ class RunModel:
     parallel: Parallelized
     optimizer: torch.optim.Optimizer
     parameters: int
-    flops_per_term: float
+    flops_per_token: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,7 +209,7 @@ class Run:
             comm_bytes_per_step=per_step, comm_wire_bytes_per_step=wire_per_step,
         ).with_figures({**self.parallel.sync.metrics(),
                         **self.parallel.grads.comm_stats()})  # bytes sent, compression
-        ranks = self.reporter.log(record, self.model.flops_per_term)
+        ranks = self.reporter.log(record, self.model.flops_per_token)
         self.cursor.splitter.update([r[RANK_SAMPLES] for r in ranks],
                                     [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],
                                     self.plan.batch.micro_batch)
@@ -251,7 +251,8 @@ def run_own_loop(run: Run, mode: RunsOwnLoop, compute: WorkerGradients) -> LoopR
                          "gradient norm were skipped")
     run.cursor.position = result.samples
     totals = StatsWindow()
-    totals.add(StepStats(terms=result.terms, total_s=result.loop_s))
+    totals.add(StepStats(terms=result.terms, positions=result.positions,
+                         total_s=result.loop_s))
     totals.add_wall(result.loop_s)
     final_eval = run.evaluate(run.config.train.steps)
     return LoopResult(initial_eval, final_eval, totals, result.train_loss,

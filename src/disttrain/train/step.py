@@ -30,9 +30,11 @@ from .precision import autocast
 from .run import LoopResult, Run
 
 # a step's figures, in the order they travel to the host: the summed loss, the loss
-# terms (both over the ranks that share gradients), the global gradient norm, whether
-# the loss / the gradients were non-finite (1.0 / 0.0), the loss scale it ran under
-FIGURES = ("loss_sum", "terms", "grad_norm", "bad_loss", "bad_grads", "loss_scale")
+# terms, the positions the loss ran over (counted or not: what tokens/s counts; all
+# three over the ranks that share gradients), the global gradient norm, whether the
+# loss / the gradients were non-finite (1.0 / 0.0), the loss scale it ran under
+FIGURES = ("loss_sum", "terms", "positions", "grad_norm", "bad_loss", "bad_grads",
+           "loss_scale")
 
 
 def train_step(run: Run, step: int) -> StepInFlight:
@@ -48,7 +50,7 @@ def train_step(run: Run, step: int) -> StepInFlight:
     run.cursor.follow(lists)
     stats = StepStats(samples=sum(len(m) for m in lists))
     flags = torch.zeros(2, dtype=torch.float64, device=device)  # bad loss, bad grads
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, loss terms
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, terms, positions
     norm = torch.zeros((), dtype=torch.float64, device=device)
     ledger = run.tally.ledger
     t0, waited0 = time.perf_counter(), ledger.wait_seconds
@@ -192,7 +194,7 @@ def learn(run: Run, flight: StepInFlight, totals: StatsWindow, recent: deque[flo
             run.facts.nonfinite_skipped += 1
     run.nonfinite.after_step(done, what, run.facts.nonfinite_skipped)
     if not flight.sat_out:
-        stats.terms = int(f["terms"])
+        stats.terms, stats.positions = int(f["terms"]), int(f["positions"])
         stats.loss = f["loss_sum"] / max(f["terms"], 1.0)
     totals.add(stats)
     # a rank that sat the step out has no loss; a skipped nan step none
@@ -271,21 +273,23 @@ def run_steps(run: Run) -> LoopResult:
                       time.perf_counter() - start)
 
 
-def worker_gradients(run: Run, micro_batches: list[list[int]]) -> tuple[float, int, float]:
+def worker_gradients(run: Run, micro_batches: list[list[int]]
+                     ) -> tuple[float, int, float, int]:
     """Forward and backward only (a worker's half of a step whose update is made
     elsewhere, by a parameter server): leaves this rank's gradient, normalised by its
     own loss-term count and clipped, in ``.grad``; returns (summed loss, loss terms,
-    the gradient's norm before clipping), read on the host (the server needs them)."""
+    the gradient's norm before clipping, the positions the loss ran over), read on the
+    host (the server needs them)."""
     grads, device = run.parallel.grads, run.device
     grads.zero_grad()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     stats = StepStats()
     handle, _ = run.parallel.passes.forward_backward(
         [_loader(run, m, stats) for m in micro_batches], run.loss, totals, None,
         lambda: autocast(run.config.train.precision, device), measure=False)
     if handle is not None:
         handle.wait()
-    loss, count = totals.tolist()
+    loss, count, positions = totals.tolist()
     grads.finish_gradient_sync(1.0 / max(count, 1.0))
     norm = float(grads.clip_grad_norm(run.config.train.grad_clip))
-    return loss, int(count), norm
+    return loss, int(count), norm, int(positions)

@@ -79,6 +79,7 @@ class PipelinePass:
         self._trace(result.timings)
         totals[0] += result.loss_sum  # device tensors: nothing read on the host
         totals[1] += result.count
+        totals[2] += sum(m.positions() for m in loaded)  # host ints
         return self.grads.reduce_loss_totals(totals), result.peak_activation_bytes
 
     def eval_loss(self, batch: Any, loss: LossOf) -> tuple[float, float]:

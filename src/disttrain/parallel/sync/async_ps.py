@@ -86,8 +86,9 @@ HEADER = 5
 PUSH, BYE, PARAMS, STOP = 1.0, 2.0, 3.0, 4.0
 
 # (micro-batches of dataset indices) -> (summed loss, loss terms, gradient norm before
-# clipping); leaves the normalised, clipped gradient in each parameter's .grad
-ComputeGradients = Callable[[list[list[int]]], tuple[float, int, float]]
+# clipping, positions the loss ran over); leaves the normalised, clipped gradient in
+# each parameter's .grad
+ComputeGradients = Callable[[list[list[int]]], tuple[float, int, float, int]]
 
 
 def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
@@ -114,6 +115,7 @@ class AsyncReport:
     staleness_sum: int = 0   # over applied pushes
     staleness_max: int = 0
     terms: int = 0
+    positions: int = 0
     samples: int = 0
     recent_losses: list[float] = field(default_factory=list)
     loop_s: float = 0.0
@@ -168,7 +170,8 @@ class AsyncParameterServer(EveryStep):
                      per_worker=inputs.per_worker, micro_batch=inputs.micro_batch,
                      compute=inputs.compute, lr_at=inputs.lr_at, log=inputs.log,
                      log_every=inputs.log_every)
-        return OwnLoopResult(samples=s["samples"], terms=s["terms"], loop_s=s["loop_s"],
+        return OwnLoopResult(samples=s["samples"], terms=s["terms"],
+                             positions=s["positions"], loop_s=s["loop_s"],
                              train_loss=s["train_loss"],
                              nonfinite_skipped=s["nonfinite_skipped"],
                              diverged=tuple(s["diverged"]) if s["diverged"] else None)
@@ -307,8 +310,8 @@ class AsyncParameterServer(EveryStep):
             first = (report.pushes * self.workers + w) * per_worker
             indices = sampler.indices(first, per_worker)
             t0 = time.perf_counter()
-            loss_sum, terms, norm = compute([indices[i:i + micro_batch]
-                                             for i in range(0, per_worker, micro_batch)])
+            loss_sum, terms, norm, positions = compute(
+                [indices[i:i + micro_batch] for i in range(0, per_worker, micro_batch)])
             maybe_slow_down(rank, time.perf_counter() - t0)
             works = []
             for s, shard in enumerate(self.shards):
@@ -329,6 +332,7 @@ class AsyncParameterServer(EveryStep):
             report.pushes += 1
             report.samples += per_worker
             report.terms += terms
+            report.positions += positions
             recent.append(loss_sum / max(terms, 1))
             if stopped:
                 self._say_bye(headers, stopped)
@@ -404,6 +408,7 @@ def summarise(reports: list[AsyncReport], workers: int, bound: int) -> dict[str,
         "worker_steps": [r.pushes for r in workers_],
         "samples": sum(r.samples for r in workers_),
         "terms": sum(r.terms for r in workers_),
+        "positions": sum(r.positions for r in workers_),
         "loop_s": max(r.loop_s for r in reports),
         "train_loss": sum(losses) / len(losses) if losses else float("nan"),
         "equivalent_steps": steps,

@@ -208,9 +208,8 @@ class TrainConfig:
     sync_every: int = _f(50, "local_sgd/diloco/fedavg: local steps per synchronisation "
                          "round (H)", ge=1)
     outer_lr: float = _f(0.7, "diloco: outer SGD learning rate", gt=0.0)
-    outer_momentum: float = _f(0.5, "diloco: outer Nesterov momentum (the DiLoCo paper's "
-                               "0.9 overshot on the measured small runs, over 5 rounds "
-                               "and over 20)", ge=0.0, le=0.999)
+    outer_momentum: float = _f(0.5, "diloco: momentum of the outer Nesterov SGD "
+                               "(0 = plain outer SGD)", ge=0.0, le=0.999)
     ps_servers: int = _f(1, "async: ranks 0..ps_servers-1 serve parameter shards, the "
                          "rest are workers", ge=1)
     ps_accumulate: int = _f(0, "async: a server steps once per this many accepted "

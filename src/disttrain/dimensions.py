@@ -1,59 +1,10 @@
-"""The layout's parallel dimensions, declared once: the list every layer reads.
+"""The layout's parallel dimensions (dp, pp, tp, cp), declared once as data.
 
-A dimension splits the world of ranks one way (dp, pp, tp, cp). Each is one
-:class:`Dimension` in :data:`DIMENSIONS`, in the order its config key is declared and
-recorded (``parallel.dp``, ``parallel.pp``, ``parallel.tp``, ``parallel.cp``; a
-checkpoint's ``layout``):
-
-- ``key``: its field in the ``[parallel]`` section (``config_key``: ``parallel.<key>``);
-  its degree; ``derived``: 0 there means the ranks the other dimensions leave;
-- ``axis`` and ``rank_order``: its named axis of the ``DeviceMesh`` and where that axis
-  sits, outermost (0) first; global ranks are numbered row-major over that shape;
-- ``roles``: what it does to a training step, which is all that the code above reads:
-  :data:`Role.SAMPLES` splits each global batch's samples over its ranks;
-  :data:`Role.REPLICAS` gives its ranks the same parameters, whose gradients are summed,
-  and which ZeRO shards, over the flattened group of every such dimension (the data-
-  parallel strategy ``parallel.strategy`` names runs over that group);
-  :data:`Role.TENSORS` cuts parameter tensors into boxes, one per rank (the Placement's
-  sharding group: what is identical there is written once); :data:`Role.LAYERS` cuts the
-  model's layers into stages, each rank running its own; :data:`Role.TOKENS` splits
-  each sample's sequence over its ranks, each running the whole model on its part;
-- ``own_streams``: its ranks draw distinct random streams (dropout masks), so a rank's
-  stream is keyed by its coordinate on every such axis;
-- ``home``: the package that holds its code (what it applies to a model, its checks
-  against the config, the model's spec and the world, how the planner prices it), and
-  ``plan_position`` / ``plan_options``: where its degree and its own search keys sit in a
-  planned layout's label (``tp=2,pp=2,cp=1,dp=2,v=2,mbs=..``).
-
-The declaration is pure data, so ``config`` (the layout's arithmetic), ``parallel``
-(topology, composition, placement), ``train`` and ``plan`` all import it. What each entry
-does lives in its home and is attached to the entry there:
-:mod:`disttrain.parallel.dimensions` maps every entry to its behaviour (apply, check,
-pricing) and refuses an entry without one. Nothing outside the registry and a dimension's
-own home names a dimension; ``tests/test_dimensions.py`` holds ``compose.py``,
-``placement.py``, ``topology.py``, ``train/`` and ``plan/`` to it.
-
-**Adding a dimension** (``docs/architecture.md`` lists every step): its entry here, its
-field in :class:`~disttrain.config.schema.ParallelConfig`, its home package with a
-behaviour attached in :mod:`disttrain.parallel.dimensions`, its tests.
-
-**Context parallelism** (``cp``: each sample's sequence split over N ranks, attention as
-a ring) is declared so, field by field:
-
-- ``key="cp"``, ``axis="cp"`` (``ParallelConfig.cp``, default 1);
-- ``rank_order=2`` (tp's is 3): the mesh ``pp, dp, cp, tp``, so a ring's neighbours are
-  tp groups apart; the composition applies the in-place parts innermost axis first (tp,
-  then cp), then activation checkpointing and the pipeline's cut;
-- ``plan_position=25``: its degree between pp's and dp's in a planned layout's label;
-- ``roles={Role.REPLICAS, Role.TOKENS}``: with ``REPLICAS`` its ranks hold the same
-  parameters, so the replica group is the flattened dp x cp (the data-parallel strategy
-  reduces the gradients and ZeRO shards over it; a step's held-out totals are summed
-  over it); ``TOKENS`` splits each sample's tokens over its ranks. Not ``SAMPLES``: the
-  global batch is split over dp only, every cp rank of a replica taking the same
-  samples. ``TOKENS`` makes it ``changes_model``: the apart sync modes and dynamic
-  balancing refuse it, and the gradients go through the model-parallel side;
-- ``own_streams=True``: its ranks hold different tokens, so draw different masks;
-- ``home="disttrain.parallel.context"``.
+Each dimension is one :class:`Dimension` in :data:`DIMENSIONS`: its config key, mesh
+axis, rank order, roles, random streams, home package and planner keys. Being pure data,
+it is imported by ``config``, ``parallel``, ``train`` and ``plan`` alike; what each entry
+does is attached in :mod:`disttrain.parallel.dimensions`. Every field, and how context
+parallelism fills them: ``docs/architecture.md``, "A parallel dimension is data".
 """
 
 from __future__ import annotations
@@ -65,13 +16,15 @@ from dataclasses import dataclass
 
 
 class Role(enum.Enum):
-    """What a dimension does to a training step (see the module docstring)."""
+    """What a dimension does to a training step: all that the code above reads of it."""
 
-    SAMPLES = "samples"
+    SAMPLES = "samples"  # each global batch's samples split over its ranks
+    # its ranks hold the same parameters; gradients summed (and ZeRO sharded) over the
+    # flattened group of every such dimension, where the data-parallel strategy runs
     REPLICAS = "replicas"
-    TENSORS = "tensors"
-    LAYERS = "layers"
-    TOKENS = "tokens"
+    TENSORS = "tensors"  # parameter tensors cut into boxes, one per rank
+    LAYERS = "layers"  # the model's layers cut into stages, one per rank
+    TOKENS = "tokens"  # each sample's tokens split over its ranks, each runs the whole model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +44,12 @@ class PlanOption:
 
 @dataclass(frozen=True, kw_only=True)
 class Dimension:
-    """One parallel dimension of the layout (see the module docstring for each field)."""
+    """One parallel dimension of the layout: ``key`` its ``[parallel]`` field and degree
+    (``derived``: 0 there means the ranks the others leave); ``axis`` its mesh axis,
+    ``rank_order`` that axis's place, outermost (0) first, global ranks row-major over
+    the mesh; ``own_streams``: its ranks draw distinct random streams; ``home`` the
+    package holding its behaviour; ``plan_position`` / ``plan_options`` its place and its
+    search keys in a planned layout's label."""
 
     key: str
     axis: str

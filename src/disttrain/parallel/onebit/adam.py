@@ -1,54 +1,11 @@
-"""1-bit Adam (Tang et al., 2021): dense AdamW for a warmup, then a frozen variance and
-the momentum averaged over the dp group in sign bits.
+"""1-bit Adam (Tang et al., 2021): dense AdamW for ``freeze_step`` steps, then a frozen
+variance and the momentum averaged over the dp group in sign bits.
 
-Adam's update is not linear in the gradient (the variance divides it), which is why a
-compressed gradient hurts it; with the variance frozen the update is momentum SGD with a
-fixed per-coordinate step, and a compressed momentum with error feedback loses nothing,
-only delays it. The phases, counted in optimizer steps taken:
-
-- ``step < freeze_step``: the gradients arrive all-reduced (the dp strategy runs as
-  usual) and this is AdamW exactly: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2)
-  g^2``, ``p -= lr (wd p + m_hat / (sqrt(v_hat) + eps))`` with bias corrections;
-- after: ``v`` stays as it was at the freeze (its bias correction too), each rank's
-  gradient stays local (:class:`~.grads.OnebitGrads` skips the all-reduce; ``.grad``
-  holds this rank's estimate of the global gradient, dp x its share), and the momentum
-  is averaged by the :class:`~.exchange.MomentumExchange` (compress, all-to-all,
-  average, compress again, all-gather; error feedback on both sides), bucket by bucket
-  (``bucket_bytes`` of fp32 each, in group order; a bucket's residuals are flat buffers
-  the per-parameter entries view).
-
-Everything after the freeze is in units of the frozen step size ``d = sqrt(v_hat) +
-eps`` (the same on every rank): the momentum is kept as ``u = m / d``, the update
-direction itself, and ``p -= lr (wd p + u / bc1)``. Compressing the raw momentum, as the
-paper does, gives an element with a tiny variance its chunk's mean |m|, which its small
-``d`` then turns into a step far larger than Adam ever takes. A round, per rank:
-
-    x     = (1 - b1) g_rank / d + c        (c: this rank's carry)
-    u     = exchange(x)                    (the same decoded u on every rank)
-    c     = (x - what the rank sent of x) + b1 u
-
-so the rank compresses ``b1 u_prev + (1 - b1) g_rank / d`` plus its residual, as in the
-paper, without keeping ``u_prev``: the carry holds it (created at the freeze as
-``b1 m / d`` from the warmup's momentum). ``exp_avg`` is kept equal to ``u d``, so a
-checkpoint reads like AdamW's.
-
-Under ZeRO-1 (:meth:`OnebitAdam.shard_over`) the parameters are the dp ranks' shards of
-flat buffers and a shard's owner is its server: the runs the exchange cuts are the
-shards, ``m``, ``v`` and the server residual are kept for the shard only, ``d`` is
-all-gathered once into a whole copy, and every rank applies the same decoded direction
-to its whole copy of the buffer, so no dense parameter all-gather follows. Per element
-a rank holds the carry and ``d`` whole and the rest 1/dp: 8 + 12/dp bytes, against
-12 + 4/dp without ZeRO (``m``, ``v`` and the carry whole, the server residual 1/dp).
-
-State per parameter: ``exp_avg``, ``exp_avg_sq``, ``step`` (as torch's AdamW keeps
-them), and from the freeze on the carry, ``worker_error`` (different on every dp rank,
-kept outside ``optimizer.state``), and the server residual ``server_error`` (the run
-this rank serves; under ZeRO-1 in ``optimizer.state`` beside ``exp_avg``). Both mean
-the same with and without ZeRO-1, so a checkpoint moves between the two. The dp
-strategy's state saves them (:meth:`rank_state`, :meth:`range_state`, or as ZeRO's shard
-state) and loads them back into any dp size: a carry from another dp size is replaced
-by the mean of the saved ones (what the ranks owed in total is kept), the server
-residual is cut by element.
+Adam's update is not linear in the gradient (the variance divides it), so a compressed
+gradient hurts it; with the variance frozen the update is momentum SGD with a fixed
+per-coordinate step, and a compressed momentum with error feedback loses nothing, only
+delays it. The phases, the ZeRO-1 form, the state and the figures:
+``docs/strategies/onebit-adam.md``.
 """
 
 from __future__ import annotations
@@ -106,7 +63,19 @@ def freeze_step_for(freeze_step: int, steps: int) -> int:
 
 class OnebitAdam(torch.optim.Optimizer):
     """AdamW that compresses its momentum exchange over ``comm`` (the dp group) to 1 bit
-    per element after ``freeze_step`` steps; see the module docstring."""
+    per element after ``freeze_step`` steps.
+
+    Before: AdamW exactly, on all-reduced gradients. After, in units of the frozen step
+    size ``d = sqrt(v_hat) + eps`` (the same on every rank), a round per rank::
+
+        x  = (1 - b1) g_rank / d + c     (c: the carry, b1 m / d at the freeze)
+        u  = exchange(x)                 (the same decoded direction on every rank)
+        c  = (x - what the rank sent of x) + b1 u
+        p -= lr (wd p + u / bc1)         (exp_avg kept = u d, as AdamW reads it)
+
+    bucket by bucket (``bucket_bytes`` of fp32, in group order). State per parameter:
+    AdamW's, the carry ``worker_error`` (per dp rank, outside ``optimizer.state``) and
+    the server residual ``server_error`` (the run this rank serves)."""
 
     rank_keys = (WORKER_ERROR,)
     range_keys = (SERVER_ERROR,)
@@ -131,8 +100,11 @@ class OnebitAdam(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True
 
     def shard_over(self, flats: dict[torch.Tensor, FlatShard]) -> None:
-        """ZeRO-1: every parameter is a shard of one of ``flats`` (see the module
-        docstring)."""
+        """ZeRO-1: every parameter is this rank's shard of one of ``flats``, and its owner
+        is its server: ``m``, ``v`` and the server residual are kept for the shard only,
+        ``d`` is all-gathered once into a whole copy, and every rank applies the same
+        decoded direction to its whole copy of the buffer (no dense parameter
+        all-gather follows)."""
         params = set(self._params())
         if set(flats) != params:
             raise ValueError("shard_over needs a flat buffer for every parameter")
@@ -217,7 +189,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 torch._foreach_add_(targets, us, alpha=-group["lr"] / bc1)
 
     def _exchange(self) -> dict[torch.Tensor, torch.Tensor]:
-        """One compressed round (module docstring), bucket by bucket: each parameter's
+        """One compressed round (the class docstring), bucket by bucket: each parameter's
         decoded direction ``u`` [n] (a ZeRO-1 shard's: over its whole buffer); the
         worker carries, server residuals and ``exp_avg`` (= u d) updated. Every
         bucket's all-to-all is started before the first one is finished."""

@@ -1,31 +1,16 @@
 """1-bit Adam's momentum exchange: an average over the dp group in sign bits, with
 error feedback on both sides (Tang et al., 2021, "1-bit Adam").
 
-Each tensor ``x`` [n] of a rank is cut into ``size`` runs (by default of ceil(n / size)
-rounded up to a multiple of 8 elements; a ZeRO flat buffer's are its shards), each
-padded to a chunk of a multiple of 8 elements: chunk j goes to rank j, its *server*.
-One round, per tensor:
+Each tensor ``x`` [n] is cut into ``size`` runs, chunk j going to rank j, its *server*
+(:class:`BucketLayout`). One round, per tensor:
 
-1. worker: ``y = x + e_w``; each chunk becomes ``s_j * sign(y_j)`` with ``s_j`` = mean
-   |y_j| over its real elements (sign of 0 is +); ``e_w = y - decoded`` (all-to-all of
-   [scales | packed signs] per destination);
-2. server r: ``a = mean over ranks of the decoded chunks r + e_s``; compressed again,
-   ``t * sign(a)`` with ``t`` = mean |a|; ``e_s = a - decoded`` (all-gather);
+1. worker: ``y = x + e_w``; chunk j becomes ``s_j * sign(y_j)``, ``s_j`` = mean |y_j|
+   over its real elements (sign of 0 is +); ``e_w = y - decoded`` (all-to-all);
+2. server r: ``a = mean over ranks of the decoded chunks r + e_s``, compressed again as
+   ``t * sign(a)``, ``t`` = mean |a|; ``e_s = a - decoded`` (all-gather);
 3. every rank decodes every server's chunk: the same average on every rank.
 
-Tensors travel in *buckets* (:class:`BucketLayout`): a bucket's tensors sit side by
-side in one [size, C] matrix (row j: each tensor's chunk j, C the sum of their chunks),
-so every step of a round is a few operations over the whole bucket, not a dozen per
-tensor, and one all-to-all and one all-gather carry the bucket. Row j of what a rank
-sends is [the bucket's P fp32 scales for rank j | the packed signs of row j]: byte for
-byte what one round over the same tensors, each packed on its own, sends.
-
-Scales are per tensor and chunk, never shared between tensors, so a tensor's result
-depends on that tensor alone (a tied weight held by two pipeline stages gets the same
-result on both), whichever bucket it travels in. Wire bytes per rank and round for N
-ranks and n elements: the all-to-all sends (N-1)/N (n/8 + 4N) and the all-gather (N-1)
-(n/8N + 4): about n/4 x (N-1)/N, against 8n (N-1)/N for a ring all-reduce in fp32:
-~32x less.
+Buckets, scales per chunk and the wire bytes: ``docs/strategies/onebit-adam.md``.
 """
 
 from __future__ import annotations

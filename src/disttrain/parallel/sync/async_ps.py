@@ -1,61 +1,11 @@
 """Asynchronous parameter-server training on point-to-point messages.
 
-Ranks ``0 .. S-1`` are servers, ranks ``S .. world-1`` are the ``W`` workers. The
-trainable parameters are split into S shards of whole parameters
-(:func:`assign_shards`); server ``s`` owns shard ``s`` and the optimizer state for it.
-Every rank starts from the same parameters (dp rank 0's, broadcast at start).
-
-A worker repeats, with no barrier with the other workers:
-
-1. compute a gradient on its next batch (normalised by its own loss-term count, clipped
-   to ``train.grad_clip`` by its own norm);
-2. send server ``s`` the control message ``[PUSH, version, loss_sum, terms, norm]``
-   (fp32, where ``version`` is the version of shard ``s`` the gradient was computed on
-   and ``norm`` the whole gradient's norm before clipping), then shard ``s`` of the
-   gradient;
-3. receive ``[PARAMS, new version, applied, staleness, 0]`` from every server, then that
-   server's parameters, and load them.
-
-Control messages travel on a Gloo group on the CPU (``control``), created beside the
-data group: a server takes the next push from whichever worker sent one (a
-receive-from-any, which NCCL does not have), then receives that worker's gradient on
-the data group from that worker by name, so gradients and parameters move as device
-tensors under NCCL's rules (between two ranks, in posting order).
-
-A server takes pushes in arrival order from any worker. The push's staleness is the
-number of updates the shard received since the worker's version. If it is at most
-``staleness_bound`` the server accepts it: it is added to an accumulator, and once
-``K = accumulate`` pushes (from any workers, ``W`` by default) are in, the server takes
-one optimizer step with their mean (version + 1). So an update averages ``K b``
-samples - with ``K = W``, the ``global_batch`` of the synchronous run, the step count
-and LR schedule of which it then follows - without any worker waiting for another (a
-fast worker's pushes fill the accumulator alone). ``K = 1`` steps on every push.
-Otherwise the gradient is **dropped** - never applied - and the reply carries the fresh
-parameters, so the worker's next gradient is current. Accepted pushes thus have
-staleness <= bound by construction; the count of dropped ones shows how often the bound
-bit. The LR at a server follows the schedule at ``pushes received // W`` (the
-equivalent synchronous step). Pushes still in the accumulator when the budget ends are
-applied as one last (smaller) step.
-
-Divergence: a push whose loss or gradient norm is nan / inf is never applied (every
-server sees the same loss and norm in its header, so all servers judge it alike). Under
-``train.on_nonfinite = stop`` the server answers it, and every later push, with
-``STOP``, so the loop ends as at the end of the budget, and every rank then raises
-:class:`~disttrain.errors.DivergenceError` naming the equivalent synchronous step;
-under ``skip`` the push is counted and the worker gets the current parameters.
-
-Data: worker ``w``'s ``k``-th batch is positions ``[(k W + w) b, (k W + w + 1) b)`` of
-the global sample order (``b = global_batch / W``), so workers take distinct samples and
-a slow worker never holds a fast one back. The budget is ``train.steps x W`` pushes per
-server - the samples of ``train.steps`` synchronous steps.
-
-Stopping: once a server has received its budget it answers each further push with
-``STOP`` (not applied). A worker that gets ``STOP`` from any server sends ``BYE`` to the
-servers that answered ``PARAMS`` and leaves its loop. A server leaves its loop once
-every worker has been sent ``STOP`` or said ``BYE``. Then each server broadcasts its
-shard, so every rank ends with the final parameters, and the ranks exchange their
-reports (one all-gather). Bytes: every message is recorded twice in the ledgers (the
-sender's send and the receiver's receive), so bytes sent are half the ledger total.
+Ranks ``0 .. S-1`` are servers, each owning a shard of whole parameters
+(:func:`assign_shards`) and its optimizer state; the other ``W`` ranks are workers that
+push gradients and pull parameters with no barrier between them. A push more than
+``staleness_bound`` versions old is dropped, not applied. Control headers travel on a
+CPU Gloo group (a server receives from any worker, which NCCL cannot), tensors on the
+data group in posting order. The protocol, step by step: ``docs/strategies/sync-modes.md``.
 """
 
 from __future__ import annotations
@@ -213,6 +163,10 @@ class AsyncParameterServer(EveryStep):
     def _serve(self, optimizer: torch.optim.Optimizer, budget: int,
                lr_at: Callable[[int], float], log: Callable[[MetricsRecord], None],
                log_every: int, per_worker: int) -> AsyncReport:
+        """Server ``s``: take each push (header ``[PUSH, version, loss_sum, terms,
+        norm]``, then its gradient shard [shard numel]) from whichever worker sent it;
+        accumulate it if at most ``bound`` versions stale, step on the mean of every
+        ``accumulate`` accepted; reply ``PARAMS`` (with the shard) or ``STOP``."""
         s, data = self.comm.rank, self.comm
         shard = self.shards[s]
         opt = shard_optimizer(optimizer, shard)
@@ -297,6 +251,9 @@ class AsyncParameterServer(EveryStep):
     # ----------------------------------------------------------------- worker
     def _work(self, sampler: GlobalOrderSampler, per_worker: int, micro_batch: int,
               compute: ComputeGradients) -> AsyncReport:
+        """Worker ``w``: its ``k``-th batch is global-order positions ``[(k W + w) b,
+        (k W + w + 1) b)``; push its gradient to every server, load each server's reply,
+        and on any ``STOP`` say ``BYE`` to the others and leave."""
         data = self.comm
         w, rank = data.rank - self.servers, data.rank
         report = AsyncReport(role="worker", rank=rank)

@@ -1,41 +1,10 @@
 """apply_tensor_parallel: swap a model's modules for tensor-parallel shards, by plan.
 
-A plan is data: module-name patterns (``fnmatch``, matched against
-``model.named_modules()`` names) -> style. Styles:
-
-- ``colwise``: ``nn.Linear`` -> :class:`ColumnParallelLinear` (output rows sharded)
-  (a LoRA-adapted linear layer, under any of the three styles here, -> its
-  tensor-parallel form, the adapter split with it: :mod:`.lora`)
-- ``colwise_qkv``: the same for a fused q|k|v projection, cut so each rank gets its
-  own heads' q, k and v rows; the parent's ``n_head`` becomes this rank's head count
-- ``rowwise``: ``nn.Linear`` -> :class:`RowParallelLinear` (input columns sharded)
-- ``vocab``: ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
-- ``vocab_head``: ``nn.Linear`` -> :class:`VocabParallelHead` (local logits), sharing
-  the vocab embedding's shard when the full head is tied to it
-- ``partial``: a replicated module inside a tensor-parallel region that acts on each
-  rank's own heads or features (a per-head norm): its gradients are partial sums over
-  tp, summed after the backward
-- ``replicated``: a replicated module that sees the whole activation (declared, so that
-  one inside a region is classified)
-- ``sequence``: a replicated module (a norm) that, under sequence parallelism, runs
-  on this rank's positions only; its gradients are then partial sums over tp
-- ``split_sequence``: under sequence parallelism, this module's output is split along
-  the sequence dim: the sequence-parallel region starts here
-
-The last two do nothing without sequence parallelism. Before anything is swapped, every
-parameter is classified (:func:`~disttrain.spec.classify_tp_params`): sharded,
-replicated with identical gradients on every tp rank, or replicated with partial ones;
-a parameter inside a region (an attention or MLP holding sharded projections) that the
-plan does not name is refused, since nothing would sum its gradients. Modules are swapped
-in place under the same attribute names, so ``named_parameters()`` keeps the unsharded
-model's names.
-
-With dropout > 0 the result equals the full model's in distribution only: each rank
-draws the masks of its own heads (and, under sequence parallelism, of its own
-positions) itself; the activations every rank holds whole get the same masks on every
-rank, as the Trainer seeds the random streams from ``train.seed`` alike across a tp group
-(:func:`disttrain.weights.stream_seed`). With dropout 0 it computes what the full model
-computes.
+A plan is data: module-name patterns (``fnmatch`` on ``named_modules()`` names) -> a
+style of :mod:`disttrain.spec` (``colwise``, ``rowwise``, ``vocab``, ``partial``, ...).
+Every parameter is classified before anything is swapped, and modules are swapped in
+place under the same names, so ``named_parameters()`` keeps the unsharded model's
+names. Each style, the classification and dropout: ``docs/strategies/tensor.md``.
 """
 
 from __future__ import annotations

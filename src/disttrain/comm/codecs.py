@@ -1,35 +1,10 @@
 """Gradient compression codecs: sum a flat tensor over a group while sending less.
 
-A codec reduces any 1-D floating tensor ``flat`` [n] (a gradient bucket, or a flat
-pseudo-gradient outside the bucket reducer) over a :class:`Communicator`'s group:
-:meth:`GradientCodec.start` encodes this rank's contribution and issues the first
-collective asynchronously; the returned handle's ``wait()`` finishes the protocol and
-leaves, in place in ``flat``, the SUM over ranks of each rank's decoded contribution
-(the same contract as a plain all-reduce; averaging is the caller's business).
-:meth:`GradientCodec.all_reduce` does both at once. Every collective goes through the
-Communicator, so the ledger counts the compressed payload, not the fp32 size.
-
-``segments`` are the shapes of the tensors laid end to end in ``flat`` (a bucket's
-parameters, in bucket order); without them ``flat`` is one segment. onebit and qsgd keep
-one scale / norm per segment; powersgd factorises each segment of dim >= 2 as a matrix
-[shape[0], prod(shape[1:])] and sends the others (biases, norm gains) uncompressed.
-
-Per-rank payload for n fp32 elements in S segments (k = ceil(ratio * n)):
-
-    fp16 / bf16   2n bytes, all-reduce               unbiased up to rounding
-    randomk       4k, all-reduce (indices from the shared seed, never sent)   unbiased
-    topk          8k (fp32 values + int32 indices), all-gather               biased
-    onebit        4B + ceil(n/8) rounded up to 4 (packed sign bits; B = S, or blocks of
-                  <= onebit_block), all-gather                               biased
-    qsgd          4B + n rounded up to 4 (int8 levels; B blocks of <= 512), all-gather
-                                                                      unbiased
-    powersgd      4 * (sum of r(rows + cols) per matrix + other elements), 2 all-reduces
-
-State is kept per ``key`` (the bucket index): the error-feedback residual, PowerSGD's
-warm-start Q and a call counter. With the seed, the counter makes every random draw
-deterministic: the same seed and the same sequence of calls give the same result.
-Error feedback (biased codecs only) adds what this rank did not send last time to its
-next input, so nothing is lost, only delayed.
+A codec stands in for the all-reduce of a flat fp32 tensor (a gradient bucket, or a
+sync mode's pseudo-gradient): same result contract, the SUM over ranks (of each rank's
+decoded contribution), fewer bytes, and every collective through the Communicator so
+the ledger counts the compressed payload. Each codec's payload, bias and when to use
+it: ``docs/strategies/compression.md``.
 """
 
 from __future__ import annotations
@@ -80,7 +55,17 @@ class PendingReduction:
 
 
 class GradientCodec(ABC):
-    """Base class: per-key state, seeding, fp32 staging and error feedback."""
+    """Base class: per-key state, seeding, fp32 staging and error feedback.
+
+    :meth:`start` encodes this rank's ``flat`` [n] and issues the first collective
+    asynchronously; the handle's ``wait()`` leaves, in place in ``flat``, the sum over
+    ranks of each rank's decoded contribution (averaging is the caller's). ``segments``:
+    the shapes of the tensors laid end to end in ``flat`` (one segment without them);
+    onebit and qsgd keep one scale / norm per segment, powersgd factorises each segment
+    of dim >= 2 as [shape[0], prod(shape[1:])] and sends the others uncompressed.
+    State is kept per ``key`` (the bucket): the error-feedback residual (biased codecs:
+    what was not sent is added to the next input), PowerSGD's warm-start Q and a call
+    counter that, with the seed, makes every random draw repeat exactly."""
 
     name = "abstract"
 

@@ -1,35 +1,13 @@
 """Packing: examples of varying length concatenated into rows of ``seq_len`` tokens,
 attention kept inside each example (``data.packing``).
 
-An *example* is a sample of any map-style dataset that is a mapping with ``input_ids``
-[L] and ``labels`` [L] (transformers' convention: unshifted, -100 where not trained;
-without ``labels`` every token is trained), 0 <= L <= ``seq_len``; other entries are
-ignored. :class:`PackedExamples` turns such a dataset into one of rows, and
-:class:`PackedCollate` stacks rows into the batch the model takes.
-
-Which examples share a row (:func:`pack_lengths`): best fit, longest example first;
-examples of equal length keep the order the global sample order gives them in epoch 0
-for ``train.seed`` (:class:`~disttrain.data.sampler.GlobalOrderSampler`). Each example
-goes to the open row with the least room that still holds it, else opens a row. The
-rows depend on the lengths and the seed only, never on the number of ranks, and are
-computed once: the rows are the samples the global order shuffles per epoch, so
-``train.global_batch`` counts rows, and a step's loss is normalised by its trained
-tokens as always.
-
-Row ``r`` holds examples ``e_0 .. e_{n-1}`` of lengths ``L_k``, one after the other,
-then padding to ``seq_len``:
-
-- ``input_ids``: the examples' ids, then 0 on the padding;
-- ``labels``: each example's labels with its first set to -100, and -100 on the
-  padding. The causal-LM loss shifts (position t predicts ``labels[t + 1]``): alone, an
-  example's first label is never a target; packed, the last token of ``e_{k-1}`` would
-  predict it, so it is dropped here;
-- ``position_ids``: 0 .. L_k - 1 for each example (and 0 .. on the padding);
-- ``document_ids``: k on ``e_k``, n on the padding (a document of its own).
-
-So each trained token has the target, the position and (with attention kept inside its
-document) the keys it has when its example runs alone, padded: the summed loss and the
-trained-token count are the unpacked run's.
+An *example* is a mapping with ``input_ids`` [L] and ``labels`` [L] (unshifted, -100
+where not trained), L <= ``seq_len``. :class:`PackedExamples` turns a dataset of them
+into one of rows, which depend on the lengths and the seed only, never on the number of
+ranks; :class:`PackedCollate` stacks rows into the batch the model takes. Each trained
+token keeps the target, position and keys it has alone, so the summed loss and the
+trained-token count are the unpacked run's. The user's view:
+``docs/guides/finetune.md``, "Pack examples into full rows".
 """
 
 from __future__ import annotations
@@ -119,8 +97,11 @@ def _check_fits(index: int, length: int, seq_len: int) -> None:
 
 def pack_lengths(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int]]:
     """Rows of example indices, each row's lengths summing to at most ``capacity``
-    (best fit, longest first; see the module docstring). Empty examples are left out:
-    they hold no token."""
+    (best fit). Empty examples are left out: they hold no token.
+
+    Longest first, equal lengths in the order epoch 0 of the global sample order for
+    ``seed`` gives them; each goes to the open row with the least room that still holds
+    it, else opens a row. Computed once: the rows are the samples each epoch shuffles."""
     order = GlobalOrderSampler(len(lengths), seed).permutation(0).tolist() if lengths else []
     order.sort(key=lambda i: -lengths[i])  # stable: equal lengths keep the seeded order
     rows: list[list[int]] = []
@@ -154,7 +135,15 @@ def packed_row(examples: Sequence[tuple[torch.Tensor, torch.Tensor]], seq_len: i
                ) -> dict[str, torch.Tensor]:
     """One row of ``examples`` ((input_ids, labels) pairs, together at most ``seq_len``
     tokens), padded to ``seq_len``: ``input_ids``, ``labels``, ``position_ids`` and
-    ``document_ids``, each int64 [seq_len] (see the module docstring)."""
+    ``document_ids``, each int64 [seq_len]. For examples ``e_0 .. e_{n-1}`` of lengths
+    ``L_k``, one after the other, then padding:
+
+    - ``input_ids``: the examples' ids, then 0;
+    - ``labels``: each example's labels with its first set to -100 (the loss shifts:
+      alone it is never a target, packed ``e_{k-1}``'s last token would predict it),
+      then -100;
+    - ``position_ids``: 0 .. L_k - 1 for each example (and 0 .. on the padding);
+    - ``document_ids``: k on ``e_k``, n on the padding (a document of its own)."""
     used = sum(len(ids) for ids, _ in examples)
     if used > seq_len:
         raise ValueError(f"{used} tokens do not fit a row of {seq_len}")
@@ -175,7 +164,7 @@ def packed_row(examples: Sequence[tuple[torch.Tensor, torch.Tensor]], seq_len: i
 
 
 class PackedExamples(Dataset):
-    """A map-style dataset of rows packed from ``examples`` (see the module docstring):
+    """A map-style dataset of rows packed from ``examples``:
     row ``r`` is :func:`packed_row` of the examples :func:`pack_lengths` put in it.
     Construction reads every example's length (:func:`example_lengths`); a row reads its
     examples when asked for."""

@@ -6,32 +6,10 @@
 
     disttrain.Trainer(model, data, loss_fn, config, callbacks=[LossPrinter()]).fit()
 
-The points, each a no-op until a subclass overrides it:
-
-- ``on_train_start(trainer)``: the run is built (process groups, model, run directory;
-  a resumed run's checkpoint is loaded, ``trainer.start_step`` says where it resumes),
-  before the first step.
-- ``on_step_end(trainer, record)``: after every optimizer step, with a light
-  :class:`~disttrain.monitor.MetricsRecord`: ``step`` (1-based), ``lr``, ``loss`` (the
-  step's, over the global batch; None for a step this rank sat out), ``grad_norm``,
-  ``samples_seen``. Under ``train.sync=async`` the parameter server's loop has no
-  per-step point: it is called at the logged steps, with their records.
-- ``on_log(trainer, record)``: at every logged step (``train.log_every``, each
-  evaluation, the last step), with the full record written to ``metrics.jsonl``. The
-  metrics loggers (:mod:`.loggers`) write these.
-- ``on_eval(trainer, step, eval_loss)``: after each evaluation (``step`` is
-  ``trainer.start_step`` for the one before training).
-- ``on_checkpoint(trainer, step, path)``: once the checkpoint of ``step`` is committed
-  to the directory ``path`` (an asynchronous save: at the first step boundary after
-  every rank has written its part, or at the end).
-- ``on_train_end(trainer, summary)``: once, at the end: ``summary`` is what
-  :meth:`~disttrain.Trainer.fit` returns, or None when the run stopped early (an error,
-  a signal). Close here what the callback opened.
-
-Callbacks run on rank 0 only, unless a callback sets ``all_ranks = True``. They run
-outside every collective, so no rank ever waits on another's callback; they must not
-issue collectives themselves. A callback that raises is reported in one warning line
-and gets no further calls but ``on_train_end``; the run goes on.
+Each point is a method of :class:`Callback`. They run on rank 0 only (unless
+``all_ranks``) and outside every collective, so no rank waits on another's callback; a
+callback that raises is reported once and not called again. ``docs/monitoring.md``,
+"Logging and callbacks", says when each point comes.
 """
 
 from __future__ import annotations
@@ -68,20 +46,29 @@ class Trainer(Protocol):
 
 
 class Callback:
-    """Base of every callback: override the points you need (see the module docstring)."""
+    """Base of every callback: override the points you need, each a no-op until then.
+    Callbacks must not issue collectives; one that raises gets no further calls but
+    :meth:`on_train_end`, and the run goes on."""
 
     all_ranks: bool = False  # True: called on every rank, not only rank 0
 
     def on_train_start(self, trainer: Trainer) -> None:
-        """Once, after the run is built and before the first step; ``trainer.start_step`` is set."""
+        """Once, after the run is built (process groups, model, run directory; a resumed
+        run's checkpoint loaded) and before the first step; ``trainer.start_step`` says
+        where it starts."""
         pass
 
     def on_step_end(self, trainer: Trainer, record: MetricsRecord) -> None:
-        """After every step, with its step, learning rate, loss and gradient norm."""
+        """After every optimizer step, with a light record: ``step`` (1-based), ``lr``,
+        ``loss`` (the step's, over the global batch; None for a step this rank sat out),
+        ``grad_norm``, ``samples_seen``. Under ``train.sync=async`` (no per-step point)
+        at the logged steps, with their records."""
         pass
 
     def on_log(self, trainer: Trainer, record: MetricsRecord) -> None:
-        """At every logged step (``train.log_every``), with the full metrics record."""
+        """At every logged step (``train.log_every``, each evaluation, the last step),
+        with the full record written to ``metrics.jsonl`` (what the metrics loggers
+        write)."""
         pass
 
     def on_eval(self, trainer: Trainer, step: int, eval_loss: float) -> None:
@@ -90,11 +77,15 @@ class Callback:
         pass
 
     def on_checkpoint(self, trainer: Trainer, step: int, path: Path) -> None:
-        """After a checkpoint of ``step`` is committed to ``path``."""
+        """Once the checkpoint of ``step`` is committed to the directory ``path`` (an
+        asynchronous save: at the first step boundary after every rank has written its
+        part, or at the end)."""
         pass
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any] | None) -> None:
-        """Once at the end, with the run summary (None if the run stopped early)."""
+        """Once at the end: ``summary`` is what :meth:`~disttrain.Trainer.fit` returns,
+        or None when the run stopped early (an error, a signal). Close here what the
+        callback opened."""
         pass
 
 

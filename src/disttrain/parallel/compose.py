@@ -3,31 +3,9 @@
 :func:`compose` turns (model, its spec, the topology, each strategy's config slice) into
 a :class:`Parallelized`: the module this rank runs, its :class:`~.interfaces.GradSync`
 and :class:`~.interfaces.ShardedState`, the synchronisation between steps, and the kind
-of step it needs. In order, over an unchanged model:
-
-0. with ``train.compile``, each block wrapped for torch.compile
-   (:func:`~.compilation.compile_blocks`), first, so every later wrapper and hook stays
-   outside the compiled regions;
-1. every dimension of the layout that applies something to a model, where its degree
-   is > 1 (:func:`~.model_parallel.apply_model_parallel`: the declared entries' behaviours,
-   :mod:`.dimensions`), with activation checkpointing on the blocks;
-2. the data-parallel strategy ``parallel.strategy`` selects (:mod:`.registry`) over
-   the replica group, on whatever step 1 left this rank (blocks grouped per pipeline
-   chunk);
-3. the gradient side the optimizer ``train.optimizer`` needs, if any (1-bit Adam's
-   follows its phase: local once the momentum is compressed), then, where a dimension
-   changed the model, seen through :class:`~.model_parallel.ModelParallelGrads`;
-4. the sync mode ``train.sync``;
-5. how a step's micro-batches run forward and backward (:class:`~.interfaces.StepPass`:
-   the model cut's, through the whole module or through the pipeline schedule);
-6. with the default causal-LM loss and ``train.fused_loss``, the output head swapped,
-   where this rank runs it, for the fused linear + cross-entropy (:mod:`.fused_loss`:
-   the same weight Parameter, so nothing above sees a difference), whose token loss
-   the step's default loss then calls.
-
-Each choice is looked up in :mod:`.registry`, each dimension in the declared list
-(:mod:`disttrain.dimensions`); no dimension is named here. The training loop uses only
-the result's interfaces.
+of step it needs. Each choice is looked up in :mod:`.registry`, each dimension in the
+declared list (:mod:`disttrain.dimensions`), so no strategy or dimension is named here;
+the order and why: ``docs/architecture.md``, "Composition".
 """
 
 from __future__ import annotations
@@ -179,8 +157,10 @@ class Parallelized:
 def compose(model: nn.Module, spec: ModelSpec, config: Config, topology: Topology,
             groups: Groups, *, micro_batches: int, num_samples: int,
             tracer: StepTracer | None = None, default_loss: bool = False) -> Parallelized:
-    """Apply every strategy ``config`` selects to ``model`` for this rank (see the
-    module docstring); ``micro_batches``: per step and replica (the pipeline's m);
+    """Apply every strategy ``config`` selects to ``model`` for this rank, in order:
+    compiled blocks, the model-parallel dimensions with activation checkpointing, the
+    data-parallel strategy, the optimizer's gradient side, the sync mode, the step
+    pass, the fused loss's head; ``micro_batches``: per step and replica (the pipeline's m);
     ``num_samples``: the training set's size (federated partitions); ``default_loss``:
     the step's loss is the causal-LM token loss (no ``loss_fn`` of the user's, or
     :func:`disttrain.models.token_loss`), which alone the fused loss may compute."""

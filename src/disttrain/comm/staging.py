@@ -1,32 +1,11 @@
 """Collectives Gloo cannot run on a group's device, run on host copies of its tensors.
 
-The shared-GPU test mode (``DISTTRAIN_SHARED_GPU=1``,
-:data:`~disttrain.names.SHARED_GPU_ENV`) puts every rank of a job on one GPU, so that
-every strategy's CUDA code runs with a single GPU. NCCL refuses two ranks on one device,
-so the groups are Gloo, and their :class:`~.collectives.Communicator` still reports the
-CUDA device, as an NCCL group's would: strategies create and move CUDA tensors exactly
-as under NCCL. Gloo takes CUDA tensors for all-reduce and broadcast only (it copies them
-through pinned host memory itself, its work's ``wait()`` making the current stream wait
-for the copy back); every other op (point-to-point, all-gather, reduce-scatter,
-all-to-all) the Communicator stages through a :class:`HostStage`:
-
-1. the tensors the op reads are copied device -> pinned host on the current stream, and
-   the host waits for that stream: the copies hold what every kernel queued before the
-   call wrote;
-2. Gloo runs the op on the host buffers (what it writes goes to fresh pinned buffers);
-3. once the op has completed (before a blocking call returns; in the returned work's
-   ``wait()`` for an async one), the host buffers it wrote are copied host -> device on
-   the current stream, so kernels queued after ``wait()`` see the result, as after
-   NCCL's ``wait()``. The caching host allocator keeps a pinned buffer until its copy
-   has run, so the buffers can be dropped at once.
-
-It is a test mode, not a way to train: every staged op synchronises the host with the
-GPU and crosses host memory twice (docs/testing.md).
-
-``DISTTRAIN_HOST_STAGING=1`` (:data:`HOST_STAGING_ENV`) runs the same path on the CPU, a
-debug switch for tests without a GPU: a Gloo group's CPU tensors are staged through
-separate host buffers, the ones an op writes filled first with a poison byte pattern, so
-a result copied back before the op completed, or from the wrong buffer, fails a test.
+The shared-GPU test mode (:data:`~disttrain.names.SHARED_GPU_ENV`) puts every rank on
+one GPU over Gloo groups that report the CUDA device, so strategies run their CUDA code
+as under NCCL; Gloo takes CUDA tensors for all-reduce and broadcast only, so the
+Communicator stages every other op through a :class:`HostStage`.
+``DISTTRAIN_HOST_STAGING=1`` (:data:`HOST_STAGING_ENV`) runs the same path on CPU
+tensors, with poisoned buffers, to test it without a GPU. Both: ``docs/testing.md``.
 """
 
 from __future__ import annotations
@@ -62,7 +41,13 @@ class HostStage:
     """One op's tensors as Gloo is handed them: ``reads`` (what the op reads) and
     ``writes`` (what it writes), host copies when ``active``, else the tensors
     themselves. :meth:`finish`, called once the op has completed, copies each written
-    host buffer back into its tensor (nothing when inactive; only the first call)."""
+    host buffer back into its tensor (nothing when inactive; only the first call).
+
+    The reads are copied device -> pinned host on the current stream and the host waits
+    for it, so they hold what every kernel queued before the call wrote; the writes go
+    to fresh pinned buffers, copied back on the current stream, so kernels queued after
+    ``wait()`` see the result, as after NCCL's. The caching host allocator keeps a
+    pinned buffer until its copy has run, so the buffers can be dropped at once."""
 
     def __init__(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
                  active: bool) -> None:

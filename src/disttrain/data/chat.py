@@ -1,29 +1,12 @@
 """One instruction or chat example -> token ids and which of them are trained on.
 
-Two shapes of example (a JSON object; other keys are ignored):
-
-- ``{"prompt": str, "completion": str}``: the prompt tokenized with the tokenizer's own
-  special tokens (a BOS where it adds one), the completion without, then the EOS token
-  (unless the completion already ends with it). Trained: the completion and the EOS.
-  Prompt and completion are tokenized apart, so no token spans the two.
-- ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``:
-  rendered by the tokenizer's chat template (``tokenizer_config.json`` or
-  ``chat_template.jinja``, as ``apply_chat_template`` renders it) and the text tokenized
-  without added special tokens (the template writes them). Trained: each assistant
-  message's tokens, from the end of the template's generation prompt (the assistant
-  header) through the template's end of that turn (``<|im_end|>``, ``<|eot_id|>``,
-  ``</s>``: what teaches the model to stop). A template with ``{% generation %}`` markers
-  says where the assistant text is itself (``return_assistant_tokens_mask``); for any
-  other, the conversation is rendered prefix by prefix: message ``i`` spans from the end
-  of ``messages[:i]`` rendered with the generation prompt to the end of
-  ``messages[:i + 1]``, both of which must begin the whole conversation's text (a
-  template that renders a message differently once later ones follow is refused for
-  that example rather than guessed at). Either way a token is trained when its
-  characters overlap an assistant span (the rule transformers applies to the markers).
-
-Every problem with an example is a :class:`BadExample` (a :class:`~.records.Problem`);
-a chat example for a tokenizer without a chat template is a :class:`NoChatTemplate`,
-which no ``data.on_bad_example`` skips: the configuration is wrong, not the example.
+An example is a JSON object ``{"prompt": str, "completion": str}`` (the completion and
+its EOS trained) or ``{"messages": [{"role", "content"}, ...]}`` (rendered by the
+tokenizer's chat template; each assistant turn trained through its end-of-turn token,
+which teaches the model to stop). Every problem with an example is a
+:class:`BadExample`; a chat without a chat template is a :class:`NoChatTemplate`, which
+no ``data.on_bad_example`` skips: the configuration is wrong, not the example. The rules
+in full: ``docs/guides/finetune.md``, "What is trained".
 """
 
 from __future__ import annotations
@@ -73,9 +56,16 @@ def load_tokenizer(directory: Path, field: str) -> Any:
 
 
 class ExampleEncoder:
-    """Examples -> (token ids, trained flags), for one tokenizer (see the module
-    docstring). ``encode`` gives lists of equal length; ``trained[0]`` is never set (no
-    logit predicts the first token)."""
+    """Examples -> (token ids, trained flags), for one tokenizer. ``encode`` gives lists
+    of equal length; ``trained[0]`` is never set (no logit predicts the first token).
+
+    A prompt is tokenized with the tokenizer's special tokens, the completion apart (no
+    token spans the two), then EOS unless it ends with one. A chat's assistant spans
+    come from the template's ``{% generation %}`` markers where it has them; else the
+    conversation is rendered prefix by prefix (message ``i`` spans from the end of
+    ``messages[:i]`` with the generation prompt to the end of ``messages[:i + 1]``, both
+    required to begin the whole text), and a token is trained when its characters
+    overlap a span (the rule transformers applies to the markers)."""
 
     def __init__(self, tokenizer: Any, where: Path) -> None:
         self.tokenizer, self.where = tokenizer, where

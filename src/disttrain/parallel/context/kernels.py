@@ -1,31 +1,18 @@
 """Attention of one block pair (a rank's queries against one key/value block), with the
 per-row log-sum-exp the ring merges on.
 
-For queries q [B, H, tq, Dh] and keys / values k, v [B, H_kv, tk, Dh] (H_kv divides H;
-query head h reads key head h // (H / H_kv)), scores S = scale q k^T, optionally causal
-(a square block on the diagonal: row r sees columns <= r):
+For q [B, H, tq, Dh] and k, v [B, H_kv, tk, Dh] (query head h reads key head
+h // (H / H_kv)), S = scale q k^T, optionally causal (a diagonal block: row r sees
+columns <= r):
 
     forward:  lse = logsumexp_j S,  out = softmax(S) v        (out [B, H, tq, Dh], lse [B, H, tq])
     backward: P = exp(S - lse), D = rowsum(dout * out),
               dv = P^T dout, dS = P (dout v^T - D), dq = scale dS k, dk = scale dS^T q
 
-Given the lse and out of the *whole* row (all blocks merged), the backward of a block is
-that block's exact share of the gradients: the ring needs no recomputation of the full
-attention, only each block's scores again.
-
-Two implementations:
-
-- ``"fused"``: torch's CPU flash-attention kernels
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), which return
-  the lse, take grouped-query heads as they are and never hold a [tq, tk] score matrix.
-  On the CPU they are what ``F.scaled_dot_product_attention`` itself runs, so a ring of
-  them costs what one process's SDPA costs.
-- ``"math"``: the formulas above in plain PyTorch, on any device and dtype (fp32
-  arithmetic), over slices of query rows so the scores of a slice stay under
-  :data:`SCORE_BYTES`; grouped heads are matched by a reshape, never repeated. The
-  default off the CPU: CUDA's fused kernels (flash, memory-efficient) have their own lse
-  layouts (the memory-efficient one pads rows to 32) and random-state arguments that no
-  GPU here has checked yet, so they are not wired in.
+Given the whole row's lse and out (all blocks merged), a block's backward is its exact
+share of the gradients, so the ring recomputes only each block's scores. Kernels (see
+:func:`default_kernel`; why CUDA's fused ones are not wired in:
+``docs/strategies/context.md``).
 """
 
 from __future__ import annotations
@@ -42,7 +29,11 @@ _aten = torch.ops.aten
 
 
 def default_kernel(device: torch.device) -> Kernel:
-    """``"fused"`` on the CPU, ``"math"`` elsewhere (see the module docstring)."""
+    """``"fused"`` on the CPU, ``"math"`` elsewhere. ``"fused"``: torch's CPU
+    flash-attention kernels (what CPU SDPA itself runs: they return the lse, take
+    grouped-query heads as they are and never hold a [tq, tk] score matrix); ``"math"``:
+    the formulas above in fp32 arithmetic on any device, over slices of query rows whose
+    scores stay under :data:`SCORE_BYTES`, grouped heads matched by a reshape."""
     return "fused" if device.type == "cpu" else "math"
 
 

@@ -44,7 +44,8 @@ SYNC_MODES = (SYNC_EVERY_STEP, SYNC_LOCAL_SGD, SYNC_DILOCO, SYNC_ASYNC, SYNC_FED
 # train.on_nonfinite: what a step whose loss or gradient norm is nan / inf does
 NONFINITE_STOP = "stop"
 NONFINITE_SKIP = "skip"
-# the periodic modes whose per-round update goes through comm.codec
+# the periodic modes whose per-round update goes through comm.codec (their builders
+# build one); every other mode but every_step refuses a codec (parallel/sync/check.py)
 CODEC_SYNC_MODES = (SYNC_LOCAL_SGD, SYNC_DILOCO)
 
 # ----------------------------------------------------------- data (data.format, ...)

@@ -387,6 +387,30 @@ def test_config_refuses_unsupported_combinations(keys, field):
     assert field in str(err.value)
 
 
+@pytest.mark.parametrize("sync,takes_codec", [
+    ("every_step", True), ("local_sgd", True), ("diloco", True), ("fedavg", False),
+    ("async", False)])
+def test_a_codec_is_taken_by_the_modes_that_compress_what_they_send(sync, takes_codec):
+    """every_step compresses its gradients, local_sgd and diloco their round's update;
+    fedavg and async send parameters and refuse a codec, naming the modes that take one."""
+    config = tiny_config(sync=sync, codec="topk")
+    if takes_codec:
+        assert resolve(config, 2).batch.shares == 2  # accepted: both ranks train
+        return
+    with pytest.raises(ConfigError) as err:
+        resolve(config, 2)
+    assert "comm.codec" in str(err.value)
+    assert "every_step, local_sgd or diloco" in str(err.value)
+
+
+def test_every_built_in_sync_mode_name_has_its_entry():
+    """names.SYNC_MODES (the schema's choices) and the registered built-ins agree."""
+    from disttrain import names
+    from disttrain.parallel.sync import SYNC_MODES_BUILTIN
+
+    assert sorted(mode.name for mode in SYNC_MODES_BUILTIN) == sorted(names.SYNC_MODES)
+
+
 def test_async_batch_is_split_over_workers_only():
     plan = resolve(tiny_config(sync="async", global_batch=12), 3)
     assert plan.batch.shares == 2 and plan.batch.micro_batch == 6

@@ -62,10 +62,10 @@ def _async(ctx: SyncContext) -> AsyncParameterServer:
 
 SYNC_MODES_BUILTIN = (
     SyncMode(SYNC_EVERY_STEP, lambda ctx: EveryStep()),
-    SyncMode(SYNC_LOCAL_SGD, _local_sgd, apart_check(takes_codec=True)),
-    SyncMode(SYNC_DILOCO, _diloco, apart_check(takes_codec=True)),
-    SyncMode(SYNC_FEDAVG, _fedavg, apart_check(takes_codec=False)),
-    SyncMode(SYNC_ASYNC, _async, apart_check(takes_codec=False, then=check_async)),
+    SyncMode(SYNC_LOCAL_SGD, _local_sgd, apart_check()),
+    SyncMode(SYNC_DILOCO, _diloco, apart_check()),
+    SyncMode(SYNC_FEDAVG, _fedavg, apart_check()),
+    SyncMode(SYNC_ASYNC, _async, apart_check(then=check_async)),
 )
 
 

@@ -10,14 +10,15 @@ from ...names import CODEC_NONE, CODEC_SYNC_MODES
 from ..strategy import Check
 
 
-def apart_check(takes_codec: bool, then: Check | None = None) -> Check:
+def apart_check(then: Check | None = None) -> Check:
     """A mode whose replicas train apart: whole, unsharded replicas (no zero, and no
     dimension beyond the one splitting the samples: every other changes the model or
-    ties ranks that must step together); ``takes_codec``: it compresses its per-round
-    updates with ``comm.codec`` (else it sends parameters uncompressed and refuses one);
-    ``then``: the mode's own check."""
+    ties ranks that must step together); a mode in ``names.CODEC_SYNC_MODES`` compresses
+    its per-round updates with ``comm.codec``, any other sends parameters uncompressed
+    and refuses one; ``then``: the mode's own check."""
     def check(config: Config, layout: Layout) -> None:
         mode, codec, p = config.train.sync, config.comm.codec, config.parallel
+        takes_codec = mode in CODEC_SYNC_MODES
         others = [(d.key, getattr(p, d.key), 1) for d in DIMENSIONS
                   if not d.has(Role.SAMPLES)]
         for key, value, off in [("zero", p.zero, 0), *others]:

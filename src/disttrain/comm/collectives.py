@@ -1,26 +1,11 @@
 """The single place that issues collectives.
 
-A :class:`Communicator` wraps one process group. Every call is recorded in the rank's
-:class:`CollectiveLedger` (sequence number, op, group, shape, call site) and its bytes
-are counted, so diagnostics and byte accounting see all traffic: the *payload* (the
-tensor this rank hands to the op) and the *wire* bytes this rank sends and receives for
-the op's algorithm (:func:`wire_bytes`), which differ by op: a ring all-reduce of P
-bytes over N ranks sends 2 (N-1)/N P, an all-gather of a P-byte block sends (N-1) P.
-
-Device discipline: a group has one device (``Communicator.device``: the current CUDA
-device for NCCL, the CPU for Gloo); buffers that travel are made with
-:meth:`Communicator.empty` / :meth:`Communicator.zeros`, and every op refuses a tensor on
-another device, or a non-contiguous one, naming the op and the call site. In the
-shared-GPU test mode a Gloo group's device is the current CUDA device too, and the ops
-Gloo cannot run on CUDA tensors are staged through host memory (:mod:`.staging`).
-
-NCCL's rules, applied to any backend when ``nccl_rules`` is on (the environment
-variable ``DISTTRAIN_NCCL_RULES=1``; the test suite sets it): no receive-from-any on a
-data group (a *control* group, Gloo on the CPU beside the device group, may), and
-point-to-point messages between two ranks are matched in the order they were posted,
-whatever their tags: every message is sent under one tag, preceded by a small header
-carrying the tag the caller gave and the payload's size, and the receiver checks that
-the message it got is the one it asked for (:class:`MessageOrderError` otherwise).
+A :class:`Communicator` wraps one process group and records every call in the rank's
+:class:`CollectiveLedger` (sequence number, op, group, shape, call site, payload and wire
+bytes: :func:`wire_bytes`), so hang diagnostics and byte counts see all traffic. It
+keeps NCCL's requirements on any backend (one device per group, contiguous tensors,
+point-to-point messages matched in posting order), so what passes on Gloo is what NCCL
+accepts; how they are checked: ``docs/testing.md``.
 """
 
 from __future__ import annotations
@@ -230,8 +215,14 @@ class Communicator:
 
     Ranks passed to ``broadcast`` are ranks *within the group*. ``control``: a Gloo
     group on the CPU carrying control messages beside a device group (receive-from-any
-    allowed under NCCL's rules). ``nccl_rules``: see the module docstring (default: the
-    environment's). ``staged``: the ops other than all-reduce and broadcast run on host
+    allowed under NCCL's rules). Buffers that travel are made with :meth:`empty` /
+    :meth:`zeros` on ``device`` (the current CUDA device for NCCL and the shared-GPU
+    test mode, else the CPU); every op refuses a tensor on another device, or a
+    non-contiguous one, naming the op and the call site. ``nccl_rules`` (default: the
+    environment's ``DISTTRAIN_NCCL_RULES``): no receive-from-any on a data group, and
+    every message sent under one tag behind a header of the caller's tag and size, so
+    the receiver checks it got the message it asked for (:class:`MessageOrderError`
+    otherwise). ``staged``: the ops other than all-reduce and broadcast run on host
     copies (:mod:`.staging`): always on a Gloo data group on a CUDA device (the
     shared-GPU test mode); on the CPU, under the debug switch ``host_staging`` (default:
     the environment's ``DISTTRAIN_HOST_STAGING``).

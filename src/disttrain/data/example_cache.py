@@ -1,25 +1,11 @@
 """Instruction and chat examples tokenized once and cached (``data.format = "jsonl"``).
 
-Every example under ``data.path`` (:mod:`.records`) goes through :class:`~.chat.
-ExampleEncoder` with the tokenizer of ``data.tokenizer`` (a directory) or of
-``model.pretrained``. An example longer than ``model.seq_len`` tokens is cut to its
-first ``seq_len`` under ``data.truncate = true``, else it is a bad example, as is one
-that is malformed, has an unknown role, or leaves no token to train on. A bad example
-stops preparation with one line naming its file and line and the fix (exit 2), or,
-under ``data.on_bad_example = skip``, is left out, counted and reported
-(:meth:`~.examples.PreparedExamples.skip_report`). A chat example for a tokenizer
-without a chat template always stops it.
-
-The held-out split is by example: an example is held out when the sha256 of its JSON
-(keys sorted), read as a fraction, falls below ``data.val_fraction``, so it depends on
-the example alone (duplicates fall on the same side) and adding examples moves no
-other; both splits are made non-empty (the last example read, or the first, moves).
-
-The cache directory ``examples-{key}`` is keyed by the source path and pattern, each
-source file's (relative path, size, mtime_ns), the content of the tokenizer's files,
-the transformers version (it renders the templates), ``model.seq_len``,
-``data.truncate``, ``data.on_bad_example`` and ``data.val_fraction``. It is built as
-the text corpus is: under an exclusive lock, into a temporary sibling renamed into place.
+Every example under ``data.path`` (:mod:`.records`) goes through
+:class:`~.chat.ExampleEncoder`; a bad one stops preparation in one line (exit 2) or,
+under ``data.on_bad_example = skip``, is left out and counted. Examples are split into
+train and held-out by a hash of each one alone, so adding examples moves no other. The
+cache is built as the text corpus's is: under an exclusive lock, into a temporary
+sibling renamed into place. The user's view: ``docs/guides/finetune.md``.
 """
 
 from __future__ import annotations
@@ -81,7 +67,15 @@ def prepare_examples(source: Path, pattern: str, tokenizer_dir: Path,
                      options: ExampleOptions, cache_dir: Path, *,
                      tokenizer_field: str = "data.tokenizer") -> PreparedExamples:
     """Tokenize the examples under ``source`` into the cache (once) and describe them;
-    returns at once (reading ``meta.json`` only) when already prepared."""
+    returns at once (reading ``meta.json`` only) when already prepared.
+
+    The cache directory ``examples-{key}`` is keyed by the source path and pattern,
+    each source file's (relative path, size, mtime_ns), the content of the tokenizer's
+    files, the transformers version (it renders the templates), ``model.seq_len``,
+    ``data.truncate``, ``data.on_bad_example`` and ``data.val_fraction``. An example is
+    held out when the sha256 of its JSON (keys sorted), read as a fraction, falls below
+    ``data.val_fraction``; both splits are made non-empty (the last example read, or
+    the first, moves)."""
     if not source.exists():
         raise DataError(f"data.path={str(source)!r}: no such file or directory (point it "
                         "at a .jsonl file, a directory of them or a saved dataset)")

@@ -1,25 +1,8 @@
 """Prepared instruction and chat examples, one sample per example: :class:`ExampleDataset`.
 
-The contract (what any batching of these samples may rely on, padding here in
-:mod:`.padding`, packing elsewhere):
-
-- ``dataset[i]`` is ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` for one
-  whole example, ``2 <= L <= model.seq_len`` (longer ones were refused or truncated
-  at preparation), in transformers' convention: ``labels`` are *unshifted* (the loss
-  shifts: position ``t``'s logits predict ``labels[t + 1]``), equal to ``input_ids``
-  where the token is trained on (completion / assistant tokens) and ``-100`` elsewhere;
-  ``labels[0]`` is always ``-100`` and at least one other label is not.
-- ``dataset.lengths`` is int64 [N], ``L`` of every sample, read without touching any
-  token (for a batcher that bins examples by length).
-- No sample carries padding, positions or an attention mask: a batcher adds what its
-  layout needs.
-
-On disk (``examples-{key}`` in the cache, written by :mod:`.example_cache`): every
-example's ids back to back in ``tokens.bin`` (``uint16`` when the tokenizer's vocabulary
-fits, else ``uint32``), one byte per token in ``trained.bin`` (1: trained),
-``offsets.npy`` (int64 [N + 1]: example ``j`` is ``[offsets[j], offsets[j + 1])``), and
-the examples of each split, ``train.npy`` and ``val.npy`` (int64, ascending). Tokens are
-memory-mapped on first access; the maps are dropped when the dataset is pickled.
+Its docstring is the contract any batching of these samples may rely on (padding here
+in :mod:`.padding`, packing in :mod:`.packing`); the arrays on disk are those
+:mod:`.example_cache` writes, memory-mapped on first access.
 """
 
 from __future__ import annotations
@@ -68,7 +51,24 @@ class PreparedExamples:
 
 
 class ExampleDataset(Dataset):
-    """The examples of one split of a prepared directory (see the module docstring)."""
+    """The examples of one split of a prepared directory.
+
+    - ``dataset[i]`` is ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` for one
+      whole example, ``2 <= L <= model.seq_len`` (longer ones were refused or truncated
+      at preparation), in transformers' convention: ``labels`` are *unshifted* (the loss
+      shifts: position ``t``'s logits predict ``labels[t + 1]``), equal to ``input_ids``
+      where the token is trained on (completion / assistant tokens) and ``-100``
+      elsewhere; ``labels[0]`` is always ``-100`` and at least one other label is not.
+    - ``dataset.lengths`` is int64 [N], ``L`` of every sample, read without touching any
+      token (for a batcher that bins examples by length).
+    - No sample carries padding, positions or an attention mask: a batcher adds what its
+      layout needs.
+
+    On disk: every example's ids back to back in ``tokens.bin`` (``uint16`` when the
+    tokenizer's vocabulary fits, else ``uint32``), one byte per token in ``trained.bin``
+    (1: trained), ``offsets.npy`` (int64 [N + 1]: example ``j`` is ``[offsets[j],
+    offsets[j + 1])``), and each split's examples, ``train.npy`` and ``val.npy`` (int64,
+    ascending). The token maps are dropped when the dataset is pickled."""
 
     def __init__(self, directory: Path, split: str, dtype: str = "uint16") -> None:
         if split not in SPLITS:

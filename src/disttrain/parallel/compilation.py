@@ -2,24 +2,10 @@
 runs as a compiled region; the modules around the blocks and everything between them
 stay eager.
 
-Why per block, not the whole model: the strategies act on the parameters and at the
-blocks' edges, never inside a block. Data parallelism's post-accumulate hooks sit on the
-parameters and are fired by the autograd engine after a compiled backward as after an
-eager one; ZeRO's parameters are views of flat buffers, which a compiled graph takes as
-inputs; ZeRO-3 gathers and frees a block's parameters in hooks on the block; activation
-checkpointing wraps the block; a pipeline chunk runs whole blocks between its messages.
-:class:`CompiledBlock` compiles the block's own call (``nn.Module.compile``) and stays
-eager itself, so everything registered on the block list's element (ZeRO-3's hooks, the
-checkpointing wrapper) runs outside the compiled region: dynamo never traces a
-collective. ``torch.compile(model)`` would trace them all, and its ``OptimizedModule``
-would rename every parameter ``_orig_mod.*``; here the wrapper's segment is dropped from
-parameter names (:func:`~disttrain.param_names.canonical_name`) and state-dict keys, so
-checkpoints carry the model's own names.
-
-:func:`check_compile` refuses, before launch, what cannot work: a model whose spec names
-no block list, and a machine without the compiler inductor needs (a dimension whose
-layers issue collectives inside every block, tensor parallelism, refuses it in its own
-check).
+Per block, not the whole model, because the strategies act on the parameters and at the
+blocks' edges, never inside a block: compiled this way, dynamo never traces a
+collective. :func:`check_compile` refuses what cannot work; why each strategy is
+unaffected: ``docs/strategies/memory.md``, "Compilation".
 """
 
 from __future__ import annotations
@@ -39,8 +25,13 @@ from .wrappers import hide_segment
 
 
 class CompiledBlock(nn.Module):
-    """Runs ``compiled`` (the wrapped block) through torch.compile; this wrapper itself
-    stays eager, so hooks registered on it run outside the compiled region."""
+    """Runs ``compiled`` (the wrapped block) through torch.compile
+    (``nn.Module.compile``); this wrapper itself stays eager, so what is registered on
+    the block list's element (ZeRO-3's hooks, the checkpointing wrapper) runs outside
+    the compiled region. Unlike ``torch.compile(model)``'s ``OptimizedModule``
+    (``_orig_mod.*``), its segment is dropped from parameter names
+    (:func:`~disttrain.param_names.canonical_name`) and state-dict keys, so checkpoints
+    carry the model's own names."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()

@@ -1,27 +1,10 @@
 """Ring attention: causal attention over a sequence split across a cp group.
 
-Each of the N ranks holds 2c query, key and value positions, chunks i and 2N-1-i of
-the sequence (:mod:`.sequence`). Keys and values travel around the ring (rank r sends
-to r+1 and receives from r-1), so at step s rank r holds the block of rank
-src = r - s (mod N) and attends to it while the next block is in flight:
-
-- src = r: the own block, causal (local order is global order);
-- src < r: every local query sees chunk src and none sees chunk 2N-1-src: all query
-  rows against the block's first half, unmasked;
-- src > r: only the late chunk 2N-1-r sees the block, all of it: the second half of
-  the query rows against the whole block, unmasked. The masked-out quarter is skipped.
-
-Every step computes c x 2c scores, on every rank. Partial results merge on the per-row
-log-sum-exp: lse = logaddexp(lse_a, lse_b), out = e^(lse_a - lse) out_a +
-e^(lse_b - lse) out_b (fp32). Backward walks the ring again: each block's dk, dv
-accumulate (fp32) in a buffer that travels with it, one step behind the keys, and
-reaches its owner after the last step; dq stays local. It recomputes each block's
-scores from the saved lse and output, never the full attention.
-
-Messages follow NCCL's rules (:mod:`~disttrain.comm.collectives`): between two ranks
-they are matched in posting order and a send waits for its receive. With N > 2 the
-pairs (r, r+1) each carry one direction; with N = 2 both directions share a pair, so
-even ranks post the send first and odd ranks the receive first.
+Each of the N ranks holds 2c positions, chunks i and 2N-1-i of the sequence
+(:mod:`.sequence`). Keys and values travel around the ring (rank r sends to r+1 and
+receives from r-1) while each rank attends to the block it holds, merging partial
+results on the per-row log-sum-exp; the backward walks the ring again. The ring, step by
+step, and its memory: ``docs/strategies/context.md``, "The ring".
 """
 
 from __future__ import annotations
@@ -47,7 +30,11 @@ class _Block:
 
 
 def _block(rank: int, src: int, c: int) -> _Block:
-    """What rank ``rank`` computes against the block of rank ``src`` (module docstring)."""
+    """What rank ``rank`` computes against the block of rank ``src``, c x 2c scores in
+    each case: its own block causally (the causal half of 2c x 2c); an earlier rank's
+    (src < r) with every query row against the block's first half (chunk src),
+    unmasked; a later rank's with only the second half of the query rows (chunk
+    2N-1-r) against the whole block, unmasked. The masked-out quarter is skipped."""
     if src == rank:
         return _Block(slice(0, 2 * c), slice(0, 2 * c), True)
     if src < rank:
@@ -58,7 +45,8 @@ def _block(rank: int, src: int, c: int) -> _Block:
 def _pass_on(comm: Communicator, send: torch.Tensor, recv: torch.Tensor,
              tag: int) -> list[TrackedWork]:
     """Start sending ``send`` to the next rank and receiving ``recv`` from the previous
-    one, in an order NCCL can match when they are the same rank (N = 2)."""
+    one, in an order NCCL can match when they are the same rank (N = 2: even ranks post
+    the send first, odd ranks the receive)."""
     nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     if comm.rank % 2 == 0:
         return [comm.isend(send, nxt, tag), comm.irecv(recv, prev, tag)]
@@ -73,7 +61,8 @@ def _wait(works: list[TrackedWork]) -> None:
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor
            ) -> None:
     """Fold a block's (o, lse_o) into the running (out, lse) (fp32 views, in place):
-    the softmax over the union of the two key sets."""
+    the softmax over the union of the two key sets, lse = logaddexp(lse, lse_o),
+    out = e^(lse_old - lse) out + e^(lse_o - lse) o."""
     new = torch.logaddexp(lse, lse_o)
     out.mul_(torch.exp(lse - new).unsqueeze(-1))
     out.add_(o.float() * torch.exp(lse_o - new).unsqueeze(-1))
@@ -108,7 +97,10 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    out: torch.Tensor, lse: torch.Tensor, comm: Communicator,
                    scale: float, kernel: Kernel
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the local q, k, v (see the module docstring)."""
+    """(dq, dk, dv) of the local q, k, v: each block's share recomputed from the saved
+    lse and output (never the full attention); dq stays local, dk and dv accumulate in
+    fp32 in a buffer that travels one step behind its block and reaches its owner after
+    the last step."""
     c = q.shape[2] // 2
     dout = dout.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

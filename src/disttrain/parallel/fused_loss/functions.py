@@ -1,27 +1,14 @@
 """Fused linear + cross-entropy: the output head's matmul and the token loss together,
 chunk by chunk over the tokens, so the [tokens, vocabulary] logits never exist whole.
 
-For hidden states h_i [d], the head's weight W [V, d] and bias b [V], logits
-z_i = W h_i + b, target t_i and label smoothing e (``F.cross_entropy``'s definition):
+For logits z_i = W h_i + b, target t_i and label smoothing e (``F.cross_entropy``'s):
 
     loss = sum over counted i of  lse(z_i) - (1 - e) z_i[t_i] - (e / V) sum_j z_i[j]
     d loss / d z_i = softmax(z_i) - (1 - e) onehot(t_i) - e / V      (0 on ignored rows)
 
-Per chunk of c tokens the forward computes the logits [c, V] in fp32 (the matmul in
-autocast's dtype where autocast is on, as the unfused head under autocast computes
-them), their log-sum-exp and target logit, and at once the chunk's gradient, which it
-multiplies into the hidden states' gradient rows [c, d] and adds into the weight's
-gradient [V, d] (fp32). The backward only scales those by the incoming gradient of the
-sum, so no matmul is recomputed (Liger-Kernel's fused linear cross-entropy works the
-same way). Between forward and backward this holds the gradients [N, d] and [V, d]
-instead of the logits [N, V] and their softmax.
-
-Vocabulary-parallel (``comm`` given): W [V/tp, d] holds rows [r V/tp, (r+1) V/tp) on tp
-rank r. Per chunk the row max is all-reduced (MAX) over [c], then the sum of exps, the
-target logit (non-zero only on its owner) and, with smoothing, the sum of the logits, in
-one all-reduce of [2 or 3, c]; logits never travel. Every rank returns the same loss;
-its hidden-state gradient is the part from its own rows, which the copy-to-tp-region op
-before the head sums over tp (as for a column-parallel layer).
+The forward computes each chunk's gradient at once and keeps the gradients of h and W
+([N, d], [V, d]) instead of the logits [N, V]; the backward only scales them. What it
+holds and saves: ``docs/strategies/memory.md``, "The fused linear + cross-entropy".
 """
 
 from __future__ import annotations
@@ -113,6 +100,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     hidden: [..., d]; targets: [...] (the same leading dims, flattened to N tokens);
     weight: [V, d], or under vocabulary parallelism (``comm``: the tp group) this
     rank's rows [V/tp, d], rows [r V/tp, (r+1) V/tp) on rank r; bias: [V] or [V/tp].
+    Vocabulary-parallel, per chunk of c tokens the row max is all-reduced (MAX) over
+    [c], then the sum of exps, the target logit (non-zero only on its owner) and, with
+    smoothing, the sum of the logits in one all-reduce of [2 or 3, c]; logits never
+    travel. A rank's hidden-state gradient is the part from its own rows, which the
+    copy-to-tp-region op before the head sums over tp (as for a column-parallel layer).
+    Per chunk the logits are fp32, their matmul in autocast's dtype where autocast is on.
     The loss is a 0-dim fp32 tensor, the same on every tp rank; the count a 0-dim
     int64 tensor on the targets' device (never read on the host here). ``chunk_tokens``:
     tokens per chunk (default :func:`default_chunk_tokens`)."""

@@ -45,7 +45,7 @@ SYNC_MODES = (SYNC_EVERY_STEP, SYNC_LOCAL_SGD, SYNC_DILOCO, SYNC_ASYNC, SYNC_FED
 NONFINITE_STOP = "stop"
 NONFINITE_SKIP = "skip"
 # the periodic modes whose per-round update goes through comm.codec (their builders
-# build one); every other mode but every_step refuses a codec (parallel/sync/check.py)
+# build one); the other built-in modes but every_step refuse one (parallel/sync/check.py)
 CODEC_SYNC_MODES = (SYNC_LOCAL_SGD, SYNC_DILOCO)
 
 # ----------------------------------------------------------- data (data.format, ...)

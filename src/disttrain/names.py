@@ -15,8 +15,10 @@ from __future__ import annotations
 # ----------------------------------------------------------- pipeline schedules
 SCHEDULE_GPIPE = "gpipe"
 SCHEDULE_1F1B = "1f1b"
-SCHEDULE_INTERLEAVED = "interleaved"  # the one schedule with several chunks per stage
-SCHEDULES = (SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED)
+SCHEDULE_INTERLEAVED = "interleaved"  # several chunks per stage, looped placement
+SCHEDULE_ZB1 = "zb1"  # zero-bubble ZB-H1: 1F1B's order, backward split into B and W
+SCHEDULE_ZBV = "zbv"  # zero-bubble V: two chunks per stage in a V, split backward
+SCHEDULES = (SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, SCHEDULE_ZB1, SCHEDULE_ZBV)
 
 # ----------------------------------------------------------- gradient codecs
 CODEC_NONE = "none"  # the plain all-reduce: no codec object at all

@@ -266,9 +266,11 @@ def test_activation_meter_counts_saved_tensors_until_backward():
 CASES = {
     2: [("gpipe", 1, 4, 4, None), ("1f1b", 1, 4, 4, [1]), ("1f1b", 1, 2, 3, None),
         ("gpipe", 1, 2, 1, None), ("interleaved", 2, 4, 4, None),
-        ("interleaved", 2, 4, 2, None)],
+        ("interleaved", 2, 4, 2, None), ("zb1", 1, 4, 2, None), ("zb1", 1, 2, 4, None),
+        ("zbv", 2, 4, 2, None), ("zbv", 2, 5, 4, None)],
     4: [("gpipe", 1, 4, 6, None), ("1f1b", 1, 4, 6, None), ("1f1b", 1, 5, 2, None),
-        ("interleaved", 2, 8, 4, None)],
+        ("interleaved", 2, 8, 4, None), ("zb1", 1, 4, 4, None), ("zb1", 1, 5, 8, None),
+        ("zbv", 2, 8, 4, None), ("zbv", 2, 8, 8, None)],
 }
 STEPS = 3
 
@@ -332,7 +334,8 @@ def _check_case(comm, name: str, v: int, n_layer: int, m: int, cuts) -> int:
     ref, model = GPT(cfg), GPT(cfg)
     model.load_state_dict(ref.state_dict())
     spec = gpt_spec(cfg)
-    chunks = build_chunks(model, spec, plan_stages(spec, pp=pp, v=v, cuts=cuts), comm.rank)
+    plan = plan_stages(spec, pp=pp, v=v, cuts=cuts, vshape=name == "zbv")
+    chunks = build_chunks(model, spec, plan, comm.rank)
     names = {n: full for ch in chunks for n, full in chunk_param_names(ch).items()}
     params = {n: p for ch in chunks for n, p in ch.named_parameters()}
     schedule = build_schedule(name, pp=pp, m=m, v=v)

@@ -251,8 +251,9 @@ class ParallelConfig:
     balance: str = _f("static", "split of each global batch over dp ranks: static (even) "
                       "or dynamic (in proportion to measured throughput)",
                       choices=("static", "dynamic"))
-    pp_schedule: str = _f(SCHEDULE_1F1B, "pipeline schedule when pp > 1: gpipe, 1f1b or "
-                          "interleaved (micro-batches per step = train.grad_accum)",
+    pp_schedule: str = _f(SCHEDULE_1F1B, "pipeline schedule when pp > 1: gpipe, 1f1b, "
+                          "interleaved, zb1 or zbv (zero-bubble; micro-batches per step "
+                          "= train.grad_accum)",
                           choices=SCHEDULES)
     pp_virtual: int = _f(2, "interleaved: model chunks (virtual stages) per pipeline rank",
                          ge=1)

@@ -10,13 +10,16 @@ from torch import nn
 from ...config.layout import Layout
 from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
-from ...names import SCHEDULE_INTERLEAVED
+from ...names import SCHEDULE_INTERLEAVED, SCHEDULE_ZBV
 from ...spec import ModelSpec
 from .schedules import validate_schedule
 
 
 def virtual_stages(parallel: ParallelConfig) -> int:
-    """Model chunks per pipeline rank: ``pp_virtual`` for the interleaved schedule, else 1."""
+    """Model chunks per pipeline rank: ``pp_virtual`` for the interleaved schedule, 2 for
+    the V of ``zbv``, else 1."""
+    if parallel.pp_schedule == SCHEDULE_ZBV:
+        return 2
     return parallel.pp_virtual if parallel.pp_schedule == SCHEDULE_INTERLEAVED else 1
 
 

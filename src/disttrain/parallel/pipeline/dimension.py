@@ -28,7 +28,7 @@ from ..placement import Placement
 from ..zero import Unit, build_units
 from .check import pipeline_cuts, virtual_stages
 from .passes import ChunksRun, PipelinePass
-from .schedules import Schedule, build_schedule
+from .schedules import V_SCHEDULES, Schedule, build_schedule
 from .stages import (
     PipelineChunk,
     StagePlan,
@@ -53,7 +53,8 @@ class PipelineCut(ModelCut):
 
     @property
     def is_last_stage(self) -> bool:
-        return self.comm.rank == self.comm.size - 1
+        """This rank holds the last chunk (pp rank pp - 1, or 0 in a V)."""
+        return any(c.is_last for c in self.chunks)
 
     @property
     def counts_loss(self) -> bool:
@@ -119,7 +120,8 @@ def apply_pipeline_dimension(model: nn.Module, ctx: ApplyContext) -> PipelineCut
     spec's costs)."""
     par, comm, spec = ctx.parallel, ctx.comm, ctx.spec
     v = virtual_stages(par)
-    stages = plan_stages(spec, pp=comm.size, v=v, cuts=pipeline_cuts(par, spec))
+    stages = plan_stages(spec, pp=comm.size, v=v, cuts=pipeline_cuts(par, spec),
+                         vshape=par.pp_schedule in V_SCHEDULES)
     chunks = build_chunks(model, spec, stages, comm.rank)
     schedule = build_schedule(par.pp_schedule, pp=comm.size, m=ctx.micro_batches, v=v)
     return PipelineCut(chunks, stages, schedule, comm, spec, par.pp_schedule)

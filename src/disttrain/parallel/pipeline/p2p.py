@@ -28,7 +28,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedules import FORWARD, Action, Schedule
+from .schedules import FORWARD, WEIGHT, Action, Schedule
 from .simulate import ScheduleDeadlock, simulate
 
 
@@ -54,28 +54,40 @@ def message_tag(schedule: Schedule, boundary: int, backward: bool, micro: int) -
 
 def destination(schedule: Schedule, action: Action) -> tuple[int, int] | None:
     """(pp rank, tag) that ``action``'s output goes to, or None (the last chunk's
-    forward, the first chunk's backward)."""
+    forward, the first chunk's backward, a weight-gradient pass, and an output the
+    next chunk takes on the same rank: the turn of a V)."""
     c, i = action.chunk, action.micro
+    if action.kind == WEIGHT:
+        return None
     if action.kind == FORWARD:
         if c == schedule.n_chunks - 1:
             return None
-        return schedule.rank_of(c + 1), message_tag(schedule, c, False, i)
+        return _remote(schedule, c, c + 1, message_tag(schedule, c, False, i))
     if c == 0:
         return None
-    return schedule.rank_of(c - 1), message_tag(schedule, c - 1, True, i)
+    return _remote(schedule, c, c - 1, message_tag(schedule, c - 1, True, i))
 
 
 def source(schedule: Schedule, action: Action) -> tuple[int, int] | None:
     """(pp rank, tag) of the message ``action`` consumes, or None (the first chunk's
-    forward, the last chunk's backward)."""
+    forward, the last chunk's backward, a weight-gradient pass, and an input the
+    previous chunk hands over on the same rank)."""
     c, i = action.chunk, action.micro
+    if action.kind == WEIGHT:
+        return None
     if action.kind == FORWARD:
         if c == 0:
             return None
-        return schedule.rank_of(c - 1), message_tag(schedule, c - 1, False, i)
+        return _remote(schedule, c, c - 1, message_tag(schedule, c - 1, False, i))
     if c == schedule.n_chunks - 1:
         return None
-    return schedule.rank_of(c + 1), message_tag(schedule, c, True, i)
+    return _remote(schedule, c, c + 1, message_tag(schedule, c, True, i))
+
+
+def _remote(schedule: Schedule, chunk: int, peer_chunk: int, tag: int
+            ) -> tuple[int, int] | None:
+    peer = schedule.rank_of(peer_chunk)
+    return None if peer == schedule.rank_of(chunk) else (peer, tag)
 
 
 @functools.lru_cache(maxsize=64)

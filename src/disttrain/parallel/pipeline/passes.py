@@ -52,7 +52,8 @@ class ChunksRun:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.comm.rank == self.comm.size - 1
+        """This rank holds the last chunk (pp rank pp - 1, or 0 in a V)."""
+        return any(c.is_last for c in self.chunks)
 
 
 class PipelinePass:
@@ -136,10 +137,12 @@ def pipeline_logits(run: ChunksRun, inputs: Any, shape: tuple[int, int, int]
             continue
         if c == 0:
             x = mine[c](None, inputs)
+        elif stages.rank_of(c - 1) == comm.rank:  # the turn of a V: x is already here
+            x = mine[c](x, inputs)
         else:
             x = comm.empty(*shape)
             comm.irecv(x, stages.rank_of(c - 1), tag=c).wait()
             x = mine[c](x, inputs)
-        if c < stages.n_chunks - 1:
+        if c < stages.n_chunks - 1 and stages.rank_of(c + 1) != comm.rank:
             comm.isend(x.contiguous(), stages.rank_of(c + 1), tag=c + 1).wait()
     return x if run.is_last_stage else None

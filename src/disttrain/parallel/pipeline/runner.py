@@ -13,7 +13,12 @@ receives are posted ahead, so a rank blocks only when its input really is missin
 The last chunk computes ``loss_fn(logits, targets) -> (loss_sum, count)`` and
 backpropagates ``loss_sum * loss_scale``. Gradients accumulate in the chunks'
 parameters (``.grad``); the tied embedding/head weight still needs
-:func:`~.stages.sync_tied_grads`.
+:func:`~.stages.sync_tied_grads`. A split schedule's B computes only the gradient of
+the chunk's input and its W the weight gradients (:mod:`.split_backward`); the
+parameters' gradients (and the data-parallel hooks they fire) all come from W, which
+runs inside ``grad_sync``, so every W is over when :func:`run_pipeline` returns (and
+before any gradient norm). Where consecutive chunks share a rank (the turn of a V),
+the activation and its gradient are handed over without a message.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import torch
 
 from ...comm.collectives import Communicator, TrackedWork
 from ...monitor.saved_activations import SavedActivationMeter
-from .p2p import check_nccl_order, message_groups, source
-from .schedules import FORWARD, Action, Schedule
+from .p2p import check_nccl_order, destination, message_groups, source
+from .schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from .split_backward import DeferredWeightGrads, backward_input, backward_weight
 from .stages import PipelineChunk
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
@@ -84,7 +90,8 @@ def run_pipeline(chunks: Sequence[PipelineChunk],
     ``loss_fn`` the targets. ``activation_shape`` is
     [b, T, d], the shape of every message. ``grad_sync(chunk, last)`` returns the
     context each backward runs in; ``last`` is True for the chunk's final backward of
-    the step (data parallelism runs the others under ``no_sync()``).
+    the step (data parallelism runs the others under ``no_sync()``); in a split
+    schedule it wraps the W passes (where the weight gradients accumulate).
     ``measure_activations``: count the bytes saved for backward
     (``peak_activation_bytes``); a hook on every saved tensor, so only when asked.
     """
@@ -126,12 +133,15 @@ class _Runner:
         check_nccl_order(schedule)
         self.groups = message_groups(schedule, comm.rank)
         self.produced: dict[Action, torch.Tensor] = {}  # outputs waiting for their send
+        self.local: dict[Action, torch.Tensor] = {}  # outputs the next chunk takes here
+        self.deferred: dict[tuple[int, int], DeferredWeightGrads] = {}  # B's, for W
         self.sends: list[tuple[torch.Tensor, TrackedWork]] = []
         self.loss_sum = torch.zeros((), device=comm.device)
         self.count: torch.Tensor | int = 0
 
     def run(self, actions: Sequence[Action]) -> PipelineStepResult:
-        last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind != FORWARD}
+        grads_from = WEIGHT if self.schedule.split else BACKWARD
+        last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind == grads_from}
         timings = []
         for k, action in enumerate(actions):
             self._post(self.groups[k])
@@ -140,10 +150,14 @@ class _Runner:
                 x = self._forward_input(action)
                 start = self.clock()
                 self._forward(action, x)
+            elif action.kind == WEIGHT:
+                start = t0
+                with self.grad_sync(action.chunk, last_backward[action.chunk] == k):
+                    backward_weight(self.deferred.pop((action.chunk, action.micro)))
             else:
                 grad = self._backward_grad(action)
                 start = self.clock()
-                self._backward(action, grad, last=last_backward[action.chunk] == k)
+                self._backward(action, grad, last=last_backward.get(action.chunk) == k)
             timings.append(ActionTiming(action, start, self.clock(), start - t0))
             self.sends = [(t, w) for t, w in self.sends if not w.is_completed()]
         self._post(self.groups[len(actions)])
@@ -166,8 +180,9 @@ class _Runner:
 
     def _take_recv(self, action: Action) -> torch.Tensor:
         peer_tag = source(self.schedule, action)
-        if peer_tag is None:  # never: only actions that consume a message get here
-            raise RuntimeError(f"{action} receives no message")
+        if peer_tag is None:  # handed over on this rank by the neighbouring chunk
+            step = -1 if action.kind == FORWARD else 1
+            return self.local.pop(Action(action.kind, action.chunk + step, action.micro))
         buf, work = self.recvs.pop(peer_tag)
         work.wait()
         return buf
@@ -179,7 +194,10 @@ class _Runner:
                              f"{tensor.dtype} but messages are {self.shape} {self.dtype}; "
                              "pass the real activation_shape / activation_dtype to "
                              "run_pipeline")
-        self.produced[action] = tensor.detach().contiguous()
+        if destination(self.schedule, action) is None:
+            self.local[action] = tensor.detach()
+        else:
+            self.produced[action] = tensor.detach().contiguous()
 
     # compute --------------------------------------------------------------------
 
@@ -208,12 +226,18 @@ class _Runner:
         return self._take_recv(action)
 
     def _backward(self, action: Action, grad: torch.Tensor | None, *, last: bool) -> None:
+        """The whole backward, or (split schedule) B: the input's gradient only."""
         key = (action.chunk, action.micro)
         out, x = self.outputs.pop(key), self.inputs.pop(key)
-        with self.grad_sync(action.chunk, last):
-            if out.requires_grad:  # else nothing before it trains (a frozen first chunk)
-                torch.autograd.backward(out, grad_tensors=grad)
+        if self.schedule.split:
+            params = [p for p in self.chunks[action.chunk].parameters() if p.requires_grad]
+            dx, self.deferred[key] = backward_input(out, grad, x, params)
+        else:
+            with self.grad_sync(action.chunk, last):
+                if out.requires_grad:  # else nothing before it trains (a frozen first chunk)
+                    torch.autograd.backward(out, grad_tensors=grad)
+            dx = None if x is None else x.grad
         if action.chunk > 0:
             if x is None:  # never: every chunk after the first received its input
                 raise RuntimeError(f"{action} has no received input to send a gradient for")
-            self._send(x.grad if x.grad is not None else torch.zeros_like(x), action)
+            self._send(dx if dx is not None else torch.zeros_like(x), action)

@@ -4,13 +4,18 @@ Pure Python (no torch, no process groups), so the config validator can check a
 schedule before any group exists and the planner can simulate one.
 
 The model is cut into ``n = pp * v`` chunks; chunk ``c`` lives on pp rank ``c % pp``
-(rank ``r`` holds chunks ``r, r + pp, ..., r + (v-1) pp``). An action is
-``Action(kind, chunk, micro)``. Sends and receives are implied:
+(rank ``r`` holds chunks ``r, r + pp, ..., r + (v-1) pp``), or, in a V (``zbv``), on
+rank ``c`` going down and ``2 pp - 1 - c`` coming back (rank 0 holds the first and
+the last chunk). An action is ``Action(kind, chunk, micro)``. Sends and receives are
+implied:
 
 - ``F(c, i)`` receives micro-batch ``i``'s activation from chunk ``c - 1`` (unless
   ``c == 0``) and sends its output to chunk ``c + 1`` (unless ``c == n - 1``);
 - ``B(c, i)`` receives the gradient of its output from chunk ``c + 1`` (unless last)
-  and sends the gradient of its input to chunk ``c - 1`` (unless first).
+  and sends the gradient of its input to chunk ``c - 1`` (unless first). In the
+  zero-bubble schedules (``split``) B computes only that input gradient;
+- ``W(c, i)`` (zero-bubble schedules only) computes the chunk's weight gradients of
+  micro-batch ``i`` from what its B kept; no message.
 
 Schedules:
 
@@ -20,24 +25,47 @@ Schedules:
 - ``interleaved``: 1F1B over ``v`` chunks per rank (the idea of Narayanan et al.,
   2021): forwards go through the rank's chunks in groups of ``pp`` micro-batches, so
   the warmup and cooldown are made of chunk-sized (1/v) pieces and the bubble shrinks
-  by about ``v``. Needs ``m`` to be a multiple of ``pp``.
+  by about ``v``. Needs ``m`` to be a multiple of ``pp``;
+- ``zb1`` (ZB-H1 of Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's
+  forwards and input gradients (at most ``pp - r`` forwards ahead of the input
+  gradients on rank r), the weight gradients deferred into the slots where 1F1B
+  idles, at most ``pp`` micro-batches held until their W on any rank (1F1B's peak);
+  bubble ``(pp-1) / (3m + pp-1)`` with F = B = W;
+- ``zbv`` (their ZB-V): two chunks per rank in a V, input gradients first, at most
+  ``2 pp`` chunk activations (``pp`` micro-batches of a whole stage) held until W.
+
+The zero-bubble orders are built by running the ranks greedily on unit costs (F = B
+= W = 1, free messages): at each moment a free rank runs the first that is ready of
+(``zb1``) a forward within its limits, an input gradient, a weight gradient, or
+(``zbv``) an input gradient, a forward within its limit, a weight gradient.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...names import SCHEDULE_1F1B, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, SCHEDULES
+from ...names import (
+    SCHEDULE_1F1B,
+    SCHEDULE_GPIPE,
+    SCHEDULE_INTERLEAVED,
+    SCHEDULE_ZB1,
+    SCHEDULE_ZBV,
+    SCHEDULES,
+)
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+SPLIT_SCHEDULES = (SCHEDULE_ZB1, SCHEDULE_ZBV)  # backward split into B and W
+V_SCHEDULES = (SCHEDULE_ZBV,)  # chunks placed in a V
 
 
 @dataclass(frozen=True)
 class Action:
-    """One forward or backward of one chunk on one micro-batch."""
+    """One forward, backward (or input-gradient) or weight-gradient pass of one chunk on
+    one micro-batch."""
 
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD or WEIGHT
     chunk: int  # global chunk index, 0 .. pp*v - 1
     micro: int  # micro-batch index, 0 .. m - 1
 
@@ -47,20 +75,31 @@ class Action:
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """``actions[r]``: pp rank r's actions, in the order it runs them."""
+    """``actions[r]``: pp rank r's actions, in the order it runs them; ``split``: the
+    backward is split into B (input gradient) and W (weight gradients); ``vshape``:
+    chunks placed in a V (see the module docstring)."""
 
     name: str
     pp: int
     m: int
     v: int
     actions: tuple[tuple[Action, ...], ...]
+    split: bool = False
+    vshape: bool = False
 
     @property
     def n_chunks(self) -> int:
         return self.pp * self.v
 
     def rank_of(self, chunk: int) -> int:
-        return chunk % self.pp
+        return chunk_rank(chunk, self.pp, self.vshape)
+
+
+def chunk_rank(chunk: int, pp: int, vshape: bool) -> int:
+    """The pp rank of global chunk ``chunk``: ``chunk % pp``, or in a V every other
+    group of ``pp`` chunks runs back up (``pp - 1 - chunk % pp``)."""
+    group, offset = divmod(chunk, pp)
+    return pp - 1 - offset if vshape and group % 2 else offset
 
 
 def validate_schedule(name: str, pp: int, m: int, v: int, n_layer: int) -> None:
@@ -72,7 +111,11 @@ def validate_schedule(name: str, pp: int, m: int, v: int, n_layer: int) -> None:
     for field, value in (("pp", pp), ("micro-batches", m), ("v", v)):
         if value < 1:
             raise ValueError(f"pipeline {field}={value} must be at least 1")
-    if name != SCHEDULE_INTERLEAVED and v != 1:
+    if name == SCHEDULE_ZBV and v != 2:
+        raise ValueError(f"'zbv' runs two chunks per stage (a V) but v={v}; set v=2")
+    if name == SCHEDULE_ZBV and pp < 2:
+        raise ValueError(f"'zbv' needs pp >= 2 stages, got pp={pp}; use '1f1b'")
+    if name not in (SCHEDULE_INTERLEAVED, SCHEDULE_ZBV) and v != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per stage but v={v}; "
                          "set v=1 or use the 'interleaved' schedule")
     if name == SCHEDULE_INTERLEAVED:
@@ -96,21 +139,33 @@ def validate_schedule(name: str, pp: int, m: int, v: int, n_layer: int) -> None:
 def build_schedule(name: str, *, pp: int, m: int, v: int = 1) -> Schedule:
     """Every pp rank's actions for ``m`` micro-batches (see the module docstring)."""
     validate_schedule(name, pp, m, v, n_layer=pp * v)
-    make = {SCHEDULE_GPIPE: _gpipe, SCHEDULE_1F1B: _one_f_one_b,
-            SCHEDULE_INTERLEAVED: _interleaved}[name]
-    actions = tuple(tuple(make(pp, m, v, r)) for r in range(pp))
-    return Schedule(name=name, pp=pp, m=m, v=v, actions=actions)
+    if name in SPLIT_SCHEDULES:
+        actions, _ = _zero_bubble(name, pp, m, v)
+    else:
+        make = {SCHEDULE_GPIPE: _gpipe, SCHEDULE_1F1B: _one_f_one_b,
+                SCHEDULE_INTERLEAVED: _interleaved}[name]
+        actions = tuple(tuple(make(pp, m, v, r)) for r in range(pp))
+    return Schedule(name=name, pp=pp, m=m, v=v, actions=actions,
+                    split=name in SPLIT_SCHEDULES, vshape=name in V_SCHEDULES)
 
 
 def analytic_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a stage's step time with equal chunk costs and free messages.
+    """Idle fraction of a stage's step time with equal chunk costs and free messages
+    (zero-bubble schedules: F = B = W, B + W the backward).
 
     GPipe and 1F1B: ``(pp-1) / (m + pp-1)``. Interleaved: the warmup/cooldown shrinks to
     ``(pp-1)/v`` full-stage slots against ``m`` busy ones, ``(pp-1) / (v m + pp-1)``
-    (about the 1F1B value divided by v when m >> pp).
+    (about the 1F1B value divided by v when m >> pp). ZB-H1: only the forwards' ramp
+    stays idle, ``pp - 1`` forward slots against ``3m`` busy ones,
+    ``(pp-1) / (3m + pp-1)`` (for m >= pp). ZBV: no closed form; the idle fraction of
+    its own unit-cost build.
     """
     if name == SCHEDULE_INTERLEAVED:
         return (pp - 1) / (v * m + pp - 1)
+    if name in SPLIT_SCHEDULES:
+        _, span = _zero_bubble(name, pp, m, 2 if name == SCHEDULE_ZBV else 1)
+        busy = 3 * m * (2 if name == SCHEDULE_ZBV else 1)
+        return (span - busy) / span
     return (pp - 1) / (m + pp - 1)
 
 
@@ -153,3 +208,59 @@ def _warmup_steady_cooldown(forward: Callable[[int], Action],
     for j in range(total - warmup):
         out += [forward(warmup + j), backward(j)]
     return out + [backward(j) for j in range(total - warmup, total)]
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble(name: str, pp: int, m: int, v: int
+                 ) -> tuple[tuple[tuple[Action, ...], ...], int]:
+    """Every rank's actions of a zero-bubble schedule, and the span of its unit-cost
+    run (see the module docstring)."""
+    vshape = name in V_SCHEDULES
+    n = pp * v
+    mine = [[c for c in range(n) if chunk_rank(c, pp, vshape) == r] for r in range(pp)]
+    done: dict[Action, int] = {}  # end time of every action run so far
+    nxt = {(kind, c): 0 for kind in (FORWARD, BACKWARD, WEIGHT) for c in range(n)}
+    ahead_of_b, ahead_of_w = [0] * pp, [0] * pp  # forwards not yet through B / W
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    order = (FORWARD, BACKWARD, WEIGHT) if name == SCHEDULE_ZB1 else (
+        BACKWARD, FORWARD, WEIGHT)
+    t, total = 0, 3 * n * m
+    while sum(map(len, out)) < total:
+        for r in range(pp):
+            fb_limit = pp - r if name == SCHEDULE_ZB1 else v * pp
+            may_forward = ahead_of_b[r] < fb_limit and ahead_of_w[r] < v * pp
+            ready = {kind: [Action(kind, c, nxt[kind, c]) for c in mine[r]
+                            if _ready(Action(kind, c, nxt[kind, c]), n, m, done, t)]
+                     for kind in order}
+            if not may_forward:
+                ready[FORWARD] = []
+            kind = next((k for k in order if ready[k]), None)
+            if kind is None:
+                continue
+            # forwards: the deepest chunk first (finish what is started); B and W:
+            # the oldest micro-batch, then the deepest chunk
+            action = min(ready[kind], key=lambda a: (-a.chunk, a.micro) if kind == FORWARD
+                         else (a.micro, -a.chunk))
+            out[r].append(action)
+            done[action] = t + 1
+            nxt[kind, action.chunk] += 1
+            ahead_of_b[r] += {FORWARD: 1, BACKWARD: -1}.get(kind, 0)
+            ahead_of_w[r] += {FORWARD: 1, WEIGHT: -1}.get(kind, 0)
+        t += 1
+        if t > 4 * total:  # never: some rank can always make progress
+            raise RuntimeError(f"{name} pp={pp} m={m}: the greedy build is stuck")
+    return tuple(map(tuple, out)), t
+
+
+def _ready(action: Action, n: int, m: int, done: dict[Action, int], t: int) -> bool:
+    """``action`` exists and what it consumes has ended by time ``t``."""
+    c, i = action.chunk, action.micro
+    if i >= m:
+        return False
+    if action.kind == FORWARD:
+        deps = [Action(FORWARD, c - 1, i)] if c else []
+    elif action.kind == BACKWARD:
+        deps = [Action(FORWARD, c, i)] + ([Action(BACKWARD, c + 1, i)] if c < n - 1 else [])
+    else:
+        deps = [Action(BACKWARD, c, i)]
+    return all(done.get(d, t + 1) <= t for d in deps)

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedules import BACKWARD, FORWARD, Action, Schedule
+from .schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -29,22 +29,25 @@ class TimedAction:
 
 
 def check_schedule(schedule: Schedule) -> None:
-    """Raise ValueError unless every rank runs the forward and the backward of each of
-    its chunks on each micro-batch exactly once, each backward after its forward."""
+    """Raise ValueError unless every rank runs the forward and the backward (split:
+    B and W) of each of its chunks on each micro-batch exactly once, each backward
+    after its forward, each W after its B."""
+    kinds = (FORWARD, BACKWARD, WEIGHT) if schedule.split else (FORWARD, BACKWARD)
     for rank, actions in enumerate(schedule.actions):
-        want = Counter(Action(kind, c, i) for kind in (FORWARD, BACKWARD)
-                       for c in range(rank, schedule.n_chunks, schedule.pp)
+        want = Counter(Action(kind, c, i) for kind in kinds
+                       for c in range(schedule.n_chunks) if schedule.rank_of(c) == rank
                        for i in range(schedule.m))
         if Counter(actions) != want:
             missing = sorted(map(str, want - Counter(actions)))
             extra = sorted(map(str, Counter(actions) - want))
             raise ValueError(f"rank {rank}: missing {missing}, unexpected {extra}")
-        seen: set[tuple[int, int]] = set()
+        seen: set[Action] = set()
         for a in actions:
-            if a.kind == FORWARD:
-                seen.add((a.chunk, a.micro))
-            elif (a.chunk, a.micro) not in seen:
-                raise ValueError(f"rank {rank}: {a} runs before its forward")
+            before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(a.kind)
+            if before and Action(before, a.chunk, a.micro) not in seen:
+                raise ValueError(f"rank {rank}: {a} runs before its "
+                                 f"{'forward' if before == FORWARD else 'B'}")
+            seen.add(a)
 
 
 def dependencies(action: Action, n_chunks: int) -> tuple[Action, ...]:
@@ -52,17 +55,28 @@ def dependencies(action: Action, n_chunks: int) -> tuple[Action, ...]:
     c, i = action.chunk, action.micro
     if action.kind == FORWARD:
         return (Action(FORWARD, c - 1, i),) if c > 0 else ()
+    if action.kind == WEIGHT:
+        return (Action(BACKWARD, c, i),)
     upstream = Action(BACKWARD, c + 1, i) if c < n_chunks - 1 else None
     return (Action(FORWARD, c, i),) + ((upstream,) if upstream else ())
 
 
 def simulate(schedule: Schedule, *, forward_time: float | Sequence[float] = 1.0,
              backward_time: float | Sequence[float] = 2.0,
-             message_time: float = 0.0) -> list[list[TimedAction]]:
+             message_time: float = 0.0,
+             weight_time: float | Sequence[float] | None = None) -> list[list[TimedAction]]:
     """Each rank's actions with start/end times. Costs are per chunk action: one value
-    for every chunk, or one per global chunk (stages of unequal cost)."""
-    costs = {FORWARD: _per_chunk(forward_time, schedule.n_chunks, "forward_time"),
-             BACKWARD: _per_chunk(backward_time, schedule.n_chunks, "backward_time")}
+    for every chunk, or one per global chunk (stages of unequal cost).
+    ``backward_time`` is the whole backward; a split schedule's W takes
+    ``weight_time`` of it (default half) and its B the rest."""
+    n = schedule.n_chunks
+    backward = _per_chunk(backward_time, n, "backward_time")
+    weight = _per_chunk(weight_time if weight_time is not None else
+                        tuple(b / 2 for b in backward), n, "weight_time")
+    if schedule.split:
+        backward = tuple(b - w for b, w in zip(backward, weight, strict=True))
+    costs = {FORWARD: _per_chunk(forward_time, n, "forward_time"),
+             BACKWARD: backward, WEIGHT: weight}
     done: dict[Action, float] = {}
     pos, free = [0] * schedule.pp, [0.0] * schedule.pp
     out: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]

@@ -1,20 +1,21 @@
 """Cutting a model into pipeline chunks, by its spec.
 
 The model's blocks (``spec.blocks``) are split into ``n = pp * v`` contiguous chunks;
-chunk ``c`` lives on pp rank ``c % pp``. Chunk 0 also holds the modules that run before
+chunk ``c`` lives on pp rank ``c % pp`` (in a V, ``vshape``: every other group of pp
+chunks runs back up, :func:`~.schedules.chunk_rank`). Chunk 0 also holds the modules that run before
 the blocks (``spec.before``: the embeddings), chunk ``n - 1`` those that run after
 (``spec.after``: final norm, head). A :class:`PipelineChunk` is built from the original
 model's submodules (the same parameter objects, no copies) under the same paths, so its
 ``named_parameters()`` keep the model's names (``blocks.3.mlp.up.weight``).
 
 Tied weights (``spec.tied``: the GPT ties ``head.weight`` to ``tok_emb.weight``): with
-``pp > 1`` the first and last chunks are on different ranks, so the last chunk holds a
+``pp > 1`` the first and last chunks are different chunks, so the last chunk holds a
 copy of the module owning the tied copy, with its own copy of the weight (equal at
 build time). After backward the two copies' gradients are summed between the first and
-the last stage (:func:`exchange_tied_grads`), so both receive the same update and stay
-equal. The copy's full-model name is the owner's (see :func:`chunk_param_names`); a
-checkpoint writer saves it from chunk 0 and skips the names in
-``PipelineChunk.tied_copies``.
+the last stage (:func:`exchange_tied_grads`; in a V both chunks live on rank 0 and the
+sum is local), so both receive the same update and stay equal. The copy's full-model
+name is the owner's (see :func:`chunk_param_names`); a checkpoint writer saves it from
+chunk 0 and skips the names in ``PipelineChunk.tied_copies``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from ...comm.collectives import Communicator
 from ...spec import ModelSpec, block_list, output_logits
 from ...weights.materialize import on_meta
+from .schedules import chunk_rank
 
 # Above any tag the runner uses, so the exchange never matches an activation message.
 _TIED_TAG = 1 << 24
@@ -46,22 +48,24 @@ class StageCosts:
 
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
-    """Chunk ``c`` holds blocks ``bounds[c] : bounds[c + 1]`` and lives on rank c % pp."""
+    """Chunk ``c`` holds blocks ``bounds[c] : bounds[c + 1]`` and lives on rank
+    ``rank_of(c)`` (c % pp, or in a V when ``vshape``)."""
 
     pp: int
     v: int
     bounds: tuple[int, ...]
+    vshape: bool = False
 
     @property
     def n_chunks(self) -> int:
         return self.pp * self.v
 
     def rank_of(self, chunk: int) -> int:
-        return chunk % self.pp
+        return chunk_rank(chunk, self.pp, self.vshape)
 
     def chunks_of(self, rank: int) -> list[int]:
         """Global chunk indices on pp rank ``rank``, in local order."""
-        return list(range(rank, self.n_chunks, self.pp))
+        return [c for c in range(self.n_chunks) if self.rank_of(c) == rank]
 
 
 def spec_costs(spec: ModelSpec) -> StageCosts:
@@ -71,7 +75,7 @@ def spec_costs(spec: ModelSpec) -> StageCosts:
 
 
 def plan_stages(spec: ModelSpec, *, pp: int, v: int = 1, cuts: Sequence[int] | None = None,
-                costs: StageCosts | None = None) -> StagePlan:
+                costs: StageCosts | None = None, vshape: bool = False) -> StagePlan:
     """Cut the spec's ``n_blocks`` blocks into ``pp * v`` chunks.
 
     ``cuts``: the first block of chunks 1 .. n-1 (n - 1 increasing indices in
@@ -96,7 +100,7 @@ def plan_stages(spec: ModelSpec, *, pp: int, v: int = 1, cuts: Sequence[int] | N
         if not a < b:
             raise ValueError(f"cut points {cuts} must increase strictly within 1.."
                              f"{layers - 1} (n_layer={layers}), so every chunk has a block")
-    return StagePlan(pp=pp, v=v, bounds=tuple(bounds))
+    return StagePlan(pp=pp, v=v, bounds=tuple(bounds), vshape=vshape)
 
 
 def balanced_cuts(costs: StageCosts, n_chunks: int) -> list[int]:
@@ -543,8 +547,17 @@ def exchange_tied_grads(pairs: Sequence[tuple[torch.Tensor, int]],
     and adds the other's, so both end bitwise equal. ``pairs``: (gradient tensor, peer
     pp rank); both sides must pass pieces of the same shape in the same order. The
     lower rank of a pair sends first and the higher receives first, so both post the
-    pair's two messages in one order (NCCL: a send waits for its receive)."""
+    pair's two messages in one order (NCCL: a send waits for its receive). Pairs whose
+    peer is this rank (a V: first and last chunk on rank 0) are summed here: the k-th
+    of them with the k-th of their second half (owners first, then the copies)."""
+    local = [grad for grad, peer in pairs if peer == comm.rank]
+    half = len(local) // 2
+    for owner, copy_ in zip(local[:half], local[half:], strict=True):
+        owner.add_(copy_)
+        copy_.copy_(owner)
     for grad, peer in pairs:
+        if peer == comm.rank:
+            continue
         mine, theirs = grad.detach().clone(), torch.empty_like(grad)
         if comm.rank < peer:
             works = [comm.isend(mine, peer, _TIED_TAG), comm.irecv(theirs, peer, _TIED_TAG)]

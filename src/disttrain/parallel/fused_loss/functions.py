@@ -63,7 +63,9 @@ class LinearCrossEntropyFn(torch.autograd.Function):
     (global ids) -> the summed loss, 0-dim fp32, the gradients of hidden, weight and
     bias computed on the way and kept. Backward: those gradients times the incoming
     gradient of the sum; no communication, no matmul. It runs once per forward
-    (``retain_graph`` cannot reuse it)."""
+    (``retain_graph`` cannot reuse it), except that a run fed the very gradient tensor
+    of the first (a zero-bubble pipeline's weight pass re-running this node with the
+    gradient its input pass recorded) gets the same gradients again."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,
@@ -72,17 +74,18 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         loss, grads = _loss_and_grads(hidden.detach(), weight.detach(),
                                       None if bias is None else bias.detach(), targets, how)
         ctx.save_for_backward(*grads)
-        ctx.spent = False
+        ctx.spent = None  # the incoming gradient of the first backward
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.spent:
+        if ctx.spent is not None and ctx.spent is not grad_loss:
             raise RuntimeError("the fused linear + cross-entropy's backward ran twice: its "
                                "gradients are computed once in forward (no retain_graph)")
-        ctx.spent = True
-        # scaled in place: each is this forward's own tensor, handed over once
-        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        if ctx.spent is None:  # scaled in place, once: each is this forward's own tensor
+            ctx.spent = grad_loss
+            ctx.scaled = [None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors]
+        grads = ctx.scaled
         return grads[0], grads[1], grads[2], None, None
 
 

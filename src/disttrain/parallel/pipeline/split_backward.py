@@ -90,9 +90,10 @@ def backward_weight(kept: DeferredWeightGrads) -> None:
                 if g is not None:
                     edges.append(GradientEdge(node, slot))
                     values.append(g)
-        # a frontier node reached again from another one keeps its recorded input
+        # every frontier node gets its recorded input, the very tensors of B (also
+        # when another frontier node reaches it again)
         handles = [n.register_prehook(lambda _g, r=r: r) for n, r in
-                   zip(nodes, grads, strict=True)] if len(nodes) > 1 else []
+                   zip(nodes, grads, strict=True)]
         try:
             if edges:
                 torch.autograd.backward(edges, grad_tensors=values, inputs=params,

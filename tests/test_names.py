@@ -46,11 +46,12 @@ def test_every_codec_name_builds_the_codec_of_that_name(name):
 
 @pytest.mark.parametrize("name", names.SCHEDULES)
 def test_every_schedule_name_builds(name):
-    v = 2 if name == names.SCHEDULE_INTERLEAVED else 1
+    v = virtual_stages(ParallelConfig(pp_schedule=name, pp_virtual=2))
     assert schedules.build_schedule(name, pp=2, m=4, v=v).name == name
 
 
 @pytest.mark.parametrize(("schedule", "expected"), [
-    (names.SCHEDULE_GPIPE, 1), (names.SCHEDULE_1F1B, 1), (names.SCHEDULE_INTERLEAVED, 3)])
+    (names.SCHEDULE_GPIPE, 1), (names.SCHEDULE_1F1B, 1), (names.SCHEDULE_INTERLEAVED, 3),
+    (names.SCHEDULE_ZB1, 1), (names.SCHEDULE_ZBV, 2)])
 def test_virtual_stages_count_only_under_the_interleaved_schedule(schedule, expected):
     assert virtual_stages(ParallelConfig(pp_schedule=schedule, pp_virtual=3)) == expected

@@ -80,13 +80,16 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension(key="dp", axis="dp", rank_order=1, plan_position=30, derived=True,
               roles=frozenset({Role.SAMPLES, Role.REPLICAS}), own_streams=True,
               home="disttrain.parallel.data"),
-    # v: model chunks per pipeline rank (> 1: the interleaved schedule); gpipe: GPipe's
+    # v: model chunks per pipeline rank (> 1: the interleaved schedule); gpipe: GPipe's;
+    # zb: a zero-bubble schedule (1: zb1, 2: zbv with v = 2)
     Dimension(key="pp", axis="pp", rank_order=0, plan_position=20,
               roles=frozenset({Role.LAYERS}), own_streams=True,
               home="disttrain.parallel.pipeline",
               plan_options=(PlanOption(name="v", default=1, position=40),
                             PlanOption(name="gpipe", default=0, position=90,
-                                       always_shown=False, flag=True))),
+                                       always_shown=False, flag=True),
+                            PlanOption(name="zb", default=0, position=91,
+                                       always_shown=False))),
     # sp: sequence parallelism
     Dimension(key="tp", axis="tp", rank_order=3, plan_position=10,
               roles=frozenset({Role.TENSORS}), own_streams=False,

@@ -6,6 +6,7 @@ their activation memory)."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -165,3 +166,52 @@ def test_zbv_bubble_is_under_a_quarter_of_1f1bs():
 def test_zero_bubble_validation_names_the_fix(args, message):
     with pytest.raises(ValueError, match=message):
         validate_schedule(*args)
+
+
+def test_zero_bubble_idle_stops_growing_so_the_planner_can_price_any_m():
+    from disttrain.parallel.pipeline.schedules import zero_bubble_idle
+
+    for name, pp in itertools.product(("zb1", "zbv"), (2, 3, 4, 8)):
+        for m in range(2 * pp, 5 * pp + 1):
+            idle = analytic_bubble(name, pp, m, 2 if name == "zbv" else 1)  # full build
+            assert zero_bubble_idle(name, pp, m) == pytest.approx(idle / (1 - idle))
+
+
+def test_the_planner_prices_the_zero_bubble_schedules_and_proposes_them():
+    from disttrain.parallel.pipeline.pricing import PRICING, in_flight
+    from disttrain.plan import PRESETS, ModelShape, Options, PlannedLayout, estimate, search
+
+    # the bubble as priced: 1F1B's pp - 1 mean stage times; zb1's a third of that
+    for zb, name in ((0, "1f1b"), (1, "zb1"), (2, "zbv")):
+        lay = PlannedLayout(pp=4, dp=1, mbs=1, **({"zb": zb, "v": zb} if zb else {}))
+        cut = PRICING.cut(lay)
+        assert cut.schedule == name
+        _, bubble = cut.step(8, [3.0] * 4, 0.0)
+        want = {0: 3 * 3.0, 1: 3.0, 2: analytic_bubble("zbv", 4, 8, 2) / (
+            1 - analytic_bubble("zbv", 4, 8, 2)) * 8 * 3.0}[zb]
+        assert bubble == pytest.approx(want)
+        assert PRICING.config_values(lay)["pp_schedule"] == name
+    # what a zero-bubble stage holds: read off the schedule (until each W)
+    for name, v in (("zb1", 1), ("zbv", 2)):
+        for pp, m in ((2, 4), (4, 8)):
+            schedule = build_schedule(name, pp=pp, m=m, v=v)
+            for r in range(pp):
+                assert in_flight(name, pp, m, v, r) == _held(schedule.actions[r], "W")
+    # GPT-3 175B on 8 nodes needs a pipeline: the fastest layout runs a zero-bubble
+    # schedule, priced below 1F1B on the same layout
+    shape = ModelShape(name="175b", layers=96, hidden=12288, heads=96, seq=2048,
+                       vocab=51200, dropout=False, flash=True)
+    cluster = replace(PRESETS["a100-80gb"], nodes=8)
+    best = search(shape, cluster, 512, Options(), top=3).rows[0].layout
+    assert best.degree("pp") > 1 and best.option("zb") > 0, best.label()
+    onef1b = PlannedLayout.of(best.degrees, tuple(
+        0 if k == "zb" else 1 if k == "v" else value for k, value in _options(best)),
+        best.mbs, best.zero, best.recompute)
+    assert estimate(shape, cluster, onef1b, 512, Options()).step_time_s > \
+        estimate(shape, cluster, best, 512, Options()).step_time_s
+
+
+def _options(lay):
+    from disttrain.plan.layout import OPTIONS
+
+    return [(o.name, lay.option(o.name)) for o in OPTIONS]

@@ -191,7 +191,7 @@ class SimulatedAction:
 
 class StageCut(Protocol):
     """The layers of a layout cut into ``stages`` of ``v`` chunks each, run by the
-    schedule ``schedule``; chunk c runs on stage c mod stages."""
+    schedule ``schedule``; chunk c runs on stage c mod stages (or in a V: ``zbv``)."""
 
     stages: int
     v: int
@@ -208,7 +208,7 @@ class StageCut(Protocol):
         """Layers on each stage, of chunks of ``sizes`` layers."""
         ...
 
-    def local_chunks(self, stage: int) -> range:
+    def local_chunks(self, stage: int) -> Sequence[int]:
         """The global chunks on ``stage``, in its local order."""
         ...
 

@@ -210,57 +210,71 @@ def _warmup_steady_cooldown(forward: Callable[[int], Action],
     return out + [backward(j) for j in range(total - warmup, total)]
 
 
+def zero_bubble_idle(name: str, pp: int, m: int) -> float:
+    """Idle time of a zero-bubble schedule's rank over its busy time, with F = B = W:
+    ``(span - busy) / busy`` of its unit-cost build. The idle units stop growing once
+    ``m >= 2 pp`` (the ramp up and down is all there is), so the build runs on at most
+    ``2 pp`` micro-batches and the planner can price any m."""
+    v = 2 if name in V_SCHEDULES else 1
+    small = min(m, 2 * pp)
+    _, span = _zero_bubble(name, pp, small, v)
+    return (span - 3 * v * small) / (3 * v * m)
+
+
 @functools.lru_cache(maxsize=256)
 def _zero_bubble(name: str, pp: int, m: int, v: int
                  ) -> tuple[tuple[tuple[Action, ...], ...], int]:
     """Every rank's actions of a zero-bubble schedule, and the span of its unit-cost
     run (see the module docstring)."""
-    vshape = name in V_SCHEDULES
-    n = pp * v
-    mine = [[c for c in range(n) if chunk_rank(c, pp, vshape) == r] for r in range(pp)]
-    done: dict[Action, int] = {}  # end time of every action run so far
-    nxt = {(kind, c): 0 for kind in (FORWARD, BACKWARD, WEIGHT) for c in range(n)}
+    vshape, n, never = name in V_SCHEDULES, pp * v, 1 << 60
+    # forwards: the deepest chunk first (finish what is started); B and W: the oldest
+    # micro-batch, then the deepest chunk
+    mine = [sorted((c for c in range(n) if chunk_rank(c, pp, vshape) == r), reverse=True)
+            for r in range(pp)]
+    ends = {FORWARD: [[never] * m for _ in range(n)],
+            BACKWARD: [[never] * m for _ in range(n)]}  # end time of each F / B run
+    nxt = {kind: [0] * n for kind in (FORWARD, BACKWARD, WEIGHT)}
     ahead_of_b, ahead_of_w = [0] * pp, [0] * pp  # forwards not yet through B / W
     out: list[list[Action]] = [[] for _ in range(pp)]
     order = (FORWARD, BACKWARD, WEIGHT) if name == SCHEDULE_ZB1 else (
         BACKWARD, FORWARD, WEIGHT)
-    t, total = 0, 3 * n * m
-    while sum(map(len, out)) < total:
+    fb_limit = [pp - r if name == SCHEDULE_ZB1 else v * pp for r in range(pp)]
+    t, left = 0, 3 * n * m
+
+    def ready(kind: str, c: int, i: int) -> bool:
+        if kind == FORWARD:
+            return c == 0 or ends[FORWARD][c - 1][i] <= t
+        if kind == BACKWARD:
+            return ends[FORWARD][c][i] <= t and (c == n - 1 or ends[BACKWARD][c + 1][i] <= t)
+        return ends[BACKWARD][c][i] <= t
+
+    while left:
         for r in range(pp):
-            fb_limit = pp - r if name == SCHEDULE_ZB1 else v * pp
-            may_forward = ahead_of_b[r] < fb_limit and ahead_of_w[r] < v * pp
-            ready = {kind: [Action(kind, c, nxt[kind, c]) for c in mine[r]
-                            if _ready(Action(kind, c, nxt[kind, c]), n, m, done, t)]
-                     for kind in order}
-            if not may_forward:
-                ready[FORWARD] = []
-            kind = next((k for k in order if ready[k]), None)
-            if kind is None:
+            may_forward = ahead_of_b[r] < fb_limit[r] and ahead_of_w[r] < v * pp
+            best: tuple[int, int, int] | None = None  # (micro, -chunk, chunk) for B / W
+            for kind in order:
+                if kind == FORWARD and not may_forward:
+                    continue
+                for c in mine[r]:
+                    i = nxt[kind][c]
+                    if i < m and ready(kind, c, i):
+                        key = (0, 0, c) if kind == FORWARD else (i, -c, c)
+                        best = key if best is None or key < best else best
+                        if kind == FORWARD:
+                            break  # the deepest ready forward
+                if best is not None:
+                    break
+            if best is None:
                 continue
-            # forwards: the deepest chunk first (finish what is started); B and W:
-            # the oldest micro-batch, then the deepest chunk
-            action = min(ready[kind], key=lambda a: (-a.chunk, a.micro) if kind == FORWARD
-                         else (a.micro, -a.chunk))
-            out[r].append(action)
-            done[action] = t + 1
-            nxt[kind, action.chunk] += 1
+            c, i = best[2], nxt[kind][best[2]]
+            out[r].append(Action(kind, c, i))
+            if kind != WEIGHT:
+                ends[kind][c][i] = t + 1
+            nxt[kind][c] += 1
+            left -= 1
             ahead_of_b[r] += {FORWARD: 1, BACKWARD: -1}.get(kind, 0)
             ahead_of_w[r] += {FORWARD: 1, WEIGHT: -1}.get(kind, 0)
         t += 1
-        if t > 4 * total:  # never: some rank can always make progress
+        if t > 3 * n * m + 4 * n:  # never: some rank can always make progress
             raise RuntimeError(f"{name} pp={pp} m={m}: the greedy build is stuck")
     return tuple(map(tuple, out)), t
-
-
-def _ready(action: Action, n: int, m: int, done: dict[Action, int], t: int) -> bool:
-    """``action`` exists and what it consumes has ended by time ``t``."""
-    c, i = action.chunk, action.micro
-    if i >= m:
-        return False
-    if action.kind == FORWARD:
-        deps = [Action(FORWARD, c - 1, i)] if c else []
-    elif action.kind == BACKWARD:
-        deps = [Action(FORWARD, c, i)] + ([Action(BACKWARD, c + 1, i)] if c < n - 1 else [])
-    else:
-        deps = [Action(BACKWARD, c, i)]
-    return all(done.get(d, t + 1) <= t for d in deps)

@@ -5,13 +5,15 @@
 
 For each p in ``--pp``, one world of p Gloo ranks (forked, one torch thread each; the
 pp group is the world) runs every schedule (GPipe, 1F1B, interleaved 1F1B with ``--v``
-chunks per rank) for m = k p micro-batches, k in ``--m-per-pp``. Each case builds both
+chunks per rank, the zero-bubble zb1 and zbv; ``--schedules`` picks some) for m = k p
+micro-batches, k in ``--m-per-pp``. Each case builds both
 systems with :func:`disttrain.parallel.pipeline.torch_reference.build_pair` (the code
 the parity test checks): two identically seeded ``disttrain.models.GPT`` copies, cut by
 one plan into equal chunks (``--n-layer`` / (p v) blocks each, the embedding on the
 first, the final norm and head on the last), each trained by AdamW (lr 1e-3) on the
 same micro-batches: disttrain's ``run_pipeline`` against torch's ``ScheduleGPipe`` /
-``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage`` s given their
+``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` (for
+zb1) / ``ScheduleZBVZeroBubble`` (for zbv) over ``PipelineStage`` s given their
 shapes up front (no shape inference), ``scale_grads=False`` with the loss already
 divided by the step's token count, ``return_outputs=False``. A step is zero_grad, the
 schedule, the tied embedding/head gradient sum, the optimizer step. After one warmup
@@ -29,7 +31,8 @@ clock but hardly this), ``cpu_ratio`` likewise.
 r's compute seconds in the step (every forward, the loss included, and every backward
 of its chunks, read around each library's per-action call; waits on receives
 excluded) and span is the schedule's wall time over all ranks (optimizer excluded);
-``bubble_theory`` = (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1). ``loss`` (both): the
+``bubble_theory`` = (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), zero-bubble
+:func:`~disttrain.parallel.pipeline.analytic_bubble`'s. ``loss`` (both): the
 mean token loss of the last timed step (after 1 + steps - 1 AdamW updates from the
 same weights); ``loss_rel_diff`` = |disttrain - torch| / torch, the largest over the
 steps. Prints one JSON line; progress on stderr.
@@ -50,7 +53,7 @@ import torch.distributed as dist
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, gpt_spec, token_loss
-from disttrain.names import SCHEDULE_INTERLEAVED, SCHEDULES
+from disttrain.names import SCHEDULE_INTERLEAVED, SCHEDULE_ZBV, SCHEDULES
 from disttrain.parallel.pipeline import analytic_bubble
 from disttrain.parallel.pipeline.torch_reference import (
     DISTTRAIN,
@@ -96,7 +99,7 @@ def _summary(rows: list[torch.Tensor]) -> dict:
 def _case(cfg: ModelConfig, comm: Communicator, name: str, m: int, v: int,
           args: argparse.Namespace) -> dict:
     pp = comm.size
-    v = v if name == SCHEDULE_INTERLEAVED else 1
+    v = v if name == SCHEDULE_INTERLEAVED else 2 if name == SCHEDULE_ZBV else 1
     per_chunk = cfg.n_layer // (pp * v)
 
     def make_model() -> GPT:
@@ -140,7 +143,7 @@ def _bench(cfg: ModelConfig, args: argparse.Namespace) -> list[dict]:
     comm = Communicator(None, CollectiveLedger(), name="pp")
     cases = []
     for k in args.m_per_pp:
-        for name in SCHEDULES:
+        for name in args.schedules:
             t0 = time.perf_counter()
             case = _case(cfg, comm, name, k * comm.size, args.v, args)
             case["case_s"] = round(time.perf_counter() - t0, 2)
@@ -163,6 +166,8 @@ def parse_args() -> argparse.Namespace:
                    help="GPT blocks, a multiple of every p x v (default 8)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=list(SCHEDULES),
+                   help=f"schedules to compare (default {','.join(SCHEDULES)})")
     return p.parse_args()
 
 

@@ -51,7 +51,10 @@ class SavedActivationMeter(torch.autograd.graph.saved_tensors_hooks):
             self.live_bytes += entry[1]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         entry[0] += 1
-        return _Saved(tensor, self, key)
+        # detached: a saved output would otherwise hold its own grad_fn, a cycle through
+        # the graph that Python's collector cannot see, and a graph dropped without a
+        # backward that frees it (a zero-bubble pipeline's, after its W) would stay
+        return _Saved(tensor.detach(), self, key)
 
     @staticmethod
     def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:

@@ -16,8 +16,10 @@ must build the same weights each time: seed inside it), cut by one :class:`Stage
 into the same :class:`PipelineChunk` modules. disttrain runs them with
 :func:`run_pipeline`; torch wraps each chunk in a ``PipelineStage`` (stage index = the
 chunk's global index, so chunk c lives on pp rank c % pp for both) and runs
-``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` over them with
-``scale_grads=False``. Both backpropagate ``loss_sum * loss_scale`` (``loss_scale`` =
+``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble`` (zb1: its ZB1P with one stage per rank) or
+``ScheduleZBVZeroBubble`` (zbv: the same V, stages r and 2 pp - 1 - r on rank r) over
+them with ``scale_grads=False``. Both backpropagate ``loss_sum * loss_scale`` (``loss_scale`` =
 1 / the step's loss terms, so the gradient is that of the mean token loss), sum the
 tied embedding/head gradients between the first and last stage
 (:func:`sync_tied_grads`) and step their own optimizer. A step is zero_grad, the
@@ -25,10 +27,11 @@ schedule, the tied-gradient sum and the optimizer step.
 
 Timing, the same for both (:class:`StepStats`): ``busy`` is the seconds this rank
 spent computing its chunks, every forward (the loss included, on the last chunk) and
-every backward, each read around the library's own per-action call (disttrain: its
-:class:`ActionTiming` spans, from the received input to the output handed to the send;
-torch: ``forward_one_chunk`` / ``backward_one_chunk`` and the loss function); time
-blocked on a receive is not busy.
+every backward (input and weight passes), each read around the library's own
+per-action call (disttrain: its :class:`ActionTiming` spans, from the received input
+to the output handed to the send; torch: ``forward_one_chunk`` / ``backward_one_chunk``
+/ ``backward_weight_one_chunk`` and the loss function); time blocked on a receive is
+not busy.
 """
 
 from __future__ import annotations
@@ -46,14 +49,22 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from ...comm.collectives import Communicator
-from ...names import SCHEDULE_1F1B, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
+from ...names import (
+    SCHEDULE_1F1B,
+    SCHEDULE_GPIPE,
+    SCHEDULE_INTERLEAVED,
+    SCHEDULE_ZB1,
+    SCHEDULE_ZBV,
+)
 from ...spec import ModelSpec
 from ...targets import IGNORE_INDEX
 from .runner import LossFn, run_pipeline
-from .schedules import build_schedule
+from .schedules import V_SCHEDULES, build_schedule
 from .stages import PipelineChunk, build_chunks, plan_stages, sync_tied_grads
 
 DISTTRAIN, TORCH = "disttrain", "torch"
@@ -174,6 +185,10 @@ class _TimedStage(PipelineStage):
         with self._timed():
             return super().backward_one_chunk(*args, **kwargs)
 
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._timed():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
 
 class _ScaledLoss:
     """torch's ``loss_fn(output, target)``: ``loss_fn``'s sum times the step's scale;
@@ -210,7 +225,7 @@ class TorchRunner:
         self.has_first = any(ch.is_first for ch in chunks)
         self.has_last = any(ch.is_last for ch in chunks)
         cls = TORCH_SCHEDULES[schedule]
-        if schedule == SCHEDULE_INTERLEAVED:
+        if schedule in (SCHEDULE_INTERLEAVED, SCHEDULE_ZB1, SCHEDULE_ZBV):
             self.schedule: Any = cls(self.stages, m, loss_fn=self.loss, scale_grads=False)
         else:
             self.schedule = cls(self.stages[0], m, loss_fn=self.loss, scale_grads=False)
@@ -241,7 +256,9 @@ def _shapes(chunk: PipelineChunk, activation_shape: Sequence[int], device: torch
 
 
 TORCH_SCHEDULES: dict[str, Any] = {SCHEDULE_GPIPE: ScheduleGPipe, SCHEDULE_1F1B: Schedule1F1B,
-                                   SCHEDULE_INTERLEAVED: ScheduleInterleaved1F1B}
+                                   SCHEDULE_INTERLEAVED: ScheduleInterleaved1F1B,
+                                   SCHEDULE_ZB1: ScheduleInterleavedZeroBubble,
+                                   SCHEDULE_ZBV: ScheduleZBVZeroBubble}
 
 
 def build_pair(make_model: Callable[[], nn.Module], spec: ModelSpec, comm: Communicator,
@@ -252,8 +269,9 @@ def build_pair(make_model: Callable[[], nn.Module], spec: ModelSpec, comm: Commu
     """[disttrain's trainer, torch's], each on its own ``make_model()`` cut at ``cuts``
     (``plan_stages``' cut points; None balances the spec's costs) into ``comm.size x
     v`` chunks; this rank (``comm.rank`` of the pp group) holds chunks rank, rank + pp,
-    ... of each. ``make_optimizer`` gets this rank's chunks' parameters."""
-    plan = plan_stages(spec, pp=comm.size, v=v, cuts=None if cuts is None else list(cuts))
+    ... of each (in a V for zbv). ``make_optimizer`` gets this rank's chunks' parameters."""
+    plan = plan_stages(spec, pp=comm.size, v=v, cuts=None if cuts is None else list(cuts),
+                       vshape=schedule in V_SCHEDULES)
     trainers = []
     for name in (DISTTRAIN, TORCH):
         chunks = build_chunks(make_model(), spec, plan, comm.rank)

@@ -22,7 +22,7 @@ from ...comm.collectives import Communicator
 from ..applied import Composed
 from ..interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
 from .runner import ActionTiming, run_pipeline
-from .schedules import FORWARD, Schedule
+from .schedules import FORWARD, WEIGHT, Schedule
 from .stages import PipelineChunk, StagePlan
 
 
@@ -96,12 +96,12 @@ class PipelinePass:
         return (float(loss_sum), float(count)) if self.run.counts_loss else (0.0, 0.0)
 
     def _trace(self, timings: list[ActionTiming]) -> None:
-        """Each forward / backward of the schedule, and the wait for its input message,
-        as timeline spans (wall-clock seconds -> microseconds)."""
+        """Each forward / backward / weight pass of the schedule, and the wait for its
+        input message, as timeline spans (wall-clock seconds -> microseconds)."""
         if not self.tracer.enabled:
             return
         for t in timings:
-            kind = "forward" if t.action.kind == FORWARD else "backward"
+            kind = {FORWARD: "forward", WEIGHT: "weight"}.get(t.action.kind, "backward")
             where = {"chunk": t.action.chunk, "micro": t.action.micro}
             if t.wait > 0:
                 self.tracer.complete(f"recv for {kind}", (t.start - t.wait) * 1e6,

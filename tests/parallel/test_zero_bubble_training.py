@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_support import padded_rows, plain_loop
-from support import TINY_MODEL, SyntheticTokens, _tiny_train
+from support import TINY_MODEL, SyntheticTokens, _tiny_train, full_state
 
 from disttrain.testing import run_distributed
 
@@ -72,7 +72,7 @@ def _fit_gpt(run_dir: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
                       run_dir=run_dir, collate_fn=collate_token_batch, progress=False)
     trainer.fit()
     assert trainer.start_step == start, (run_dir, trainer.start_step)
-    return trainer.parallel.full_state()
+    return full_state(trainer.parallel)
 
 
 def _fit_llama(run_dir: str, dp: int, pp: int, tp: int, zero: int, schedule: str,
@@ -84,7 +84,7 @@ def _fit_llama(run_dir: str, dp: int, pp: int, tp: int, zero: int, schedule: str
         "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero, "pp_schedule": schedule},
         "monitor": {"peak_tflops": 1.0}}, run_dir=run_dir, progress=False)
     trainer.fit()
-    return trainer.parallel.full_state()
+    return full_state(trainer.parallel)
 
 
 def _fit_cases(root: str, cases: list[tuple], resume: list[tuple] = ()) -> dict:

@@ -56,7 +56,7 @@ class ModelSpec:
     ``embed`` and ``finish`` they let a pipeline cut the model: ``embed(m, inputs)``
     and ``finish(m, hidden)`` are called on a module that holds those submodules under
     the same paths. Without ``embed`` / ``finish``, a pipeline runs the model's own
-    forward on each stage with stand-ins (see :mod:`disttrain.parallel.pipeline.stages`):
+    forward on each stage with stand-ins (see :mod:`disttrain.parallel.pipeline.chunks`):
     ``inject`` names the ``before`` module whose output is the first hidden state
     (later stages substitute the activation they receive for it), and ``probe`` holds
     example keyword inputs used to check, once, that such a cut computes what the whole

@@ -29,7 +29,7 @@ from disttrain.data.packing import (
 from disttrain.data.packing_check import packing_mismatch, packing_refusal
 from disttrain.errors import ConfigError, DataError, UserError
 from disttrain.models import token_loss
-from disttrain.parallel.pipeline.stages import _piece_inputs
+from disttrain.parallel.pipeline.chunks import _piece_inputs
 from disttrain.spec import generic_spec, spec_for
 from disttrain.train.batch import Batch, causal_lm_loss
 

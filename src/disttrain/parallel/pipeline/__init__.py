@@ -12,6 +12,9 @@
 validation, planning); ``chunk_param_names`` maps a chunk's parameter names to the full model's.
 """
 
+from .build import build_chunks, chunk_param_names
+from .chunks import PipelineChunk
+from .cuts import StageCosts, StagePlan, balanced_cuts, plan_stages, spec_costs
 from .p2p import Message, check_nccl_order, check_posts, message_groups
 from .runner import ActionTiming, PipelineStepResult, run_pipeline
 from .schedules import (
@@ -25,18 +28,7 @@ from .schedules import (
                         validate_schedule,
 )
 from .simulate import ScheduleDeadlock, bubble_fractions, check_schedule, simulate
-from .stages import (
-                        PipelineChunk,
-                        StageCosts,
-                        StagePlan,
-                        balanced_cuts,
-                        build_chunks,
-                        chunk_param_names,
-                        exchange_tied_grads,
-                        plan_stages,
-                        spec_costs,
-                        sync_tied_grads,
-)
+from .tied import exchange_tied_grads, sync_tied_grads
 
 __all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "Action", "ActionTiming", "PipelineChunk",
            "PipelineStepResult", "Schedule", "ScheduleDeadlock",

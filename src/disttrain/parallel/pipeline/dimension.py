@@ -26,17 +26,13 @@ from ..applied import ApplyContext, Composed, HeadHolder, ModelCut
 from ..interfaces import GradSync, StepPass, StepTracer
 from ..placement import Placement
 from ..zero import Unit, build_units
+from .build import build_chunks, chunk_param_names
 from .check import pipeline_cuts, virtual_stages
+from .chunks import PipelineChunk
+from .cuts import StagePlan, plan_stages
 from .passes import ChunksRun, PipelinePass
 from .schedules import V_SCHEDULES, Schedule, build_schedule
-from .stages import (
-    PipelineChunk,
-    StagePlan,
-    build_chunks,
-    chunk_param_names,
-    exchange_tied_grads,
-    plan_stages,
-)
+from .tied import exchange_tied_grads
 
 ENTRY = dimension("pp")
 

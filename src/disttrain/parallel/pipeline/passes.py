@@ -21,9 +21,10 @@ import torch
 from ...comm.collectives import Communicator
 from ..applied import Composed
 from ..interfaces import GradSync, LossOf, NoTrace, StepTracer, Work
+from .chunks import PipelineChunk
+from .cuts import StagePlan
 from .runner import ActionTiming, run_pipeline
 from .schedules import FORWARD, WEIGHT, Schedule
-from .stages import PipelineChunk, StagePlan
 
 
 @dataclass(frozen=True)

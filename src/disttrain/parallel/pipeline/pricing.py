@@ -28,6 +28,7 @@ from ...names import (
 from ...spec import ModelSpec
 from ..pricing import LayoutFacts, SearchLimits, ShapeFacts, SimulatedAction
 from .check import pipeline_cuts, virtual_stages
+from .cuts import plan_stages
 from .schedules import (
     FORWARD,
     SPLIT_SCHEDULES,
@@ -38,7 +39,6 @@ from .schedules import (
     zero_bubble_idle,
 )
 from .simulate import simulate
-from .stages import plan_stages
 
 ENTRY = dimension("pp")
 INTERLEAVED, GPIPE, ONE_F_ONE_B = SCHEDULE_INTERLEAVED, SCHEDULE_GPIPE, SCHEDULE_1F1B

@@ -33,10 +33,10 @@ import torch
 
 from ...comm.collectives import Communicator, TrackedWork
 from ...monitor.saved_activations import SavedActivationMeter
+from .chunks import PipelineChunk
 from .p2p import check_nccl_order, destination, message_groups, source
 from .schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from .split_backward import DeferredWeightGrads, backward_input, backward_weight
-from .stages import PipelineChunk
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
 GradSync = Callable[[int, bool], AbstractContextManager]

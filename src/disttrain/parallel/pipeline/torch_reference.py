@@ -63,9 +63,12 @@ from ...names import (
 )
 from ...spec import ModelSpec
 from ...targets import IGNORE_INDEX
+from .build import build_chunks
+from .chunks import PipelineChunk
+from .cuts import plan_stages
 from .runner import LossFn, run_pipeline
 from .schedules import V_SCHEDULES, build_schedule
-from .stages import PipelineChunk, build_chunks, plan_stages, sync_tied_grads
+from .tied import sync_tied_grads
 
 DISTTRAIN, TORCH = "disttrain", "torch"
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]

@@ -7,7 +7,7 @@ For each p in ``--pp``, one world of p Gloo ranks (forked, one torch thread each
 pp group is the world) runs every schedule (GPipe, 1F1B, interleaved 1F1B with ``--v``
 chunks per rank, the zero-bubble zb1 and zbv; ``--schedules`` picks some) for m = k p
 micro-batches, k in ``--m-per-pp``. Each case builds both
-systems with :func:`disttrain.parallel.pipeline.torch_reference.build_pair` (the code
+systems with ``build_pair`` of ``bench/torch_pipeline.py`` (the code
 the parity test checks): two identically seeded ``disttrain.models.GPT`` copies, cut by
 one plan into equal chunks (``--n-layer`` / (p v) blocks each, the embedding on the
 first, the final norm and head on the last), each trained by AdamW (lr 1e-3) on the
@@ -49,18 +49,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch_pipeline import (  # bench/torch_pipeline.py (a sibling: bench/ runs as the script's dir)
+    DISTTRAIN,
+    TORCH,
+    PipelineTrainer,
+    build_pair,
+)
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, gpt_spec, token_loss
 from disttrain.names import SCHEDULE_INTERLEAVED, SCHEDULE_ZBV, SCHEDULES
 from disttrain.parallel.pipeline import analytic_bubble
-from disttrain.parallel.pipeline.torch_reference import (
-    DISTTRAIN,
-    TORCH,
-    PipelineTrainer,
-    build_pair,
-)
 from disttrain.testing import run_distributed
 
 WARMUP_STEPS = 1

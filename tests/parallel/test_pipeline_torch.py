@@ -1,7 +1,7 @@
 """disttrain's pipeline against torch.distributed.pipelining: the two systems that
 ``bench/pp_vs_torch.py`` times train the same model.
 
-Both are built by ``torch_reference.build_pair``, the bench's own code: two copies of
+Both are built by ``build_pair`` of ``bench/torch_pipeline.py``, the bench's own code: two copies of
 the tiny GPT from one seed, one stage cut, an optimizer on each (plain SGD here, not
 the bench's AdamW: Adam's update hardly changes when every gradient is scaled by one
 factor, SGD's does, so a wrongly scaled loss shows in the next step's loss); every
@@ -21,6 +21,9 @@ summed) moves the loss by 1e-3 or more after one update.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from support import TINY_MODEL, SyntheticTokens
@@ -28,6 +31,9 @@ from support import TINY_MODEL, SyntheticTokens
 from disttrain.config.schema import ModelConfig
 from disttrain.targets import IGNORE_INDEX
 from disttrain.testing import run_distributed
+
+# the bench's own set-up (bench/ is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 pytestmark = pytest.mark.slow  # spawns a world
 
@@ -48,9 +54,10 @@ def _micro_batches(m: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 def _case(comm, name: str, v: int, m: int) -> dict:
     """Each system's mean token loss per step and its weights after the last step."""
+    from torch_pipeline import build_pair
+
     from disttrain.models import GPT, gpt_spec, token_loss
     from disttrain.parallel.pipeline import chunk_param_names
-    from disttrain.parallel.pipeline.torch_reference import build_pair
 
     def make_model() -> GPT:
         torch.manual_seed(0)
@@ -83,7 +90,7 @@ def _parity_world(cases: list) -> list[dict]:
 
 
 def test_torch_pipelining_trains_the_same_model():
-    from disttrain.parallel.pipeline import torch_reference  # noqa: F401  (once, before the fork)
+    import torch_pipeline  # noqa: F401  (once, before the fork)
 
     results = run_distributed(_parity_world, 2, args=(CASES,), timeout=180)
     for rank, per_rank in enumerate(results):

@@ -53,22 +53,22 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from ...comm.collectives import Communicator
-from ...names import (
+from disttrain.comm.collectives import Communicator
+from disttrain.names import (
     SCHEDULE_1F1B,
     SCHEDULE_GPIPE,
     SCHEDULE_INTERLEAVED,
     SCHEDULE_ZB1,
     SCHEDULE_ZBV,
 )
-from ...spec import ModelSpec
-from ...targets import IGNORE_INDEX
-from .build import build_chunks
-from .chunks import PipelineChunk
-from .cuts import plan_stages
-from .runner import LossFn, run_pipeline
-from .schedules import V_SCHEDULES, build_schedule
-from .tied import sync_tied_grads
+from disttrain.parallel.pipeline.build import build_chunks
+from disttrain.parallel.pipeline.chunks import PipelineChunk
+from disttrain.parallel.pipeline.cuts import plan_stages
+from disttrain.parallel.pipeline.runner import LossFn, run_pipeline
+from disttrain.parallel.pipeline.schedules import V_SCHEDULES, build_schedule
+from disttrain.parallel.pipeline.tied import sync_tied_grads
+from disttrain.spec import ModelSpec
+from disttrain.targets import IGNORE_INDEX
 
 DISTTRAIN, TORCH = "disttrain", "torch"
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]

@@ -195,10 +195,15 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
     """The GPT's structure for the strategies (needs only the config, so validation can
     check a layout before any model exists).
 
-    Costs are forward FLOPs per token: a block 2 x 12 d^2 for its matmuls plus 4 T d for
-    attention scores and the weighted sum; the head 2 d V (plus the loss, a few V); the
-    embedding lookups and the position add, about d (memory-bound, costed as d)."""
+    Costs are forward FLOPs per token, the planner's (:func:`~disttrain.plan.shape.
+    gpt_shape`): a block's matmuls (2 x 12 d^2) and attention (4 T d); the head 2 d V
+    (plus the loss, a few V); the embedding lookups and the position add, about d
+    (memory-bound, costed as d)."""
+    from ..plan.shape import gpt_shape  # plan's package imports the models back
+
     d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
+    shape = gpt_shape(cfg)
+    block = shape.layer_matmul_flops() + shape.layer_attention_flops()
     return ModelSpec(
         blocks="blocks", before=("tok_emb", "pos_emb", "drop"), after=("ln_f", "head"),
         embed=gpt_embed, finish=gpt_finish, embed_inputs=(POSITION_IDS,),
@@ -210,8 +215,8 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
                      Divisor("model.d_model", d, 4 * d, "MLP width 4 x d_model"),
                      Divisor("model.vocab_size", vocab, vocab, "vocabulary rows")),
         sequence_divisor=Divisor("model.seq_len", t, t, "sequence positions"),
-        embedding_cost=float(d), block_costs=(float(24 * d * d + 4 * t * d),) * cfg.n_layer,
-        head_cost=float(2 * d * vocab + 5 * vocab), flops_per_token=flops_per_token(cfg))
+        embedding_cost=float(d), block_costs=(float(block),) * cfg.n_layer,
+        head_cost=float(shape.head_flops() + 5 * vocab), flops_per_token=flops_per_token(cfg))
 
 
 def _recognise(model: nn.Module) -> ModelSpec | None:
@@ -242,16 +247,13 @@ def num_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> int:
-    """Training FLOPs per token (forward + backward = 3x forward).
+    """Training FLOPs per token (forward + backward = 3x forward): the planner's
+    formula for this shape (:meth:`disttrain.plan.shape.ModelShape.model_flops_per_token`:
+    2 per weight of each matmul, the head's 2 d V, attention's 4 T d per layer; biases,
+    norms and lookups are no multiply-adds)."""
+    from ..plan.shape import gpt_shape  # plan's package imports the models back
 
-    6 per non-embedding parameter plus the output projection (2 x 3 x d x V), and the
-    attention scores and weighted sum: 2 matmuls x 2 x T x d per layer forward, x3.
-    Position/token embedding lookups cost no multiply-adds.
-    """
-    d, t = cfg.d_model, cfg.seq_len
-    matmul_params = num_params(cfg, embeddings=False) + cfg.vocab_size * d
-    attention = cfg.n_layer * 2 * 2 * t * d
-    return 6 * matmul_params + 3 * attention
+    return gpt_shape(cfg).model_flops_per_token()
 
 
 register_spec(_recognise)

@@ -14,9 +14,15 @@ counts are the pipeline's own (:mod:`disttrain.parallel.pipeline.pricing`).
 """
 
 from .cluster import PRESETS, Cluster, parse_cluster
-from .estimate import Estimate, estimate, layer_activation_bytes
+from .estimate import Estimate, estimate
 from .layout import PlannedLayout
-from .memory import MemoryEstimate, estimate_gpt, gpt_activation_bytes, model_state_bytes
+from .memory import (
+    MemoryEstimate,
+    estimate_gpt,
+    gpt_activation_bytes,
+    layer_activation_bytes,
+    model_state_bytes,
+)
 from .options import Options
 from .search import SearchResult, layout_problem, search
 from .shape import ModelShape, gpt_shape, hf_shape, parse_model

@@ -118,12 +118,6 @@ def tier(cluster: Cluster, span: int) -> tuple[float, float]:
     return cluster.inter_gbps, cluster.inter_latency_s
 
 
-def with_host(cluster: Cluster, device_s: float, host_s: float) -> float:
-    """A piece of work that takes ``device_s`` in kernels and ``host_s`` of framework
-    time: the longer of the two when the host runs ahead of the device, else both."""
-    return max(device_s, host_s) if cluster.async_dispatch else device_s + host_s
-
-
 def op_gbps(cluster: Cluster, kind: str, span: int, default: float) -> float:
     """Bus bandwidth of collective ``kind`` on a group spanning ``span`` devices: the
     cluster's own figure for it inside a node, if it has one."""

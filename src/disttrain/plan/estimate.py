@@ -16,7 +16,7 @@ them, the gradients are reduced over them).
   fp32 parameters, gradients and AdamW state (4 + 4 + 8 bytes), sharded over the
   replicas from ZeRO stage 3, 2, 1 respectively; with ``mixed`` the ZeRO paper's
   2 + 2 + 12;
-- activations per Korthikanti et al. 2022 (:func:`layer_activation_bytes`) for the
+- activations per Korthikanti et al. 2022 (:func:`~.memory.layer_activation_bytes`) for the
   micro-batches the schedule keeps in flight on that stage (1F1B: stages - stage;
   interleaved: the warmup of that rank + 1, in chunks; GPipe: all), plus the
   embedding's for each first-chunk micro-batch in flight on the first stage and the
@@ -38,15 +38,13 @@ reports TFLOP/s; MFU counts model FLOPs only.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 
 from ..dimensions import Role
 from ..parallel.dimensions import shard_pricing, stage_pricing, token_pricing
 from .cluster import Cluster
-from .costs import ACT_BYTES
 from .layout import PlannedLayout, figure
-from .memory import model_state_bytes
+from .memory import end_activations, layer_activation_bytes, layer_cast_bytes, model_state_bytes
 from .options import DEFAULT_OPTIONS, Options
 from .shape import ModelShape, key_value_values, rank_params, token_part
 from .steptime import StepTime, step_time
@@ -169,78 +167,6 @@ def layout_fields(lay: PlannedLayout) -> dict[str, int | str]:
     return {**dict(lay.items(shown=True)), "schedule": stage_pricing().cut(lay).schedule}
 
 
-# activations -------------------------------------------------------------------
-
-def layer_activation_bytes(shape: ModelShape, *, b: int, shards: int = 1, sp: bool = False,
-                           recompute: str = "none", precision: str = "bf16",
-                           accounting: str = "mixed") -> float:
-    """Bytes one layer keeps for backward for one micro-batch of ``b`` sequences, on
-    one of ``shards`` tensor shards (Korthikanti et al. 2022, Section 4, generalised;
-    ``sp``: sequence parallelism over the shards).
-
-    With s = seq, h = hidden, a = heads, t = shards and 16-bit activations, the paper's
-    layer (dropout, GELU MLP of 4h, no fused attention) keeps sbh(34 + 5as/h):
-
-    - replicated across tp unless sp: the two norms' inputs 4sbh, the inputs of the
-      qkv and first MLP matmuls 4sbh, two dropout masks 2sbh (10sbh);
-    - split by tp: q and k 4sbh, v 2sbh, the out-projection's input 2sbh, the MLP's
-      activation input and output 2 x 8sbh (24sbh); gated MLPs keep gate, up, their
-      activation and product (4 x 2sbF); grouped-query attention keeps k and v at
-      the kv width;
-    - split by tp, attention scores: softmax output 2as^2b, its dropout mask as^2b and
-      output 2as^2b (5as^2b); none with fused attention (its log-sum-exp, 4asb, is
-      kept instead), 2as^2b without attention dropout.
-
-    ``selective`` drops the scores part (recomputed); ``full`` keeps only the layer's
-    input (2sbh, /t with sp). ``accounting='disttrain'`` also counts what autocast
-    over fp32 weights keeps: the residual stream and norm inputs in fp32, the norms'
-    statistics, and the cast weight copies; and, with sp, it keeps the inputs of the
-    qkv and first MLP matmuls whole (4sbh, not /t): disttrain's column-parallel layer
-    saves the sequence it all-gathered, where Megatron-LM saves its own shard and
-    gathers it again in backward.
-    """
-    s, h, f = shape.seq, shape.hidden, shape.ffn_width
-    a = ACT_BYTES[precision]
-    sbh = s * b * h
-    disttrain = accounting == "disttrain"
-    norm_in = (4 if disttrain else a) * sbh  # each of the two norms' input
-    if recompute == "full":
-        return (4 if disttrain else a) * sbh / (shards if sp else 1)
-    dropout_masks = 2 * sbh if shape.dropout else 0
-    matmul_inputs = 2 * a * sbh  # of the qkv and first MLP matmuls
-    replicated = 2 * norm_in + dropout_masks
-    whole = 0.0  # kept at full length on every tp rank, sp or not
-    if disttrain:
-        replicated += 2 * 2 * 4 * s * b  # the norms' mean and rstd (or rstd and a pad)
-        whole = matmul_inputs
-    else:
-        replicated += matmul_inputs
-    kv = shape.kv_width
-    split = a * s * b * (h + 2 * kv) + a * sbh  # q, k, v; the out-projection's input
-    split += a * s * b * f * (4 if shape.gated else 2)
-    heads = shape.heads
-    if shape.flash:
-        scores = 4 * heads * s * b
-    else:
-        scores = (5 if shape.dropout else 2) * heads * s * s * b
-    if recompute == "selective":
-        scores = 0
-    weights = _layer_cast_bytes(shape, precision, accounting)
-    return replicated / (shards if sp else 1) + whole + (split + scores + weights) / shards
-
-
-@functools.lru_cache(maxsize=4096)
-def _layer_cast_bytes(shape: ModelShape, precision: str, accounting: str) -> float:
-    """autocast's 16-bit copies of one layer's weight matrices (all tp ranks'), which
-    ``disttrain`` accounting counts: autocast keeps one per weight for its whole region,
-    a micro-batch's forward, or a pipeline's step, where every micro-batch in flight
-    shares it."""
-    a = ACT_BYTES[precision]
-    if accounting != "disttrain" or a == 4:
-        return 0.0
-    return a * sum(i * o for _, i, o in shape.matmul_shapes())
-
-
 def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_batch: int,
              options: Options = DEFAULT_OPTIONS, *, memory_only: bool = False,
              all_stages: bool = False, chunk_sizes: tuple[int, ...] | None = None
@@ -268,11 +194,11 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                                          precision=o.precision, accounting=o.accounting)
     # the cast weights are held once per layer of the stage, not per micro-batch
     cast = 0.0 if lay.recompute == "full" else \
-        _layer_cast_bytes(shape, o.precision, o.accounting) / shards
+        layer_cast_bytes(shape, o.precision, o.accounting) / shards
     layer_bytes = rank_params(shape, shards, 1, False, False, cut.stages) * o.act_bytes
     which = (list(range(cut.stages)) if all_stages
              else cut.stages_to_estimate(sizes, counts))
-    embedding, head, head_once = _end_activations(shape, lay, o, shards, sp)
+    embedding, head, head_once = end_activations(shape, lay, o, shards, sp)
     ring = token_pricing().buffer_bytes(lay, key_value_values(shape, lay.mbs, shards),
                                         o.act_bytes)
     n_chunks = cut.n_chunks
@@ -315,37 +241,6 @@ def _held(shape: ModelShape, token_split: int) -> ModelShape:
     block of the ring keeps its log-sum-exp, as a fused kernel does)."""
     held = token_part(shape, token_split)
     return held if token_split == 1 else replace(held, flash=True)
-
-
-def _end_activations(shape: ModelShape, lay: PlannedLayout, o: Options, shards: int,
-                     sp: bool) -> tuple[float, float, float]:
-    """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
-    the head's and the loss's (last chunk); and what the last stage keeps once per
-    step (autocast's cast of the head weight)."""
-    s, b, h, a = shape.seq, lay.mbs, shape.hidden, o.act_bytes
-    split = shards if sp else 1
-    embedding = 8 * s * b + (s * b * h / split if shape.dropout else 0)  # ids, mask
-    if o.accounting == "disttrain":
-        return _disttrain_ends(shape, lay, a, embedding, shards, sp)
-    head = (2 * a * s * b * h / split  # final norm's input, head's input
-            + 4 * s * b * shape.vocab / shards)  # fp32 logits for the loss
-    return embedding, head, 0.0
-
-
-def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: float,
-                    shards: int, sp: bool) -> tuple[float, float, float]:
-    """:func:`_end_activations` of disttrain's own embedding, head and loss: beyond
-    the token ids, the position ids [s] (a learned table) and the
-    vocabulary-parallel lookup's mask of ids outside the shard (sharded); the final
-    norm's fp32 input and statistics, the head's input (whole under sp, as for the
-    layers), the loss's fp32 softmax [sb, V / shards] and targets (sharded: local ids
-    and two masks); the cast head weight (16-bit)."""
-    s, b, h = shape.seq, lay.mbs, shape.hidden
-    split = shards if sp else 1
-    embedding += (8 * s if shape.positions else 0) + (s * b if shards > 1 else 0)
-    head = ((4 * h + 2 * 4) * s * b / split + a * s * b * h
-            + 4 * s * b * shape.vocab / shards + 8 * s * b + (2 * s * b if shards > 1 else 0))
-    return embedding, head, a * shape.vocab * h / shards if a < 4 else 0.0
 
 
 def _flops(shape: ModelShape, lay: PlannedLayout, global_batch: int

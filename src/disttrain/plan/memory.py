@@ -26,10 +26,15 @@ fragmentation and the CUDA context.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from ..config.schema import ModelConfig
 from ..models import num_params as gpt_num_params
+from .costs import ACT_BYTES
+from .layout import PlannedLayout
+from .options import Options
+from .shape import ModelShape, gpt_shape
 
 # per parameter, sharded by ZeRO; SGD's is its momentum buffer; 1-bit Adam keeps
 # AdamW's and adds (below) a worker residual held whole, a server residual of 4 / dp and,
@@ -86,6 +91,109 @@ def model_state_bytes(num_params: float, *, replicas: int, zero: int,
                           optimizer=state * held(1) + extra)
 
 
+# the activation model (Korthikanti et al. 2022): the planner's and the GPT's -------
+
+def layer_activation_bytes(shape: ModelShape, *, b: int, shards: int = 1, sp: bool = False,
+                           recompute: str = "none", precision: str = "bf16",
+                           accounting: str = "mixed") -> float:
+    """Bytes one layer keeps for backward for one micro-batch of ``b`` sequences, on
+    one of ``shards`` tensor shards (Korthikanti et al. 2022, Section 4, generalised;
+    ``sp``: sequence parallelism over the shards).
+
+    With s = seq, h = hidden, a = heads, t = shards and 16-bit activations, the paper's
+    layer (dropout, GELU MLP of 4h, no fused attention) keeps sbh(34 + 5as/h):
+
+    - replicated across tp unless sp: the two norms' inputs 4sbh, the inputs of the
+      qkv and first MLP matmuls 4sbh, two dropout masks 2sbh (10sbh);
+    - split by tp: q and k 4sbh, v 2sbh, the out-projection's input 2sbh, the MLP's
+      activation input and output 2 x 8sbh (24sbh); gated MLPs keep gate, up, their
+      activation and product (4 x 2sbF); grouped-query attention keeps k and v at
+      the kv width;
+    - split by tp, attention scores: softmax output 2as^2b, its dropout mask as^2b and
+      output 2as^2b (5as^2b); none with fused attention (its log-sum-exp, 4asb, is
+      kept instead), 2as^2b without attention dropout.
+
+    ``selective`` drops the scores part (recomputed); ``full`` keeps only the layer's
+    input (2sbh, /t with sp). ``accounting='disttrain'`` also counts what autocast
+    over fp32 weights keeps: the residual stream and norm inputs in fp32, the norms'
+    statistics, and the cast weight copies; and, with sp, it keeps the inputs of the
+    qkv and first MLP matmuls whole (4sbh, not /t): disttrain's column-parallel layer
+    saves the sequence it all-gathered, where Megatron-LM saves its own shard and
+    gathers it again in backward.
+    """
+    s, h, f = shape.seq, shape.hidden, shape.ffn_width
+    a = ACT_BYTES[precision]
+    sbh = s * b * h
+    disttrain = accounting == "disttrain"
+    norm_in = (4 if disttrain else a) * sbh  # each of the two norms' input
+    if recompute == "full":
+        return (4 if disttrain else a) * sbh / (shards if sp else 1)
+    dropout_masks = 2 * sbh if shape.dropout else 0
+    matmul_inputs = 2 * a * sbh  # of the qkv and first MLP matmuls
+    replicated = 2 * norm_in + dropout_masks
+    whole = 0.0  # kept at full length on every tp rank, sp or not
+    if disttrain:
+        replicated += 2 * 2 * 4 * s * b  # the norms' mean and rstd (or rstd and a pad)
+        whole = matmul_inputs
+    else:
+        replicated += matmul_inputs
+    kv = shape.kv_width
+    split = a * s * b * (h + 2 * kv) + a * sbh  # q, k, v; the out-projection's input
+    split += a * s * b * f * (4 if shape.gated else 2)
+    heads = shape.heads
+    if shape.flash:
+        scores = 4 * heads * s * b
+    else:
+        scores = (5 if shape.dropout else 2) * heads * s * s * b
+    if recompute == "selective":
+        scores = 0
+    weights = layer_cast_bytes(shape, precision, accounting)
+    return replicated / (shards if sp else 1) + whole + (split + scores + weights) / shards
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_cast_bytes(shape: ModelShape, precision: str, accounting: str) -> float:
+    """autocast's 16-bit copies of one layer's weight matrices (all tp ranks'), which
+    ``disttrain`` accounting counts: autocast keeps one per weight for its whole region,
+    a micro-batch's forward, or a pipeline's step, where every micro-batch in flight
+    shares it."""
+    a = ACT_BYTES[precision]
+    if accounting != "disttrain" or a == 4:
+        return 0.0
+    return a * sum(i * o for _, i, o in shape.matmul_shapes())
+
+
+def end_activations(shape: ModelShape, lay: PlannedLayout, o: Options, shards: int,
+                     sp: bool) -> tuple[float, float, float]:
+    """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
+    the head's and the loss's (last chunk); and what the last stage keeps once per
+    step (autocast's cast of the head weight)."""
+    s, b, h, a = shape.seq, lay.mbs, shape.hidden, o.act_bytes
+    split = shards if sp else 1
+    embedding = 8 * s * b + (s * b * h / split if shape.dropout else 0)  # ids, mask
+    if o.accounting == "disttrain":
+        return _disttrain_ends(shape, lay, a, embedding, shards, sp)
+    head = (2 * a * s * b * h / split  # final norm's input, head's input
+            + 4 * s * b * shape.vocab / shards)  # fp32 logits for the loss
+    return embedding, head, 0.0
+
+
+def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: float,
+                    shards: int, sp: bool) -> tuple[float, float, float]:
+    """:func:`end_activations` of disttrain's own embedding, head and loss: beyond
+    the token ids, the position ids [s] (a learned table) and the
+    vocabulary-parallel lookup's mask of ids outside the shard (sharded); the final
+    norm's fp32 input and statistics, the head's input (whole under sp, as for the
+    layers), the loss's fp32 softmax [sb, V / shards] and targets (sharded: local ids
+    and two masks); the cast head weight (16-bit)."""
+    s, b, h = shape.seq, lay.mbs, shape.hidden
+    split = shards if sp else 1
+    embedding += (8 * s if shape.positions else 0) + (s * b if shards > 1 else 0)
+    head = ((4 * h + 2 * 4) * s * b / split + a * s * b * h
+            + 4 * s * b * shape.vocab / shards + 8 * s * b + (2 * s * b if shards > 1 else 0))
+    return embedding, head, a * shape.vocab * h / shards if a < 4 else 0.0
+
+
 def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str = "fp32",
                          activation_checkpointing: str = "none", every_k: int = 2) -> int:
     """Peak bytes autograd keeps for backward in one micro-batch of GPT(model).
@@ -119,9 +227,8 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
     _check("activation_checkpointing", activation_checkpointing,
            activation_checkpointing in _CHECKPOINTING, f"one of {_CHECKPOINTING}")
     _check("every_k", every_k, every_k >= 1, "an integer >= 1")
-    a = _ACTIVATION_BYTES[precision]
     b, t = micro_batch, model.seq_len
-    block = _block_bytes(model, b, a)
+    block = _block_bytes(model, b, precision)
     step = {"none": 0, "full": 1, "every_k": every_k}[activation_checkpointing]
     n, kept_input = model.n_layer, b * t * model.d_model * _FP32
     # Blocks 0, step, 2·step, ... are checkpointed; the sums are in closed form so the
@@ -129,12 +236,12 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
     checkpointed = -(-n // step) if step else 0
     embedding = _INT64 * (b * t + t)
     end_of_forward = (embedding + checkpointed * kept_input + (n - checkpointed) * block
-                      + _head_bytes(model, b, a))
+                      + _head_bytes(model, b, precision))
     if not checkpointed:
-        return end_of_forward
+        return round(end_of_forward)
     last = (checkpointed - 1) * step  # recomputing it holds the most: all before it kept
     before_last = (checkpointed - 1) * kept_input + (last - (checkpointed - 1)) * block
-    return max(end_of_forward, embedding + before_last + block)
+    return round(max(end_of_forward, embedding + before_last + block))
 
 
 def estimate_gpt(model: ModelConfig, *, micro_batch: int, replicas: int, zero: int,
@@ -151,18 +258,24 @@ def estimate_gpt(model: ModelConfig, *, micro_batch: int, replicas: int, zero: i
         activation_checkpointing=activation_checkpointing, every_k=every_k))
 
 
-def _block_bytes(model: ModelConfig, b: int, a: int) -> int:
-    bt, d = b * model.seq_len, model.d_model
-    weight_copies = 12 * d * d * a if a < _FP32 else 0
-    return (2 * bt * d * _FP32 + 4 * bt * _FP32 + 14 * bt * d * a
-            + model.n_head * bt * _FP32 + weight_copies)
+def _block_bytes(model: ModelConfig, b: int, precision: str) -> float:
+    """One block of GPT(model): :func:`layer_activation_bytes`, disttrain's accounting
+    (dropout left out, as the docstring of :func:`gpt_activation_bytes` says)."""
+    return layer_activation_bytes(_no_dropout(model), b=b, precision=precision,
+                                  accounting="disttrain")
 
 
-def _head_bytes(model: ModelConfig, b: int, a: int) -> int:
-    bt, d = b * model.seq_len, model.d_model
-    weight_copy = model.vocab_size * d * a if a < _FP32 else 0
-    final_norm = bt * d * _FP32 + 2 * bt * _FP32 + bt * d * a
-    return final_norm + weight_copy + bt * model.vocab_size * _FP32 + _INT64 * bt
+def _head_bytes(model: ModelConfig, b: int, precision: str) -> float:
+    """The head of GPT(model): :func:`end_activations`' last-chunk bytes and its
+    once-per-step cast weight."""
+    options = Options(precision=precision, accounting="disttrain")
+    _, head, once = end_activations(_no_dropout(model), PlannedLayout(mbs=b), options, 1,
+                                    False)
+    return head + once
+
+
+def _no_dropout(model: ModelConfig) -> ModelShape:
+    return replace(gpt_shape(model), dropout=False)
 
 
 def _check(name: str, value: object, ok: bool, expected: str) -> None:

@@ -26,6 +26,7 @@ from .options import DEFAULT_OPTIONS, Options
 from .shape import ModelShape
 
 _GIB = 2**30
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -105,15 +106,16 @@ def _degrees(dims: tuple[Dimension, ...], ranks: int, limits: SearchLimits
 
 def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
                max_v: int = 8, max_mbs: int = 16,
-               recompute: tuple[str, ...] = RECOMPUTE) -> Iterator[PlannedLayout]:
+               recompute: tuple[str, ...] = RECOMPUTE,
+               zero: tuple[int, ...] = ZERO_STAGES) -> Iterator[PlannedLayout]:
     """Every choice of degrees whose product is the cluster's size (each dimension's
     candidates), of each dimension's search keys, of the micro-batch (powers of two),
-    the ZeRO stage and the recomputation; the keys vary in label order, the last
-    fastest."""
+    the ZeRO stage (among ``zero``) and the recomputation (among ``recompute``); the
+    keys vary in label order, the last fastest."""
     limits = _limits(cluster, max_v)
     mbs_options = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_mbs]
     owners = {o.name: d for d in DIMENSIONS for o in d.plan_options}
-    planner: dict[str, Sequence[int | str]] = {"mbs": mbs_options, "zero": range(4),
+    planner: dict[str, Sequence[int | str]] = {"mbs": mbs_options, "zero": zero,
                                                "recompute": recompute}
     keys = [k for k, _ in PlannedLayout().items() if k not in {d.key for d in DIMENSIONS}]
     at = {k: i for i, k in enumerate(keys)}
@@ -132,14 +134,17 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,
            options: Options = DEFAULT_OPTIONS, *, top: int = 5,
-           recompute: tuple[str, ...] = RECOMPUTE) -> SearchResult:
-    """The ``top`` fastest layouts that fit, and why the others were dropped."""
+           recompute: tuple[str, ...] = RECOMPUTE,
+           zero: tuple[int, ...] = ZERO_STAGES) -> SearchResult:
+    """The ``top`` fastest layouts that fit (0: all of them), and why the others were
+    dropped; ``recompute`` and ``zero``: the modes and stages a framework offers."""
     if global_batch < 1:
         raise UserError(f"--global-batch {global_batch} must be at least 1")
     result = SearchResult(rows=[])
     kept: list[Estimate] = []
     least = None
-    for lay in candidates(shape, cluster, global_batch, recompute=recompute):
+    for lay in candidates(shape, cluster, global_batch, recompute=recompute,
+                          zero=zero):
         result.considered += 1
         problem = layout_problem(shape, cluster, lay, global_batch)
         if problem:

@@ -125,7 +125,9 @@ class ModelShape:
         return 2 * self.hidden * self.vocab
 
     def model_flops_per_token(self) -> int:
-        """Forward + backward (3 x forward) per token, no recomputation."""
+        """Forward + backward (3 x forward) per token, no recomputation: the one
+        formula of the GPT and the transformers families, which the models' specs, the
+        metrics' MFU and the planner all use."""
         return 3 * (self.layers * (self.layer_matmul_flops() + self.layer_attention_flops())
                     + self.head_flops())
 
@@ -199,13 +201,20 @@ def hf_shape(path: Path) -> ModelShape:
         raise UserError(f"--model {path}: cannot read a JSON config ({exc})") from None
     if not isinstance(cfg, dict):
         raise UserError(f"--model {path}: not a JSON object")
+    return hf_config_shape(cfg, str(path), path.stem)
+
+
+def hf_config_shape(cfg: dict[str, Any], where: str = "config",
+                    name: str = "model") -> ModelShape:
+    """:func:`hf_shape` of a transformers config already read (``config.to_dict()``);
+    ``where`` names it in errors."""
 
     def get(*keys: str, default: Any = None) -> Any:  # a JSON value
         for k in keys:
             if cfg.get(k) is not None:
                 return cfg[k]
         if default is None:
-            raise UserError(f"--model {path}: no {' / '.join(keys)} in the config")
+            raise UserError(f"--model {where}: no {' / '.join(keys)} in the config")
         return default
 
     hidden = int(get("n_embd", "hidden_size", "d_model"))
@@ -213,7 +222,7 @@ def hf_shape(path: Path) -> ModelShape:
     gated = "intermediate_size" in cfg and kind != "gpt2" and "n_inner" not in cfg
     seq = int(get("n_positions", "max_position_embeddings", "n_ctx"))
     if gated:  # Llama family
-        return ModelShape(name=kind or path.stem, layers=int(get("num_hidden_layers")),
+        return ModelShape(name=kind or name, layers=int(get("num_hidden_layers")),
                           hidden=hidden, heads=int(get("num_attention_heads")), seq=seq,
                           vocab=int(get("vocab_size")), ffn=int(get("intermediate_size")),
                           kv_heads=int(get("num_key_value_heads",
@@ -224,7 +233,7 @@ def hf_shape(path: Path) -> ModelShape:
                           positions=0, dropout=float(cfg.get("attention_dropout", 0)) > 0)
     dropout = max(float(cfg.get(k, 0) or 0) for k in
                   ("resid_pdrop", "embd_pdrop", "attn_pdrop")) > 0
-    return ModelShape(name=kind or path.stem, layers=int(get("n_layer", "num_hidden_layers")),
+    return ModelShape(name=kind or name, layers=int(get("n_layer", "num_hidden_layers")),
                       hidden=hidden, heads=int(get("n_head", "num_attention_heads")),
                       seq=seq, vocab=int(get("vocab_size")),
                       ffn=int(cfg.get("n_inner") or 4 * hidden), gated=False, bias=True,

@@ -1,6 +1,10 @@
-"""FLOPs per token of a transformers causal LM, from its modules' shapes."""
+"""FLOPs per token of a transformers causal LM: the planner's formula for the GPT-2
+and Llama families, else from its modules' shapes."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 from torch import nn
 
@@ -10,12 +14,38 @@ from .common import as_causal_lm
 
 def matmul_flops_per_token(model: nn.Module, seq_len: int, n_layer: int,
                            d_model: int) -> int:
-    """Training FLOPs per token from the model's shapes: 6 per weight of every matrix
-    that multiplies activations (embedding lookups excluded, a tied output head counted)
-    plus attention's scores and weighted sum, 12 T d per layer (forward and backward)."""
+    """Training FLOPs per token: for the GPT-2 and Llama families the planner's formula
+    of the model's config at ``seq_len`` (:func:`~disttrain.plan.shape.hf_config_shape`,
+    :meth:`~disttrain.plan.shape.ModelShape.model_flops_per_token`); for another model,
+    from its shapes: 6 per weight of every matrix that multiplies activations
+    (embedding lookups excluded, a tied output head counted) plus attention's scores
+    and weighted sum, 12 T d per layer (forward and backward)."""
+    shape = _planner_shape(model, seq_len)
+    if shape is not None:
+        return int(shape.model_flops_per_token())
     matmul = sum(p.numel() for m in model.modules() if not isinstance(m, nn.Embedding)
                  for p in m.parameters(recurse=False) if p.dim() == 2)
     return int(6 * matmul + 12 * n_layer * seq_len * d_model)
+
+
+# transformers' model_type of the families the planner's formula describes
+_PLANNED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+
+
+def _planner_shape(model: nn.Module, seq_len: int) -> Any:
+    """The planner's shape (a ``ModelShape``) of a GPT-2 or Llama-family transformers
+    model at ``seq_len``, or None for another model."""
+    from ...errors import UserError
+    from ...plan.shape import hf_config_shape  # plan's package imports the models back
+
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if config is None or kind not in _PLANNED_FAMILIES:
+        return None
+    try:
+        return dataclasses.replace(hf_config_shape(config.to_dict(), kind), seq=seq_len)
+    except (UserError, TypeError, ValueError):
+        return None
 
 
 def hf_flops_per_token(model: nn.Module, seq_len: int) -> int | None:

@@ -18,21 +18,20 @@
    ``search_cpu_s`` this process's CPU seconds, which other processes on a shared
    machine do not inflate).
 
-5. Published runs (:mod:`disttrain.plan.published`), no GPU needed: every row of
-   llm-foundry's MPT table for A100 80GB with a sequence of at most 8192, planned with
-   its published layout (``--cluster`` and ``--layout`` as ``disttrain plan`` takes
-   them, FSDP full shard = ZeRO-3, bf16 gathers), predicted tokens/s per GPU against
-   the table's; and Megatron-LM's 1T layout (tp 8, pp 64, dp 6, 3072 A100s, full
-   recomputation) against its published 163 TFLOP/s per GPU.
+5. Published runs (:mod:`disttrain.plan.published`, :mod:`disttrain.plan.
+   published_layouts`), no GPU needed: llm-foundry's A100 and H100 tables,
+   Megatron-LM's H100 and A100 scaling tables, torchtitan's Llama 3.1 8B FSDP rows.
 
 Prints one JSON line: ``memory_rel_error_max`` (the largest |predicted / measured - 1|
 of model states or activations over every rank of every layout),
 ``time_rel_error_median`` (the median over layouts of |step time error|), ``layouts``
 (each layout's errors and step times), the search's time, size and best layout.
-Then a second JSON line (``bench: plan-published``; alone with ``--published-only``):
-each llm-foundry row's predicted and published tokens/s per GPU and its error
-(predicted / published - 1), their median and worst |error|, the refused rows, the
-Megatron-LM 1T error, and the 1T search's time. Progress goes to stderr.
+Then one line per published table (``bench: plan-published``, ``table``; alone with
+``--published-only``): each row's published and predicted figure and error, the rank
+of its published degrees among the planner's candidates (``of``: the groups of
+degrees that fit) and its recomputation choice against the planner's; the median and
+worst |error|, the rows in the top three, the recomputation choices right; then the
+trillion-parameter search's time (``bench: plan-search``). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -51,11 +50,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from disttrain.plan import ModelShape, Options, PlannedLayout, estimate, parse_cluster, search
+from disttrain.plan import ModelShape, Options, parse_cluster, search
 from disttrain.plan.accuracy import validate_run
-from disttrain.plan.choose import parse_layout
-from disttrain.plan.published import LLM_FOUNDRY_A100, LLM_FOUNDRY_SOURCE
-from disttrain.plan.search import layout_problem
+from disttrain.plan.published import LLM_FOUNDRY_TABLES
+from disttrain.plan.published_check import check_table
+from disttrain.plan.published_layouts import LAYOUT_TABLES
 from disttrain.testing import run_distributed
 
 MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32}
@@ -154,51 +153,18 @@ def search_trillion(global_batch: int) -> dict:
             "search_cluster": TRILLION_CLUSTER, "search_global_batch": global_batch}
 
 
-MEGATRON_1T = ModelShape(name="gpt-1t", layers=128, hidden=25600, heads=160, seq=2048,
-                         vocab=51200, dropout=True, flash=False)
-MEGATRON_1T_TFLOPS = 163.0  # Narayanan et al. 2021, Table 1: tp 8, pp 64, dp 6, batch 3072
-
-
-def published_rows() -> dict:
-    """Each llm-foundry row planned with its published layout, against the table."""
-    rows, refused = [], []
-    for run in LLM_FOUNDRY_A100:
-        shape, cluster = run.shape(), parse_cluster(run.cluster_spec())
-        lay = parse_layout(run.layout_spec(), cluster.n_devices)
-        problem = layout_problem(shape, cluster, lay, run.global_batch)
-        if problem:
-            refused.append({"row": run.label, "why": problem})
-            continue
-        est = estimate(shape, cluster, lay, run.global_batch, Options(accounting="mixed"),
-                       all_stages=True)
-        predicted = est.tokens_per_s / lay.ranks
-        rows.append({"row": run.label, "layout": run.layout_spec(),
-                     "published": run.tokens_per_s_per_gpu,
-                     "predicted": round(predicted, 1),
-                     "rel_error": round(predicted / run.tokens_per_s_per_gpu - 1, 4),
-                     "fits": est.fits, "split": {k: round(v / est.step_time_s, 4)
-                                                 for k, v in est.split.items() if v}})
-    errors = [abs(r["rel_error"]) for r in rows]
-    return {"llm_foundry_source": LLM_FOUNDRY_SOURCE, "llm_foundry_rows": rows,
-            "llm_foundry_refused": refused,
-            "llm_foundry_rel_error_median": round(statistics.median(errors), 4),
-            "llm_foundry_rel_error_worst": round(max(errors), 4)}
-
-
-def megatron_1t() -> dict:
-    cluster = parse_cluster(TRILLION_CLUSTER)
-    est = estimate(MEGATRON_1T, cluster, PlannedLayout(tp=8, pp=64, dp=6, mbs=1,
-                                                       recompute="full"),
-                   3072, Options(accounting="mixed"))
-    return {"megatron_1t_tflops_predicted": round(est.tflops_per_gpu, 1),
-            "megatron_1t_tflops_published": MEGATRON_1T_TFLOPS,
-            "megatron_1t_rel_error": round(est.tflops_per_gpu / MEGATRON_1T_TFLOPS - 1, 4)}
-
-
-def published(global_batch: int) -> dict:
+def published(global_batch: int) -> list[dict]:
+    """One JSON object per published table (:func:`~disttrain.plan.published_check.
+    check_table`), then the trillion-parameter search's time."""
+    lines = []
+    for table in (*LLM_FOUNDRY_TABLES, *LAYOUT_TABLES):
+        _log(f"checking {table.name} ({len(table.rows)} rows)")
+        lines.append(check_table(table))
     found = search_trillion(global_batch)
-    return {"bench": "plan-published", **published_rows(), **megatron_1t(),
-            **{k: found[k] for k in ("search_s", "search_cpu_s", "search_considered")}}
+    lines.append({"bench": "plan-search", **{k: found[k] for k in (
+        "search_s", "search_cpu_s", "search_considered", "search_fits",
+        "search_cluster", "search_global_batch")}})
+    return lines
 
 
 def parse_args() -> argparse.Namespace:
@@ -218,7 +184,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.published_only:
-        print(json.dumps(published(args.global_batch)))
+        for line in published(args.global_batch):
+            print(json.dumps(line), flush=True)
         return 0
     if args.keep is not None and args.keep.exists():
         print(json.dumps({"bench": "plan", "error": f"--keep {args.keep} exists"}))
@@ -249,7 +216,8 @@ def main() -> int:
                       "layouts": layouts, **found, "steps": args.steps,
                       "cluster": {k: cluster.get(k) for k in ("name", "source")},
                       "machine": f"{os.cpu_count()} cpu cores"}))
-    print(json.dumps(published(args.global_batch)))
+    for line in published(args.global_batch):
+        print(json.dumps(line), flush=True)
     return 0
 
 

@@ -34,9 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import OPTIONS, PlannedLayout
+from .options import Options
 from .shape import ModelShape
 
 _OPTION_NAMES = {o.name for o in OPTIONS}
+MIXED = Options(accounting="mixed")
 
 LLM_FOUNDRY_SOURCE = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ "
                       "8c8dd48f, 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)'")
@@ -78,6 +80,9 @@ class TableRow:
     # the ZeRO stages the framework offers (Megatron-LM: none or its distributed
     # optimizer; FSDP: all): the rank is among layouts the authors could have run
     zero_choices: tuple[int, ...] = (0, 1, 2, 3)
+    # the estimate's assumptions: 16-bit weights and gradients with an fp32 master
+    # copy, and the overlaps the framework had
+    options: Options = MIXED
 
 
 @dataclass(frozen=True)
@@ -263,7 +268,8 @@ LLM_FOUNDRY_H100_SOURCE = ("mosaicml/llm-foundry scripts/train/benchmarking/READ
 
 LLM_FOUNDRY_TABLES = (
     PublishedTable("llm_foundry_a100", LLM_FOUNDRY_SOURCE,
-                   tuple(r.row() for r in LLM_FOUNDRY_A100)),
+                   tuple(r.row() for r in LLM_FOUNDRY_A100),
+                   "rows of sequences over 8192 (16k to 64k)"),
     PublishedTable("llm_foundry_h100", LLM_FOUNDRY_H100_SOURCE,
                    tuple(r.row() for r in LLM_FOUNDRY_H100),
                    "rows of sequences over 8192 (16k to 64k: 13 rows) and the FP8 table "

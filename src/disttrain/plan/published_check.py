@@ -24,11 +24,8 @@ from typing import Any
 from .cluster import parse_cluster
 from .estimate import Estimate, estimate
 from .layout import PlannedLayout
-from .options import Options
 from .published import PublishedTable, TableRow
 from .search import search
-
-OPTIONS = Options(accounting="mixed")  # 16-bit weights and gradients, fp32 master copy
 
 
 @dataclass(frozen=True)
@@ -76,15 +73,15 @@ def check_row(row: TableRow, *, rank: bool = True) -> RowCheck:
     groups: dict[tuple[int, ...], Estimate] = {}
     published = None
     if rank or row.degrees_only:
-        for est in search(row.shape, cluster, row.global_batch, OPTIONS, top=0,
+        for est in search(row.shape, cluster, row.global_batch, row.options, top=0,
                           zero=row.zero_choices).rows:
             groups.setdefault(est.layout.degrees, est)  # rows come fastest first
             if published is None and _is_published(row, est):
                 published = est
     if not row.degrees_only:
-        published = estimate(row.shape, cluster, row.layout, row.global_batch, OPTIONS)
+        published = estimate(row.shape, cluster, row.layout, row.global_batch, row.options)
     if published is None:  # no layout of the published degrees fits
-        published = estimate(row.shape, cluster, row.layout, row.global_batch, OPTIONS)
+        published = estimate(row.shape, cluster, row.layout, row.global_batch, row.options)
     place = None
     own = groups.get(row.layout.degrees)
     if rank and own is not None:
@@ -108,7 +105,7 @@ def _recompute_pick(row: TableRow, cluster: Any) -> str | None:
     for mode in row.recompute_choices:
         base = row.layout
         lay = PlannedLayout.of(base.degrees, base.options, base.mbs, base.zero, mode)
-        est = estimate(row.shape, cluster, lay, row.global_batch, OPTIONS)
+        est = estimate(row.shape, cluster, lay, row.global_batch, row.options)
         if est.fits:
             timed.append((est.step_time_s, mode))
     return min(timed)[1] if timed else "none fits"

@@ -41,6 +41,7 @@ data parallel size of one") gives no layouts. Left out.
 from __future__ import annotations
 
 from .layout import PlannedLayout
+from .options import Options
 from .published import PublishedTable, TableRow
 from .shape import ModelShape
 
@@ -54,6 +55,11 @@ TORCHTITAN_SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtita
 # Megatron-LM replicates its model states or shards the optimizer's (its distributed
 # optimizer, ZeRO-1); it has no ZeRO-2 or 3
 MEGATRON_ZERO = (0, 1)
+
+# the README's "Communication optimizations": --overlap-grad-reduce (disttrain's
+# buckets do as much), --overlap-param-gather, --tp-comm-overlap
+MEGATRON_OVERLAPS = Options(accounting="mixed", tp_comm_overlap=True,
+                            param_gather_overlap=True)
 
 # size, heads, hidden, layers, tp, pp, dp, GPUs, global batch, TFLOP/s per GPU
 _MEGATRON_H100 = (
@@ -96,7 +102,7 @@ def megatron_h100_rows() -> tuple[TableRow, ...]:
                              f"gpu=h100-80gb,gpus_per_node=8,nodes={_nodes(gpus)}",
                              PlannedLayout(tp=tp, pp=pp, dp=dp), batch, tflops,
                              metric="tflops_per_gpu", degrees_only=True,
-                             zero_choices=MEGATRON_ZERO))
+                             zero_choices=MEGATRON_ZERO, options=MEGATRON_OVERLAPS))
     return tuple(rows)
 
 

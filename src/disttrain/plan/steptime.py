@@ -14,13 +14,16 @@ A token split (context parallelism) leaves each rank 1/N of every sample's posit
 (:func:`~.shape.token_part`: the layer's matmuls, memory-bound work, head and
 messages of that many tokens) and 1/N of the whole sequence's attention; per layer its
 pricing's ``communication`` adds the ring's messages that the attention of the held
-block does not hide (the figure ``cp_comm``).
+block does not hide (the figure ``cp_comm``). A framework that pipelines tensor
+parallelism's collectives with the matmuls (``Options.tp_comm_overlap``) shows only
+what exceeds each pass's matmul time.
 
 After the pipeline: the replica group's reduction the backward does not hide (none on
 a CPU whose cores the ranks' compute threads fill; plain:
 one all-reduce per bucket; ZeRO: one reduce-scatter per flat buffer (:func:`~.shape.
 zero_flats`), once (stage 1) or per micro-batch (2, 3), then one all-gather per flat
-of the updated parameters; stage 3, as FSDP runs it, gathers each unit before its
+of the updated parameters, hidden behind the next step's first forward with
+``Options.param_gather_overlap``; stage 3, as FSDP runs it, gathers each unit before its
 forward and its backward, prefetched a unit ahead, and reduce-scatters behind the
 next unit's backward: :func:`_prefetched`), the per-step synchronisation every disttrain step
 makes (the loss and token counts, the stop flag, telemetry on logged steps, the
@@ -119,6 +122,10 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     comm = shard_pricing().communication(
         lay, act, 4 * tokens, lambda op, nbytes, ranks: collective_time(
             cluster, op, nbytes, ranks, busy))
+    layer_comm = (comm.layer_forward, comm.layer_backward)
+    if o.tp_comm_overlap:  # pipelined with the pass's matmuls: only the excess shows
+        layer_comm = (max(0.0, comm.layer_forward - share * fwd.matmul),
+                      max(0.0, comm.layer_backward - share * bwd.matmul))
     # framework time of the ends, half on the embedding's chunk, half on the head's
     end = share * cluster.microbatch_overhead_s / 2
     ends_fwd = (comm.first_forward + end / 3, comm.last_forward + end / 3)
@@ -126,8 +133,8 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     head_w = head_work(shape, cluster, lay.mbs, o.precision, shards)
     head = share * head_w.device
     chunk_forward_s, chunk_backward_s = cut.chunk_times(
-        sizes, layer_fwd + comm.layer_forward + ring.forward,
-        layer_bwd + recompute + comm.layer_backward + ring.backward, head, ends_fwd,
+        sizes, layer_fwd + layer_comm[0] + ring.forward,
+        layer_bwd + recompute + layer_comm[1] + ring.backward, head, ends_fwd,
         ends_bwd)
     compute_rank = [layers * (layer_fwd + layer_bwd + recompute)
                     + (head if st == n - 1 else 0.0)
@@ -233,6 +240,8 @@ def _reduction_exposed(shape: ModelShape, cluster: Cluster, o: Options,
                              calls=flats, span=span)
     if lay.zero < 3:  # stage 1 reduces in the last backward only; the shards after
         rounds = m if lay.zero == 2 else 1
+        if o.param_gather_overlap:  # behind the next step's first forward
+            gather = _hidden_behind(gather, forward, flats)
         return none | {"reduce_scatter": rounds * _hidden_behind(reduce, backward, flats),
                        "all_gather": gather}
     gathered, reduced = _prefetched(gather, reduce, forward, backward, max(1, flats // 2))

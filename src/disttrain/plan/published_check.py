@@ -111,10 +111,13 @@ def _recompute_pick(row: TableRow, cluster: Any) -> str | None:
     return min(timed)[1] if timed else "none fits"
 
 
-def check_table(table: PublishedTable, *, rank: bool = True) -> dict[str, Any]:
+def check_table(table: PublishedTable, *, rank_up_to: int | None = None) -> dict[str, Any]:
     """The table's JSON line for ``bench/plan.py``: every row, the median and worst
-    |error|, the ranks, the rows in the top three, the recomputation choices."""
-    checks = [check_row(r, rank=rank) for r in table.rows]
+    |error|, the ranks (of the rows on at most ``rank_up_to`` GPUs; None: every row),
+    the rows in the top three, the recomputation choices."""
+    checks = [check_row(r, rank=rank_up_to is None or r.layout.ranks <= rank_up_to)
+              for r in table.rows]
+    ranked = [c for c in checks if c.candidates or c.rank is not None]
     errors = [abs(c.error) for c in checks]
     ranks = [c.rank for c in checks]
     picks = [c.recompute_right for c in checks if c.recompute_right is not None]
@@ -122,7 +125,7 @@ def check_table(table: PublishedTable, *, rank: bool = True) -> dict[str, Any]:
             "left_out": table.left_out, "rows": [c.to_json() for c in checks],
             "rel_error_median": round(statistics.median(errors), 4),
             "rel_error_worst": round(max(errors), 4),
-            "ranks": ranks,
+            "ranks": ranks, "rank_up_to_gpus": rank_up_to, "ranked": len(ranked),
             "top3": sum(r is not None and r <= 3 for r in ranks),
-            "not_expressible": sum(r is None for r in ranks),
+            "not_expressible": sum(c.rank is None for c in ranked),
             "recompute_right": sum(picks), "recompute_checked": len(picks)}

@@ -117,3 +117,24 @@ def test_the_gpts_activation_estimate_is_the_planners(precision, b):
                    Options(precision=precision, accounting="disttrain"), memory_only=True)
     assert est.stage_memory(0).activations == pytest.approx(
         gpt_activation_bytes(cfg, micro_batch=b, precision=precision), abs=0.5)
+
+
+def test_framework_overlaps_hide_only_communication():
+    """Megatron-LM's overlaps (tp collectives pipelined with matmuls, ZeRO-1's gather
+    behind the next forward) shorten the step by what they hide and nothing else."""
+    from dataclasses import replace
+
+    shape = ModelShape(layers=8, hidden=8192, heads=64, seq=4096, vocab=131072,
+                       tied=False)
+    cluster = replace(PRESETS["h100-80gb"], nodes=2)
+    lay = PlannedLayout(tp=8, dp=2, mbs=1, zero=1)
+    plain = estimate(shape, cluster, lay, 8, Options(accounting="mixed"))
+    hidden = estimate(shape, cluster, lay, 8, Options(accounting="mixed",
+                                                        tp_comm_overlap=True,
+                                                        param_gather_overlap=True))
+    saved = {k: plain.split[k] - hidden.split[k] for k in plain.split}
+    assert saved["tp_comm"] > 0 and saved["dp_all_gather"] > 0
+    assert all(v == pytest.approx(0, abs=1e-12) for k, v in saved.items()
+               if k not in ("tp_comm", "dp_all_gather"))
+    assert plain.step_time_s - hidden.step_time_s == pytest.approx(sum(saved.values()))
+    assert sum(hidden.split.values()) == pytest.approx(hidden.step_time_s)

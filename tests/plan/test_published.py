@@ -130,7 +130,7 @@ def test_framework_overlaps_hide_only_communication():
     lay = PlannedLayout(tp=8, dp=2, mbs=1, zero=1)
     plain = estimate(shape, cluster, lay, 8, Options(accounting="mixed"))
     hidden = estimate(shape, cluster, lay, 8, Options(accounting="mixed",
-                                                        tp_comm_overlap=True,
+                                                        layer_comm_overlap=True,
                                                         param_gather_overlap=True))
     saved = {k: plain.split[k] - hidden.split[k] for k in plain.split}
     assert saved["tp_comm"] > 0 and saved["dp_all_gather"] > 0

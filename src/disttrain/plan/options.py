@@ -17,7 +17,7 @@ class Options:
     ``mixed`` (the ZeRO paper's 2 + 2 + 12 bytes, every activation in 16 bits);
     ``grad_bytes``: bytes per gradient element on the wire (and per parameter in
     ZeRO's gathers). Overlaps a framework has and disttrain has not (both off for
-    disttrain's own runs): ``tp_comm_overlap``, tensor parallelism's collectives
+    disttrain's own runs): ``layer_comm_overlap``, tensor parallelism's collectives
     pipelined with the layer's matmuls (Megatron-LM's ``--tp-comm-overlap``), so only
     what exceeds a pass's matmul time shows; ``param_gather_overlap``, ZeRO-1/2's
     all-gather of the updated parameters behind the next step's first forward
@@ -27,7 +27,7 @@ class Options:
     accounting: str = "disttrain"
     bucket_mb: float = 25.0
     log_every: int = 10  # steps between logged records (telemetry is gathered on those)
-    tp_comm_overlap: bool = False
+    layer_comm_overlap: bool = False
     param_gather_overlap: bool = False
 
     @property

@@ -58,7 +58,7 @@ MEGATRON_ZERO = (0, 1)
 
 # the README's "Communication optimizations": --overlap-grad-reduce (disttrain's
 # buckets do as much), --overlap-param-gather, --tp-comm-overlap
-MEGATRON_OVERLAPS = Options(accounting="mixed", tp_comm_overlap=True,
+MEGATRON_OVERLAPS = Options(accounting="mixed", layer_comm_overlap=True,
                             param_gather_overlap=True)
 
 # size, heads, hidden, layers, tp, pp, dp, GPUs, global batch, TFLOP/s per GPU

@@ -15,7 +15,7 @@ A token split (context parallelism) leaves each rank 1/N of every sample's posit
 messages of that many tokens) and 1/N of the whole sequence's attention; per layer its
 pricing's ``communication`` adds the ring's messages that the attention of the held
 block does not hide (the figure ``cp_comm``). A framework that pipelines tensor
-parallelism's collectives with the matmuls (``Options.tp_comm_overlap``) shows only
+parallelism's collectives with the matmuls (``Options.layer_comm_overlap``) shows only
 what exceeds each pass's matmul time.
 
 After the pipeline: the replica group's reduction the backward does not hide (none on
@@ -123,7 +123,7 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
         lay, act, 4 * tokens, lambda op, nbytes, ranks: collective_time(
             cluster, op, nbytes, ranks, busy))
     layer_comm = (comm.layer_forward, comm.layer_backward)
-    if o.tp_comm_overlap:  # pipelined with the pass's matmuls: only the excess shows
+    if o.layer_comm_overlap:  # pipelined with the pass's matmuls: only the excess shows
         layer_comm = (max(0.0, comm.layer_forward - share * fwd.matmul),
                       max(0.0, comm.layer_backward - share * bwd.matmul))
     # framework time of the ends, half on the embedding's chunk, half on the head's

@@ -1,0 +1,110 @@
+"""parallel.fault_tolerance = replica: replica groups joined by torchft.
+
+The multi-process tests start the lighthouse and the groups through
+disttrain.launch.replicas (each group a torchrun of its own), a tiny GPT, a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from disttrain.errors import ConfigError
+from disttrain.parallel.ft.replicas import check_lighthouse, config_fingerprint, replica_window
+from disttrain.run_checks import resolve
+from support import fit_tiny, tiny_config
+
+torchft = pytest.importorskip("torchft", reason="needs torchft (pip install 'disttrain[ft]')")
+
+WORKER = Path(__file__).with_name("ft_worker.py")
+FT_KEYS = {"global_batch": 12, "fault_tolerance": "replica", "replicas": 3, "log_every": 2,
+           "warmup_steps": 0}
+
+
+def test_replica_windows_tile_the_global_batch() -> None:
+    for batch in (12, 13, 7):
+        for count in (1, 2, 3, 5):
+            windows = [replica_window(batch, r, count) for r in range(count)]
+            starts = [o for o, _ in windows]
+            assert starts == sorted(starts) and starts[0] == 0
+            assert [o + n for o, n in windows[:-1]] == starts[1:]  # contiguous
+            assert sum(n for _, n in windows) == batch
+            assert max(n for _, n in windows) - min(n for _, n in windows) <= 1
+
+
+def test_fingerprint_tells_configs_and_group_sizes_apart() -> None:
+    a = config_fingerprint({"train": {"lr": 1e-3}, "explicit": frozenset({"x", "y"})}, 2)
+    assert a == config_fingerprint({"train": {"lr": 1e-3}, "explicit": frozenset({"y"})}, 2)
+    assert a != config_fingerprint({"train": {"lr": 2e-3}}, 2)
+    assert a != config_fingerprint({"train": {"lr": 1e-3}}, 4)
+
+
+def test_unreachable_lighthouse_is_refused() -> None:
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConfigError, match="parallel.lighthouse.*not reachable"):
+        check_lighthouse(f"http://127.0.0.1:{port}", timeout_s=2.0)
+
+
+def test_cli_refuses_unreachable_lighthouse_with_exit_2(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "disttrain", "train", "--nproc", "2", "--run-dir",
+         str(tmp_path / "run"), "--set", "parallel.fault_tolerance=replica",
+         "--set", "parallel.replicas=2", "--set", "parallel.lighthouse=http://127.0.0.1:9"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "parallel.lighthouse" in out.stderr and "not reachable" in out.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_data_parallelism_inside_a_group_is_refused() -> None:
+    cfg = tiny_config(**FT_KEYS)
+    with pytest.raises(ConfigError, match="parallel.dp"):
+        resolve(cfg, 2)  # 2 ranks per group, tp 1: dp 2 inside the group
+
+
+def _launch(run: Path, keys: dict, env: dict[str, str] | None = None) -> int:
+    """The groups of ``keys`` as `disttrain train` starts them, in a child process (the
+    lighthouse too), each group's run directory RUN/replica-I."""
+    code = (
+        "import json, sys\n"
+        "from disttrain.launch.agent import LaunchOptions\n"
+        "from disttrain.launch.replicas import launch_replicas, replica_dir\n"
+        f"keys = json.loads({json.dumps(json.dumps(keys))})\n"
+        "n = keys['replicas'] * keys.get('tp', 1)\n"
+        f"sys.exit(launch_replicas(LaunchOptions(nproc=n, max_restarts=2), keys['replicas'],"
+        f" '', lambda i: [{str(WORKER)!r}, replica_dir({str(run)!r}, i), json.dumps(keys)]))\n")
+    tests = str(Path(__file__).parents[2])
+    path = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
+    full = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], env=full, timeout=240).returncode
+
+
+def _weights(run: Path, replicas: int) -> list[dict[str, torch.Tensor]]:
+    return [load_file(str(run / f"replica-{i}" / "model.safetensors"))
+            for i in range(replicas)]
+
+
+@pytest.mark.timeout(300)
+def test_three_groups_agree_and_match_one_process(tmp_path: Path) -> None:
+    steps = 6
+    assert _launch(tmp_path / "ft", {**FT_KEYS, "steps": steps}) == 0
+    groups = _weights(tmp_path / "ft", 3)
+    for other in groups[1:]:  # every group applied the same update: bitwise
+        assert all(torch.equal(groups[0][k], other[k]) for k in groups[0])
+    # the same global batch of 12 on one process (3 micro-batches of 4): only the
+    # order of the gradient sums differs, a few float32 ulps per step
+    reference = fit_tiny(steps, str(tmp_path / "one"), mask=True, global_batch=12,
+                         grad_accum=3, log_every=2, warmup_steps=0)
+    for name, value in groups[0].items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5)
+    summary = json.loads((tmp_path / "ft" / "replica-0" / "summary.json").read_text())
+    assert summary["ft_short_steps"] == [] and summary["ft_retried_steps"] == 0

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import fit_tiny, tiny_config
 
 from disttrain.errors import ConfigError
 from disttrain.parallel.ft.replicas import check_lighthouse, config_fingerprint, replica_window
 from disttrain.run_checks import resolve
-from support import fit_tiny, tiny_config
 
 torchft = pytest.importorskip("torchft", reason="needs torchft (pip install 'disttrain[ft]')")
 

@@ -147,7 +147,7 @@ def _launch_replicas(config: Config, ns: argparse.Namespace, opts: LaunchOptions
     status(f"starting {config.parallel.replicas} replica group(s) of "
            f"{opts.nproc // config.parallel.replicas} worker(s)...")
     return launch_replicas(opts, config.parallel.replicas, config.parallel.lighthouse,
-                           target)
+                           target, config.parallel.ft_heartbeat_s)
 
 
 def _prepare_data(config: Config) -> None:

@@ -273,6 +273,13 @@ class ParallelConfig:
                        "global batch is split over those present at each step", ge=1)
     lighthouse: str = _f("", "fault_tolerance = replica: http://HOST:PORT of a running "
                          "torchft_lighthouse (empty: disttrain train starts one)")
+    ft_heartbeat_s: float = _f(5.0, "fault_tolerance = replica, the lighthouse disttrain "
+                               "train starts: a replica group silent this long leaves the "
+                               "quorum (a loaded machine needs more)", gt=0.0)
+    ft_rejoin_s: float = _f(120.0, "fault_tolerance = replica: how long a restarted group "
+                            "waits for a live peer to heal from (then it stops, never "
+                            "trains alone), and how long a finished group waits at the "
+                            "end for missing groups to rejoin", gt=0.0)
 
 
 @dataclass(kw_only=True)

@@ -19,37 +19,38 @@ from dataclasses import replace
 from ..parallel.ft.replicas import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from .agent import PASSED_ON_CODES, LaunchOptions, torchrun_args
 
-# the lighthouse `disttrain train` starts: a dead replica leaves the quorum after
-# HEARTBEAT_TIMEOUT_MS without a heartbeat; the first quorum waits JOIN_TIMEOUT_MS for
-# the groups still starting
-HEARTBEAT_TIMEOUT_MS = 2000
-JOIN_TIMEOUT_MS = 3000
-
 
 def replica_dir(run_dir: str, group: int) -> str:
     """Where replica group ``group`` writes (its checkpoints, metrics, summary)."""
     return os.path.join(run_dir, f"replica-{group}")
 
 
-def start_lighthouse(min_replicas: int = 1) -> object:
-    """torchft's lighthouse on a free port of this machine (``.address()``, ``.shutdown()``)."""
+def start_lighthouse(heartbeat_s: float, min_replicas: int = 1) -> object:
+    """torchft's lighthouse on a free port of this machine (``.address()``, ``.shutdown()``).
+
+    A replica group without a heartbeat for ``heartbeat_s`` leaves the quorum, and a
+    quorum waits as long for a heartbeating group that has not asked to join yet (one
+    still starting, or slowed by a loaded machine): both are ``parallel.ft_heartbeat_s``.
+    Leaving early costs a heal, never a wrong step (torchft's step count decides who
+    heals; a lone group cannot form a quorum while the others heartbeat)."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
-                            join_timeout_ms=JOIN_TIMEOUT_MS,
-                            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    ms = int(heartbeat_s * 1000)
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=ms,
+                            heartbeat_timeout_ms=ms)
 
 
 def launch_replicas(opts: LaunchOptions, replicas: int, lighthouse: str,
-                    target_for: Callable[[int], list[str]]) -> int:
+                    target_for: Callable[[int], list[str]], heartbeat_s: float) -> int:
     """Run ``replicas`` groups of ``opts.nproc // replicas`` workers, group ``i`` on
     ``target_for(i)``, joined by the lighthouse at ``lighthouse`` (empty: one started
-    here). Returns 0 when every group finished, the groups' common code when they
-    stopped on purpose with the same one (2: bad input, ...), else 1."""
+    here, with ``heartbeat_s``: :func:`start_lighthouse`). Returns 0 when every group
+    finished, the groups' common code when they stopped on purpose with the same one
+    (2: bad input, ...), else 1."""
     group = replace(opts, nproc=opts.nproc // replicas)
     server = None
     if not lighthouse:
-        server = start_lighthouse()
+        server = start_lighthouse(heartbeat_s)
         lighthouse = server.address()  # type: ignore[attr-defined]
     procs = []
     try:

@@ -156,7 +156,7 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
     if config.parallel.fault_tolerance == FT_REPLICA:
         replicas = build_replica_groups(
             config, module=model.parallel.module, optimizer=model.optimizer, cursor=cursor,
-            ledger=mesh.ledger, group_rank=runtime.rank, group_size=runtime.world_size,
+            ledger=mesh.ledger, world=world, group_rank=runtime.rank, group_size=runtime.world_size,
             device=runtime.device, start_step=start_step)
         closing.callback(replicas.close)
     return Run(

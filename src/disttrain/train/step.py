@@ -291,6 +291,8 @@ def run_steps(run: Run) -> LoopResult:
                 run.log(done, last_eval if evaluate_now else None)
             if stopping:
                 run.cadence.stop(done, run.cursor.position)
+        if run.replicas is not None and step >= train.steps:  # fault tolerance: the
+            run.replicas.finish()  # groups missing at the end rejoin before any leaves
     final_loss = sum(recent) / len(recent) if recent else float("nan")
     return LoopResult(initial_eval, last_eval, totals, final_loss,
                       time.perf_counter() - start)

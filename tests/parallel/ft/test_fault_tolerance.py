@@ -24,6 +24,7 @@ from disttrain.run_checks import resolve
 torchft = pytest.importorskip("torchft", reason="needs torchft (pip install 'disttrain[ft]')")
 
 WORKER = Path(__file__).with_name("ft_worker.py")
+HEARTBEAT_S = 5.0  # the lighthouse's heartbeat and join timeouts (parallel.ft_heartbeat_s)
 FT_KEYS = {"global_batch": 12, "fault_tolerance": "replica", "replicas": 3, "log_every": 2,
            "warmup_steps": 0}
 
@@ -81,7 +82,8 @@ def _launch(run: Path, keys: dict, env: dict[str, str] | None = None) -> int:
         f"keys = json.loads({json.dumps(json.dumps(keys))})\n"
         "n = keys['replicas'] * keys.get('tp', 1)\n"
         f"sys.exit(launch_replicas(LaunchOptions(nproc=n, max_restarts=2), keys['replicas'],"
-        f" '', lambda i: [{str(WORKER)!r}, replica_dir({str(run)!r}, i), json.dumps(keys)]))\n")
+        f" '', lambda i: [{str(WORKER)!r}, replica_dir({str(run)!r}, i), json.dumps(keys)],"
+        f" {HEARTBEAT_S}))\n")
     tests = str(Path(__file__).parents[2])
     path = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
     full = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -93,18 +95,67 @@ def _weights(run: Path, replicas: int) -> list[dict[str, torch.Tensor]]:
             for i in range(replicas)]
 
 
-@pytest.mark.timeout(300)
-def test_three_groups_agree_and_match_one_process(tmp_path: Path) -> None:
-    steps = 6
-    assert _launch(tmp_path / "ft", {**FT_KEYS, "steps": steps}) == 0
-    groups = _weights(tmp_path / "ft", 3)
+STEPS = 8  # the runs below: a few steps on each side of the kill
+KILL_AT = 3  # replica group 1 is SIGKILLed right after committing this step
+
+
+@pytest.fixture(scope="module")
+def no_failure(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of three groups stepping STEPS without a failure (checked
+    bitwise equal across the groups and against one process)."""
+    run = tmp_path_factory.mktemp("ft") / "run"
+    assert _launch(run, {**FT_KEYS, "steps": STEPS}) == 0
+    groups = _weights(run, 3)
     for other in groups[1:]:  # every group applied the same update: bitwise
         assert all(torch.equal(groups[0][k], other[k]) for k in groups[0])
+    summary = json.loads((run / "replica-0" / "summary.json").read_text())
+    assert summary["ft_short_steps"] == [] and summary["ft_retried_steps"] == 0
+    return groups[0]
+
+
+@pytest.mark.timeout(300)
+def test_three_groups_agree_and_match_one_process(no_failure: dict[str, torch.Tensor],
+                                                  tmp_path: Path) -> None:
     # the same global batch of 12 on one process (3 micro-batches of 4): only the
     # order of the gradient sums differs, a few float32 ulps per step
-    reference = fit_tiny(steps, str(tmp_path / "one"), mask=True, global_batch=12,
+    reference = fit_tiny(STEPS, str(tmp_path / "one"), mask=True, global_batch=12,
                          grad_accum=3, log_every=2, warmup_steps=0)
-    for name, value in groups[0].items():
+    for name, value in no_failure.items():
         torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5)
-    summary = json.loads((tmp_path / "ft" / "replica-0" / "summary.json").read_text())
-    assert summary["ft_short_steps"] == [] and summary["ft_retried_steps"] == 0
+
+
+def _logged_steps(run: Path, group: int) -> list[int]:
+    lines = (run / f"replica-{group}" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+@pytest.mark.timeout(300)
+def test_killed_group_rejoins_and_survivors_lose_no_step(
+        no_failure: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """Group 1 of 3 is SIGKILLed after step KILL_AT; its agent restarts it and it heals
+    from a live peer (mid-run, or at the end, where the finished groups wait for it).
+
+    Survivors: every step logged once, in order (none taken again after a commit),
+    never healed (their state never replaced), only steps after the kill recorded as
+    short. All three end bitwise on the same parameters. Against the run without the
+    failure: the missing group's share is redistributed, so every step trains the same
+    global batch of 12 and the update is the same mean; only the order of the sums
+    differs (2 shares instead of 3 for the short steps), a few float32 ulps per step:
+    the same tolerance as three groups against one process."""
+    run = tmp_path / "ft"
+    fault = {"DISTTRAIN_FAULT": f"train.step:{KILL_AT}", "DISTTRAIN_FAULT_REPLICA": "1"}
+    assert _launch(run, {**FT_KEYS, "steps": STEPS, "log_every": 1}, fault) == 0
+    groups = _weights(run, 3)
+    for other in groups[1:]:
+        assert all(torch.equal(groups[0][k], other[k]) for k in groups[0])
+    for name, value in groups[0].items():
+        torch.testing.assert_close(value, no_failure[name], rtol=1e-4, atol=1e-5)
+    summaries = [json.loads((run / f"replica-{i}" / "summary.json").read_text())
+                 for i in range(3)]
+    for i in (0, 2):
+        assert _logged_steps(run, i) == list(range(1, STEPS + 1))
+        assert summaries[i]["ft_healed_at"] is None
+        # short only after the kill (none at all when group 1 was back in the next
+        # quorum: a fast restart heals at KILL_AT before the others step without it)
+        assert all(s > KILL_AT for s in summaries[i]["ft_short_steps"])
+    assert KILL_AT < summaries[1]["ft_healed_at"] <= STEPS  # from a peer, not from disk

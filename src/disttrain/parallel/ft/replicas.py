@@ -35,20 +35,33 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import torch
 from torch import nn
 
 from ...comm.collectives import CollectiveLedger
-from ...errors import ConfigError, UserError
+from ...errors import ConfigError, TrainingStopped, UserError
 
 # the environment the launcher (or a cluster's job spec) sets on each replica group
 REPLICA_GROUP_ENV = "DISTTRAIN_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # the ledger's name for the cross-replica group
 REPLICAS_GROUP = "replicas"
+
+
+class ReplicaLeftBehind(TrainingStopped):
+    """A restarted replica group found no live peer to heal from within
+    ``parallel.ft_rejoin_s``: the others finished or failed. It stops rather than train
+    alone on a state the others no longer share."""
+
+    def __init__(self, group: int, waited_s: float) -> None:
+        super().__init__(
+            f"replica group {group} restarted but no other replica group joined the "
+            f"quorum within parallel.ft_rejoin_s={waited_s:g} s (they finished or "
+            "failed): not training alone; take the final weights of the groups that "
+            "finished, or resume the job from its last checkpoint")
 
 
 def replica_window(global_batch: int, rank: int, count: int) -> tuple[int, int]:
@@ -110,14 +123,22 @@ class ReplicaGroups:
     server and talks to the lighthouse) over a reconfigurable process group of the
     same group rank in every replica group.
 
-    ``fingerprint``: :func:`config_fingerprint`; a group whose value differs from the
-    quorum's first replica's stops with a ConfigError (exit 2) before its first update.
+    ``fingerprint``: :func:`config_fingerprint`; compared at every step (it travels
+    with the loss totals), so a group whose value differs from the quorum's first
+    replica's stops with a ConfigError (exit 2) before it updates anything.
+
+    ``store``: (host, port) of a TCPStore this attempt of the group started
+    (:func:`attempt_store`): torchft's Manager finds its server's address there and the
+    cross-replica groups rendezvous under it, so nothing a previous attempt left in the
+    torchrun store is read. ``rejoin_s``: how long a restarted group waits for a live
+    peer to heal from, and how long a finished group waits for missing ones to rejoin.
     """
 
     def __init__(self, *, state: RecoverableState, ledger: CollectiveLedger,
                  lighthouse: str, replica_group: int, group_rank: int, group_size: int,
                  fingerprint: int, start_step: int, expected: int, device: torch.device,
-                 timeout_s: float, bucket_mb: float) -> None:
+                 timeout_s: float, bucket_mb: float, store: tuple[str, int],
+                 store_server: Any, rejoin_s: float) -> None:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         timeout = timedelta(seconds=timeout_s)
@@ -132,9 +153,14 @@ class ReplicaGroups:
             min_replica_size=1, use_async_quorum=False, init_sync=False,
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse,
-            replica_id=f"disttrain_{replica_group}")
+            replica_id=f"disttrain_{replica_group}", store_addr=store[0],
+            store_port=store[1])
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
-        self.checked = False
+        self.rejoin_s = rejoin_s
+        self.store_server = store_server  # served while the groups live (None off rank 0)
+        # a restarted attempt must heal from a live peer before it trains (never alone)
+        self.restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        self.quorum_open = False  # a quorum was formed for a step not yet committed
         self.short_steps: list[int] = []  # 1-based steps some replica sat out
         self.retried = 0  # steps taken again after a failed reduction
         self.healed_at: int | None = None
@@ -145,20 +171,52 @@ class ReplicaGroups:
         (its state replaced by a peer's). Returns the 0-based step to take.
 
         A job's first step waits (up to ``STARTUP_WAIT_S``) for every replica group to
-        start: the quorum is formed again, nothing committed, until all are in it."""
+        start, and a restarted group waits (up to ``rejoin_s``) for a live peer: the
+        quorum is formed again, nothing committed, until they are in it. A restarted
+        group that finds no peer stops (:class:`ReplicaLeftBehind`) rather than train
+        alone while the others may still be stepping."""
         self.manager.start_quorum()
-        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        deadline = time.monotonic() + (0.0 if restarted else STARTUP_WAIT_S)
-        while (self.manager.current_step() == 0 and self.count < self.expected
-               and time.monotonic() < deadline):
-            self.manager.report_error(RuntimeError("waiting for every replica group"))
-            self.manager.should_commit()  # False: the quorum is formed again
-            time.sleep(0.05)
-            self.manager.start_quorum()
+        started = time.monotonic()
+        while self._waiting(started):
+            self._skip_round()
+        if self.restarted and self.count == 1 and self.expected > 1:
+            raise ReplicaLeftBehind(self.replica_group, self.rejoin_s)
+        self.restarted = False  # in a quorum with a peer: healed or level with it
+        self.quorum_open = True
         joined = self.manager.current_step()
         if joined != step:
             self.healed_at = joined
         return joined
+
+    def _waiting(self, started: float) -> bool:
+        waited = time.monotonic() - started
+        if self.restarted and self.expected > 1:
+            return self.count == 1 and waited < self.rejoin_s
+        first = self.manager.current_step() == 0 and not self.restarted
+        return first and self.count < self.expected and waited < STARTUP_WAIT_S
+
+    def _skip_round(self) -> None:
+        """Give up the current quorum without committing anything and form the next."""
+        self.manager.report_error(RuntimeError("waiting for replica groups"))
+        self.manager.should_commit()  # False: nothing changes
+        time.sleep(0.05)
+        self.manager.start_quorum()
+
+    def finish(self) -> None:
+        """At the end of the run: wait (up to ``rejoin_s``) for the groups missing from
+        the quorum to rejoin and heal from this one, then leave together (a collective
+        over the whole quorum, so no group leaves while a peer still reads its state).
+        A group that healed into the last step uses the quorum it healed in."""
+        started = time.monotonic()
+        if not self.quorum_open:
+            self.manager.start_quorum()
+        while self.count < self.expected and time.monotonic() - started < self.rejoin_s:
+            self._skip_round()
+        done = torch.zeros(1, device=self.device)
+        self._reduce([done])  # waits for every peer's recovery (their quorum) to end
+        self.manager.report_error(RuntimeError("the run is over"))
+        self.manager.should_commit()
+        self.quorum_open = False
 
     @property
     def rank(self) -> int:
@@ -176,29 +234,26 @@ class ReplicaGroups:
         return replica_window(global_batch, self.rank, self.count)
 
     # ----------------------------------------------------------------- reduction
-    def check_config(self) -> None:
-        """Once: compare this group's fingerprint with the quorum's first replica's (a
-        sum in which only that replica's is non-zero)."""
-        if self.checked:
-            return
-        first = torch.tensor([self.fingerprint if self.rank == 0 else 0],
-                             dtype=torch.int64, device=self.device)
-        self._reduce([first])
+    def reduce_totals(self, totals: torch.Tensor) -> None:
+        """Sum the step's loss totals ([loss sum, loss terms], float64) over the
+        replicas: the terms become the global count the gradients are scaled by.
+
+        The config fingerprint travels with them (two 31-bit halves, exact in float64,
+        non-zero only on the quorum's first replica), so every step checks that the
+        groups present, a rejoined one included, run the same config."""
+        first = self.rank == 0
+        halves = [self.fingerprint >> 31, self.fingerprint & (2**31 - 1)] if first else [0, 0]
+        digest = torch.tensor(halves, dtype=torch.float64, device=self.device)
+        self._reduce([totals, digest])
         if self.manager.errored() is not None:
             return  # a replica died: the step is retried, and the check with it
-        if int(first.item()) != self.fingerprint:
+        theirs = (int(digest[0].item()) << 31) | int(digest[1].item())
+        if theirs != self.fingerprint:
             raise ConfigError(
                 f"replica group {self.replica_group}", f"fingerprint {self.fingerprint}",
                 "its config or number of ranks differs from the other replica groups' "
-                f"(fingerprint {int(first.item())})",
+                f"(fingerprint {theirs})",
                 "start every replica group with the same config and --nproc")
-        self.checked = True
-
-    def reduce_totals(self, totals: torch.Tensor) -> None:
-        """Sum the step's loss totals ([loss sum, loss terms], float64) over the
-        replicas: the terms become the global count the gradients are scaled by."""
-        self.check_config()
-        self._reduce([totals])
 
     def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
         """Sum ``grads`` (this rank's gradient pieces, already scaled by 1 / N) over the
@@ -226,6 +281,7 @@ class ReplicaGroups:
         """torchft's decision for the step about to update: False when a reduction
         failed (the step is taken again). Counts a committed step that ran short."""
         ok = self.manager.should_commit()
+        self.quorum_open = False
         if not ok:
             self.retried += 1
         elif self.count < self.expected:
@@ -273,8 +329,24 @@ def replica_group_from_env() -> int:
     return int(value)
 
 
+def attempt_store(world: Any, group_rank: int) -> tuple[Any, tuple[str, int]]:
+    """A TCPStore for this attempt of the replica group, served by its group rank 0 on
+    a free port; the (host, port) every rank of the group connects to (sent over
+    ``world``, the group's communicator). Returns (the server, or None off rank 0; the
+    address). A restarted attempt gets a new, empty store: torchrun's keeps what the
+    previous attempt wrote (torchft's server address among it) under the same keys."""
+    from torch.distributed import TCPStore
+
+    server, address = None, None
+    if group_rank == 0:
+        host = os.environ.get("MASTER_ADDR", "localhost")
+        server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        address = (host, server.port)
+    return server, cast(tuple[str, int], world.broadcast_object(address))
+
+
 def build_replica_groups(config: Any, *, module: nn.Module, optimizer: torch.optim.Optimizer,
-                         cursor: Any, ledger: CollectiveLedger, group_rank: int,
+                         cursor: Any, ledger: CollectiveLedger, world: Any, group_rank: int,
                          group_size: int, device: torch.device, start_step: int
                          ) -> ReplicaGroups:
     """This rank's :class:`ReplicaGroups` for ``config`` (a :class:`~disttrain.Config`
@@ -287,18 +359,16 @@ def build_replica_groups(config: Any, *, module: nn.Module, optimizer: torch.opt
                           f"start the job with disttrain train, or give a running "
                           f"torchft_lighthouse's address (or set {LIGHTHOUSE_ENV})")
     check_lighthouse(lighthouse)
+    server, store = attempt_store(world, group_rank)
     values = dataclasses.asdict(config)
     return ReplicaGroups(
         state=RecoverableState(module, optimizer, cursor), ledger=ledger,
         lighthouse=lighthouse, replica_group=replica_group_from_env(),
         group_rank=group_rank, group_size=group_size,
         fingerprint=config_fingerprint(values, group_size), start_step=start_step,
-        expected=p.replicas,
-        device=device, timeout_s=min(p.timeout_s, FT_TIMEOUT_S), bucket_mb=p.bucket_mb)
+        expected=p.replicas, device=device, timeout_s=p.timeout_s, bucket_mb=p.bucket_mb,
+        store=store, store_server=server, rejoin_s=p.ft_rejoin_s)
 
 
 # how long a job's first step waits for every replica group to join the quorum
 STARTUP_WAIT_S = 60.0
-# the longest a survivor waits on a lost replica inside a collective before the step is
-# given up and retried (the quorum's heartbeat drops a dead replica well before this)
-FT_TIMEOUT_S = 30.0

@@ -101,7 +101,7 @@ def run_train(ns: argparse.Namespace) -> int:
     _prepare_data(config)  # once here, before the workers start
     from ..monitor.progress import status
 
-    if config.parallel.fault_tolerance != "none":
+    if config.parallel.fault_tolerance != "none" and not _one_group(config):
         return _launch_replicas(config, ns, opts, run_dir)
     with _own_run_dir(Path(run_dir), opts):
         target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
@@ -114,21 +114,39 @@ def run_train(ns: argparse.Namespace) -> int:
 def _replica_groups(config: Config, opts: LaunchOptions) -> int:
     """``parallel.fault_tolerance = replica``: the number of replica groups the job's
     ranks split into (refused unless it divides them; the lighthouse, when given, must
-    answer); 1 otherwise."""
+    answer); 1 otherwise, and 1 for one group started on its own (a cluster's job per
+    group: ``DISTTRAIN_REPLICA_GROUP`` set, ``--nproc`` its ranks per node)."""
     from ..parallel.ft.check import replica_groups
-    from ..parallel.ft.replicas import check_lighthouse
+    from ..parallel.ft.replicas import LIGHTHOUSE_ENV, check_lighthouse
 
     groups = replica_groups(config)
     if config.parallel.fault_tolerance == "none":
+        return 1
+    lighthouse = config.parallel.lighthouse
+    if _one_group(config):
+        lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        if not lighthouse:
+            raise ConfigError("parallel.lighthouse", lighthouse,
+                              "a replica group started on its own needs the lighthouse",
+                              f"set parallel.lighthouse or {LIGHTHOUSE_ENV}")
+        check_lighthouse(lighthouse)
         return 1
     for world_size in opts.world_sizes():
         if world_size % groups:
             raise ConfigError("parallel.replicas", groups,
                               f"does not divide the {world_size} ranks",
                               "give --nproc a multiple of parallel.replicas")
-    if config.parallel.lighthouse:
-        check_lighthouse(config.parallel.lighthouse)
+    if lighthouse:
+        check_lighthouse(lighthouse)
     return groups
+
+
+def _one_group(config: Config) -> bool:
+    """A replica group started on its own (``DISTTRAIN_REPLICA_GROUP`` set): an
+    ordinary torchrun job, no lighthouse or other groups started here."""
+    from ..parallel.ft.replicas import REPLICA_GROUP_ENV
+
+    return config.parallel.fault_tolerance != "none" and REPLICA_GROUP_ENV in os.environ
 
 
 def _launch_replicas(config: Config, ns: argparse.Namespace, opts: LaunchOptions,

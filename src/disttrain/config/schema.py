@@ -278,8 +278,8 @@ class ParallelConfig:
                                "quorum (a loaded machine needs more)", gt=0.0)
     ft_rejoin_s: float = _f(120.0, "fault_tolerance = replica: how long a restarted group "
                             "waits for a live peer to heal from (then it stops, never "
-                            "trains alone), and how long a finished group waits at the "
-                            "end for missing groups to rejoin", gt=0.0)
+                            "trains alone), the first step for every group to start, "
+                            "and a finished group for missing ones to rejoin", gt=0.0)
 
 
 @dataclass(kw_only=True)

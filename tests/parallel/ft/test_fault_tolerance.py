@@ -66,6 +66,21 @@ def test_cli_refuses_unreachable_lighthouse_with_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
+def test_one_group_on_its_own_needs_the_lighthouse(tmp_path: Path) -> None:
+    """A cluster's job per group (DISTTRAIN_REPLICA_GROUP set): --nproc counts this
+    group's ranks (1 is not refused for replicas=2) and no lighthouse is started here."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
+    out = subprocess.run(
+        [sys.executable, "-m", "disttrain", "train", "--nproc", "1", "--run-dir",
+         str(tmp_path / "run"), "--set", "parallel.fault_tolerance=replica",
+         "--set", "parallel.replicas=2"],
+        capture_output=True, text=True, timeout=120,
+        env={**env, "DISTTRAIN_REPLICA_GROUP": "0"})
+    assert out.returncode == 2, out.stderr
+    assert "parallel.lighthouse" in out.stderr and "on its own" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_data_parallelism_inside_a_group_is_refused() -> None:
     cfg = tiny_config(**FT_KEYS)
     with pytest.raises(ConfigError, match="parallel.dp"):
@@ -158,4 +173,31 @@ def test_killed_group_rejoins_and_survivors_lose_no_step(
         # short only after the kill (none at all when group 1 was back in the next
         # quorum: a fast restart heals at KILL_AT before the others step without it)
         assert all(s > KILL_AT for s in summaries[i]["ft_short_steps"])
-    assert KILL_AT < summaries[1]["ft_healed_at"] <= STEPS  # from a peer, not from disk
+    # checkpoints are off: the restart begins at step 0, so this state came from a peer
+    assert KILL_AT <= summaries[1]["ft_healed_at"] <= STEPS
+
+
+@pytest.mark.timeout(400)
+def test_two_tp_groups_survive_a_kill(tmp_path: Path) -> None:
+    """2 replica groups of tp 2 (4 ranks); both ranks of group 1 SIGKILLed after step
+    KILL_AT. Group 0 steps on alone (the whole batch, its tp pair's pieces reduced with
+    no one), group 1 restarts and heals from it rank by rank (each tp rank from the same
+    tp rank of group 0), and both end bitwise equal. Against one process on the same
+    global batch: tp's partial sums and the replicas' sums change only the order of
+    float32 additions, the tolerance of the three-group test."""
+    run = tmp_path / "ft"
+    keys = {**FT_KEYS, "replicas": 2, "tp": 2, "steps": STEPS, "log_every": 1}
+    fault = {"DISTTRAIN_FAULT": f"train.step:{KILL_AT}", "DISTTRAIN_FAULT_REPLICA": "1"}
+    assert _launch(run, keys, fault) == 0
+    groups = _weights(run, 2)
+    assert all(torch.equal(groups[0][k], groups[1][k]) for k in groups[0])
+    reference = fit_tiny(STEPS, str(tmp_path / "one"), mask=True, global_batch=12,
+                         grad_accum=3, log_every=2, warmup_steps=0)
+    for name, value in groups[0].items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5)
+    assert _logged_steps(run, 0) == list(range(1, STEPS + 1))
+    survivor = json.loads((run / "replica-0" / "summary.json").read_text())
+    killed = json.loads((run / "replica-1" / "summary.json").read_text())
+    assert survivor["ft_healed_at"] is None
+    assert all(s > KILL_AT for s in survivor["ft_short_steps"])
+    assert KILL_AT <= killed["ft_healed_at"] <= STEPS

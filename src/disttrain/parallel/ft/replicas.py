@@ -131,7 +131,8 @@ class ReplicaGroups:
     (:func:`attempt_store`): torchft's Manager finds its server's address there and the
     cross-replica groups rendezvous under it, so nothing a previous attempt left in the
     torchrun store is read. ``rejoin_s``: how long a restarted group waits for a live
-    peer to heal from, and how long a finished group waits for missing ones to rejoin.
+    peer to heal from, how long the first step waits for every group to start, and how
+    long a finished group waits for missing ones to rejoin.
     """
 
     def __init__(self, *, state: RecoverableState, ledger: CollectiveLedger,
@@ -161,6 +162,9 @@ class ReplicaGroups:
         # a restarted attempt must heal from a live peer before it trains (never alone)
         self.restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         self.quorum_open = False  # a quorum was formed for a step not yet committed
+        # host time spent in torchft's per-step round trips (quorum, should_commit)
+        self.quorum_s = self.commit_s = 0.0
+        self.rounds = 0
         self.short_steps: list[int] = []  # 1-based steps some replica sat out
         self.retried = 0  # steps taken again after a failed reduction
         self.healed_at: int | None = None
@@ -170,13 +174,14 @@ class ReplicaGroups:
         """Join the quorum for the next step; a group behind the others is healed here
         (its state replaced by a peer's). Returns the 0-based step to take.
 
-        A job's first step waits (up to ``STARTUP_WAIT_S``) for every replica group to
-        start, and a restarted group waits (up to ``rejoin_s``) for a live peer: the
+        A job's first step waits (up to ``rejoin_s``) for every replica group to
+        start, and a restarted group waits as long for a live peer: the
         quorum is formed again, nothing committed, until they are in it. A restarted
         group that finds no peer stops (:class:`ReplicaLeftBehind`) rather than train
         alone while the others may still be stepping."""
-        self.manager.start_quorum()
         started = time.monotonic()
+        self.manager.start_quorum()
+        self.quorum_s += time.monotonic() - started
         while self._waiting(started):
             self._skip_round()
         if self.restarted and self.count == 1 and self.expected > 1:
@@ -193,7 +198,7 @@ class ReplicaGroups:
         if self.restarted and self.expected > 1:
             return self.count == 1 and waited < self.rejoin_s
         first = self.manager.current_step() == 0 and not self.restarted
-        return first and self.count < self.expected and waited < STARTUP_WAIT_S
+        return first and self.count < self.expected and waited < self.rejoin_s
 
     def _skip_round(self) -> None:
         """Give up the current quorum without committing anything and form the next."""
@@ -280,7 +285,10 @@ class ReplicaGroups:
     def commit(self, done: int) -> bool:
         """torchft's decision for the step about to update: False when a reduction
         failed (the step is taken again). Counts a committed step that ran short."""
+        started = time.monotonic()
         ok = self.manager.should_commit()
+        self.commit_s += time.monotonic() - started
+        self.rounds += 1
         self.quorum_open = False
         if not ok:
             self.retried += 1
@@ -290,8 +298,11 @@ class ReplicaGroups:
 
     def metrics(self) -> dict[str, Any]:
         """Fields for metrics records and the summary."""
+        rounds = max(self.rounds, 1)
         return {"ft_replicas": self.count, "ft_short_steps": list(self.short_steps),
-                "ft_retried_steps": self.retried, "ft_healed_at": self.healed_at}
+                "ft_retried_steps": self.retried, "ft_healed_at": self.healed_at,
+                "ft_quorum_s_per_step": self.quorum_s / rounds,
+                "ft_commit_s_per_step": self.commit_s / rounds}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -368,7 +379,3 @@ def build_replica_groups(config: Any, *, module: nn.Module, optimizer: torch.opt
         fingerprint=config_fingerprint(values, group_size), start_step=start_step,
         expected=p.replicas, device=device, timeout_s=p.timeout_s, bucket_mb=p.bucket_mb,
         store=store, store_server=server, rejoin_s=p.ft_rejoin_s)
-
-
-# how long a job's first step waits for every replica group to join the quorum
-STARTUP_WAIT_S = 60.0

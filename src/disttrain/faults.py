@@ -4,7 +4,10 @@
 process would, no clean-up) when it reaches ``STAGE`` — at ``STEP`` and on ``RANK`` if
 given. Stages: ``train.step`` (after an optimizer step), ``save.before_tensors``,
 ``save.mid_file``, ``save.before_rename``, ``save.before_pointer``. Unset, it costs
-one environment lookup.
+one environment lookup. With ``DISTTRAIN_FAULT_REPLICA=I`` the fault strikes replica
+group ``I`` only (``parallel.fault_tolerance``), on its first attempt, by SIGKILL.
+With ``DISTTRAIN_FAULT_ONCE=1`` it strikes the first attempt only (torchrun's restarts
+run clean: a restart from a checkpoint measured against fault tolerance).
 
 ``DISTTRAIN_SLOW=RANK:FACTOR`` makes a rank sleep, after its backward passes, for
 ``FACTOR - 1`` times its compute time: a worker ``FACTOR`` times slower, for straggler
@@ -14,10 +17,13 @@ and load balancing tests.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 FAULT_ENV = "DISTTRAIN_FAULT"
 FAULT_EXIT_CODE = 86
+FAULT_REPLICA_ENV = "DISTTRAIN_FAULT_REPLICA"
+FAULT_ONCE_ENV = "DISTTRAIN_FAULT_ONCE"
 
 
 def maybe_fail(stage: str, rank: int, step: int | None = None) -> None:
@@ -30,6 +36,14 @@ def maybe_fail(stage: str, rank: int, step: int | None = None) -> None:
         return
     if at_step and (step is None or int(at_step) != step):
         return
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and os.environ.get(FAULT_ONCE_ENV) == "1":
+        return
+    replica = os.environ.get(FAULT_REPLICA_ENV)
+    if replica is not None:
+        if replica != os.environ.get("DISTTRAIN_REPLICA_GROUP") or restarted:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
     os._exit(FAULT_EXIT_CODE)
 
 

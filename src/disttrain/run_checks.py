@@ -33,6 +33,7 @@ from .models.hf import build_hf_model, hf_config_spec, is_hf
 from .parallel.balance import check_balance
 from .parallel.compilation import check_compile
 from .parallel.dimensions import check_dimensions
+from .parallel.ft.check import check_fault_tolerance, replica_groups
 from .parallel.registry import check_selected
 from .spec import ModelSpec
 
@@ -50,7 +51,10 @@ def resolve(config: Config, world_size: int, spec: ModelSpec | None = None,
     layout = resolve_layout(config.parallel, world_size)
     check_selected(config, layout)  # the sync mode, dp strategy and optimizer chosen
     check_balance(config, layout)
-    batch = resolve_batch(config.train, config.explicit, data_parallel_degree(config, layout))
+    check_fault_tolerance(config, layout)
+    # replica groups (fault tolerance) each take a share of the global batch too
+    shares = data_parallel_degree(config, layout) * replica_groups(config)
+    batch = resolve_batch(config.train, config.explicit, shares)
     model_of = ((lambda: model) if model is not None
                 else functools.partial(_config_model, config.model))
     check_dimensions(config, layout, spec, batch.grad_accum, model_of)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config.describe import config_keys_help
-from ..errors import EXIT_USAGE, TrainingStopped, UserError
+from ..errors import EXIT_USAGE, ConfigError, TrainingStopped, UserError
 from ..names import METRICS_FILE, SUMMARY_FILE
 from .launch_flags import add_launch_options, launch_options
 
@@ -79,9 +79,10 @@ def run_train(ns: argparse.Namespace) -> int:
 
     run_dir = ns.run_dir or str(new_run_dir_name())
     opts = launch_options(ns, os.path.abspath(run_dir))
+    groups = _replica_groups(config, opts)  # fault tolerance: ranks per group; else 1
     for world_size in opts.world_sizes():
         check_model_fits(config, world_size, opts.nproc)  # first: resolve's spec is O(n_layer)
-        check_batch_fits(config, resolve(config, world_size), opts.nproc)
+        check_batch_fits(config, resolve(config, world_size // groups), opts.nproc)
     if opts.node_counts() != range(1, 2) and not (ns.run_dir or ns.rdzv_id):
         raise UserError("a multi-node job needs --run-dir, the same path on every node "
                         "(it also names the job's rendezvous), or --rdzv-id")
@@ -100,12 +101,71 @@ def run_train(ns: argparse.Namespace) -> int:
     _prepare_data(config)  # once here, before the workers start
     from ..monitor.progress import status
 
+    if config.parallel.fault_tolerance != "none" and not _one_group(config):
+        return _launch_replicas(config, ns, opts, run_dir)
     with _own_run_dir(Path(run_dir), opts):
         target = ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
                   *[a for o in ns.overrides for a in ("--set", o)], "--run-dir", run_dir,
                   *(["--quiet"] if ns.quiet else [])]
         status(f"starting {opts.nproc} worker(s)...")
         return launch(opts, target)
+
+
+def _replica_groups(config: Config, opts: LaunchOptions) -> int:
+    """``parallel.fault_tolerance = replica``: the number of replica groups the job's
+    ranks split into (refused unless it divides them; the lighthouse, when given, must
+    answer); 1 otherwise, and 1 for one group started on its own (a cluster's job per
+    group: ``DISTTRAIN_REPLICA_GROUP`` set, ``--nproc`` its ranks per node)."""
+    from ..parallel.ft.check import replica_groups
+    from ..parallel.ft.replicas import LIGHTHOUSE_ENV, check_lighthouse
+
+    groups = replica_groups(config)
+    if config.parallel.fault_tolerance == "none":
+        return 1
+    lighthouse = config.parallel.lighthouse
+    if _one_group(config):
+        lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        if not lighthouse:
+            raise ConfigError("parallel.lighthouse", lighthouse,
+                              "a replica group started on its own needs the lighthouse",
+                              f"set parallel.lighthouse or {LIGHTHOUSE_ENV}")
+        check_lighthouse(lighthouse)
+        return 1
+    for world_size in opts.world_sizes():
+        if world_size % groups:
+            raise ConfigError("parallel.replicas", groups,
+                              f"does not divide the {world_size} ranks",
+                              "give --nproc a multiple of parallel.replicas")
+    if lighthouse:
+        check_lighthouse(lighthouse)
+    return groups
+
+
+def _one_group(config: Config) -> bool:
+    """A replica group started on its own (``DISTTRAIN_REPLICA_GROUP`` set): an
+    ordinary torchrun job, no lighthouse or other groups started here."""
+    from ..parallel.ft.replicas import REPLICA_GROUP_ENV
+
+    return config.parallel.fault_tolerance != "none" and REPLICA_GROUP_ENV in os.environ
+
+
+def _launch_replicas(config: Config, ns: argparse.Namespace, opts: LaunchOptions,
+                     run_dir: str) -> int:
+    """Start the lighthouse (unless parallel.lighthouse names one) and the replica
+    groups, group ``i`` writing to ``RUN_DIR/replica-i``."""
+    from ..launch.replicas import launch_replicas, replica_dir
+    from ..monitor.progress import status
+
+    def target(i: int) -> list[str]:
+        return ["-m", "disttrain", "train", *([ns.config] if ns.config else []),
+                *[a for o in ns.overrides for a in ("--set", o)],
+                "--run-dir", replica_dir(run_dir, i), *(["--quiet"] if ns.quiet else [])]
+
+    os.makedirs(run_dir, exist_ok=True)
+    status(f"starting {config.parallel.replicas} replica group(s) of "
+           f"{opts.nproc // config.parallel.replicas} worker(s)...")
+    return launch_replicas(opts, config.parallel.replicas, config.parallel.lighthouse,
+                           target, config.parallel.ft_heartbeat_s)
 
 
 def _prepare_data(config: Config) -> None:

@@ -265,6 +265,21 @@ class ParallelConfig:
                               "ranks the gradients of the parameters every tp rank should "
                               "compute alike, and stop before the update naming any that "
                               "differ (one small all-gather, once per run)")
+    fault_tolerance: str = _f("none", "none, or replica: the job runs as parallel.replicas "
+                              "replica groups (torchft; needs the ft extra) that keep "
+                              "stepping when one fails; a failed group restarts and takes "
+                              "the current state from a live peer", choices=("none", "replica"))
+    replicas: int = _f(2, "fault_tolerance = replica: the number of replica groups; the "
+                       "global batch is split over those present at each step", ge=1)
+    lighthouse: str = _f("", "fault_tolerance = replica: http://HOST:PORT of a running "
+                         "torchft_lighthouse (empty: disttrain train starts one)")
+    ft_heartbeat_s: float = _f(5.0, "fault_tolerance = replica, the lighthouse disttrain "
+                               "train starts: a replica group silent this long leaves the "
+                               "quorum (a loaded machine needs more)", gt=0.0)
+    ft_rejoin_s: float = _f(120.0, "fault_tolerance = replica: how long a restarted group "
+                            "waits for a live peer to heal from (then it stops, never "
+                            "trains alone), the first step for every group to start, "
+                            "and a finished group for missing ones to rejoin", gt=0.0)
 
 
 @dataclass(kw_only=True)

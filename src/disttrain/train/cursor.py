@@ -27,18 +27,27 @@ class DataCursor:
         self.splitter = BatchSplitter(batch.global_batch, batch.shares, dynamic)
         self.batch, self.index, self.loader = batch, index, loader
         self.position = 0
+        # fault tolerance: this replica group's (offset, size) of the global batch
+        # under the step's quorum, in place of the splitter's share
+        self.window: tuple[int, int] | None = None
+
+    def _slice(self) -> tuple[int, int]:
+        if self.window is not None:
+            return self.window
+        return self.splitter.offsets()[self.index], self.splitter.shares[self.index]
 
     def share(self) -> list[int]:
         """This rank's dataset indices of the step at :attr:`position`."""
-        share = self.splitter.shares[self.index]
-        offset = self.splitter.offsets()[self.index]
+        offset, share = self._slice()
         return self.sampler.indices(self.position + offset, share)
 
     def micro_batches(self, indices: list[int]) -> list[list[int]]:
         """``indices`` as the step's micro-batches: the same count on every rank (enough
         for the largest share), each at most ``micro_batch`` samples."""
         size = self.batch.micro_batch
-        sizes = micro_batch_sizes(len(indices), size, self.splitter.micro_batches(size))
+        count = (self.splitter.micro_batches(size) if self.window is None
+                 else max(1, -(-len(indices) // size)))
+        sizes = micro_batch_sizes(len(indices), size, count)
         out, start = [], 0
         for n in sizes:
             out.append(indices[start:start + n])
@@ -47,9 +56,9 @@ class DataCursor:
 
     def follow(self, lists: list[list[int]]) -> None:
         """Hand the loader this step's lists and the coming steps' plan."""
-        share = self.splitter.shares[self.index]
+        offset, share = self._slice()
         self.loader.follow(lists, planned_lists(
-            self._ahead, self.position, self.splitter.offsets()[self.index], share,
+            self._ahead, self.position, offset, share,
             self.batch.global_batch, self.micro_batches))
 
     def advance(self) -> None:

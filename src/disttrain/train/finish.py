@@ -78,6 +78,8 @@ def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
     summary[MEMORY_BYTES_PER_RANK] = run.world.all_gather_object(summary[MEMORY_BYTES])
     summary[DEVICE_NAME] = device_name(run.runtime.device)
     summary |= run.parallel.sync.metrics()
+    if run.replicas is not None:  # the steps that ran short, retried, the heal
+        summary |= run.replicas.metrics()
     return summary
 
 

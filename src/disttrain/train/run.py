@@ -27,6 +27,7 @@ from ..monitor.record import ACTIVATIONS, RANK_COMPUTE_S, RANK_DATA_S, RANK_SAMP
 from ..monitor.stats import StatsWindow, StepStats
 from ..monitor.trace import Tracer
 from ..parallel.compose import Parallelized
+from ..parallel.ft.replicas import ReplicaGroups
 from ..parallel.interfaces import OwnLoopInputs, RunsOwnLoop, WorkerGradients
 from .batch import Batch, BatchLoss, split_batch, to_device
 from .cadence import CheckpointCadence
@@ -138,6 +139,8 @@ class Run:
     start_step: int
     tally: CommTally
     facts: StepFacts
+    # parallel.fault_tolerance = replica: the quorum each step runs under (None: off)
+    replicas: ReplicaGroups | None = None
 
     @property
     def parallel(self) -> Parallelized:
@@ -208,7 +211,8 @@ class Run:
             memory_mb={k: v / 2**20 for k, v in self.memory().items()},
             comm_bytes_per_step=per_step, comm_wire_bytes_per_step=wire_per_step,
         ).with_figures({**self.parallel.sync.metrics(),
-                        **self.parallel.grads.comm_stats()})  # bytes sent, compression
+                        **self.parallel.grads.comm_stats(),  # bytes sent, compression
+                        **(self.replicas.metrics() if self.replicas is not None else {})})
         ranks = self.reporter.log(record, self.model.flops_per_token)
         self.cursor.splitter.update([r[RANK_SAMPLES] for r in ranks],
                                     [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],

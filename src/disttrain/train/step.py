@@ -45,6 +45,9 @@ def train_step(run: Run, step: int) -> StepInFlight:
     grads, optimizer, scaler, device = par.grads, run.model.optimizer, run.scaler, run.device
     lr = lr_at(step, train, run.plan.lr)
     set_lr(optimizer, lr)
+    replicas = run.replicas  # fault tolerance (None: off): the step's quorum has formed
+    if replicas is not None:  # a missing group's share goes to those present
+        run.cursor.window = replicas.window(run.plan.batch.global_batch)
     selected = par.sync.select(step, run.cursor.share())
     lists = [] if selected is None else run.cursor.micro_batches(selected)
     run.cursor.follow(lists)
@@ -70,6 +73,8 @@ def train_step(run: Run, step: int) -> StepInFlight:
             maybe_slow_down(run.runtime.rank, time.perf_counter() - t0 - stats.data_s)
             if handle is not None:
                 handle.wait()
+            if replicas is not None:  # the terms of every replica group present
+                replicas.reduce_totals(totals)
             # The loss normalisation. The loss is a sum over loss terms (target tokens,
             # or samples), L = sum_i l_i over the N terms of the whole global batch (all
             # micro-batches of all dp ranks), and the step follows the mean, L / N. Each
@@ -82,6 +87,8 @@ def train_step(run: Run, step: int) -> StepInFlight:
             if scaler.scale is not None:
                 denominator = denominator * scaler.scale
             grads.finish_gradient_sync(1.0 / denominator)
+            if replicas is not None:  # each group's part of the mean, summed
+                replicas.reduce_gradients([g for _, g in grads.gradient_pieces()])
         t_opt, waited_mid = time.perf_counter(), ledger.wait_seconds
         stats.compute_s = t_opt - t0 - stats.data_s - (waited_mid - waited0)
         with run.tracer.span("optimizer"):
@@ -95,6 +102,10 @@ def train_step(run: Run, step: int) -> StepInFlight:
                 # they decide alike without a collective.
                 flags[0] = (~torch.isfinite(totals[0])).double()
                 flags[1] = (~torch.isfinite(norm)).double()
+            # torchft's commit: False when a replica failed inside the step's
+            # reduction; the step then changes nothing and is taken again
+            committed = replicas is None or replicas.commit(step + 1)
+            if selected is not None and committed:
                 run.checkpoints.before_update()  # an async save has its snapshot
                 step_unless(optimizer, flags.amax())
                 grads.after_optimizer_step()
@@ -104,13 +115,15 @@ def train_step(run: Run, step: int) -> StepInFlight:
         stats.optim_s = time.perf_counter() - t_opt - (ledger.wait_seconds - waited_mid)
         stats.total_s = time.perf_counter() - t0
         stats.comm_s = ledger.wait_seconds - waited0
-    run.cursor.advance()
     done = step + 1
-    par.sync.after_step(done, last=done == train.steps)
+    if committed:
+        run.cursor.advance()
+        par.sync.after_step(done, last=done == train.steps)
     scale = scaler.scale if scaler.scale is not None else torch.ones((), device=device)
     figures = torch.cat([totals, norm.reshape(1), flags, scale.double().reshape(1)])
     return StepInFlight(done=done, lr=lr, stats=stats, sat_out=selected is None,
-                        position=run.cursor.position, copy=run.figures.send(figures))
+                        position=run.cursor.position, copy=run.figures.send(figures),
+                        committed=committed)
 
 
 def _loader(run: Run, indices: list[int], stats: StepStats) -> Callable[[], Batch]:
@@ -178,6 +191,7 @@ class StepInFlight:
     sat_out: bool  # this rank took no part (a federated client out of the round)
     position: int
     copy: FigureCopy
+    committed: bool = True  # False: a replica failed inside it; taken again
 
 
 def learn(run: Run, flight: StepInFlight, totals: StatsWindow, recent: deque[float]
@@ -241,12 +255,21 @@ def run_steps(run: Run) -> LoopResult:
     every_eval = eval_interval(train.eval_every, train.steps, train.log_every)
     pending: StepInFlight | None = None
     with run.signals.catching():
-        mark = time.perf_counter()
-        for step in range(run.start_step, train.steps):
+        mark, step = time.perf_counter(), run.start_step
+        while step < train.steps:
+            if run.replicas is not None:  # the step's quorum; a group behind heals here
+                step = run.replicas.start_step(step)
+                if step >= train.steps:
+                    break
             flight = run.tally.during(lambda step=step: train_step(run, step))
             if pending is not None:  # read while this step runs on the device
                 learn(run, pending, totals, recent)
+                pending = None
+            if not flight.committed:  # nothing to learn: the step is taken again
+                flight.copy.read()
+                continue
             pending, done = flight, step + 1
+            step = done
             last = done == train.steps
             evaluate_now = done % every_eval == 0 or last
             log_now = done % train.log_every == 0 or last or evaluate_now
@@ -268,6 +291,8 @@ def run_steps(run: Run) -> LoopResult:
                 run.log(done, last_eval if evaluate_now else None)
             if stopping:
                 run.cadence.stop(done, run.cursor.position)
+        if run.replicas is not None and step >= train.steps:  # fault tolerance: the
+            run.replicas.finish()  # groups missing at the end rejoin before any leaves
     final_loss = sum(recent) / len(recent) if recent else float("nan")
     return LoopResult(initial_eval, last_eval, totals, final_loss,
                       time.perf_counter() - start)

@@ -31,8 +31,8 @@ def config_to_toml(config: Config, plan: RunPlan | None = None) -> str:
         for key in ("global_batch", "micro_batch", "grad_accum"):
             given = key in plan.batch.given
             data["train"][key] = getattr(plan.batch, key) if given else None
-        b, lay = plan.batch, plan.layout
-        degrees = " ".join(f"{k}={n}" for k, n in lay.as_dict().items())
+        b, planned = plan.batch, plan.layout
+        degrees = " ".join(f"{k}={n}" for k, n in planned.as_dict().items())
         lines.append(f"# resolved: {degrees}; "
                      f"global_batch {b.global_batch} = micro_batch {b.micro_batch} x "
                      f"grad_accum {b.grad_accum} x {joined(with_role(Role.SAMPLES))} "

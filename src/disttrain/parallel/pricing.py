@@ -93,13 +93,13 @@ class DimensionPricing(Protocol):
         """The values of its search key ``name`` to try at ``degree``."""
         ...
 
-    def problem(self, shape: ShapeFacts, lay: LayoutFacts, limits: SearchLimits
+    def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
-        """The first of its rules ``lay`` breaks for this model and cluster (a short
+        """The first of its rules ``layout`` breaks for this model and cluster (a short
         reason: rejections are counted by it), or None."""
         ...
 
-    def batch_problem(self, lay: LayoutFacts, micro_batches: int) -> str | None:
+    def batch_problem(self, layout: LayoutFacts, micro_batches: int) -> str | None:
         """Its rules on the micro-batches per step and replica, once they are known."""
         ...
 
@@ -107,8 +107,8 @@ class DimensionPricing(Protocol):
         """Its search keys as a run's ``[parallel]`` section sets them."""
         ...
 
-    def config_values(self, lay: LayoutFacts) -> dict[str, object]:
-        """Its part of the ``[parallel]`` section that trains ``lay``."""
+    def config_values(self, layout: LayoutFacts) -> dict[str, object]:
+        """Its part of the ``[parallel]`` section that trains ``layout``."""
         ...
 
 
@@ -128,11 +128,11 @@ class ShardComm:
 class TensorPricing(DimensionPricing, Protocol):
     """The dimension that shards tensors (:data:`~disttrain.dimensions.Role.TENSORS`)."""
 
-    def sequence_parallel(self, lay: LayoutFacts) -> bool:
+    def sequence_parallel(self, layout: LayoutFacts) -> bool:
         """Whether the activations between blocks are split over its ranks too."""
         ...
 
-    def communication(self, lay: LayoutFacts, activation_bytes: float, loss_bytes: float,
+    def communication(self, layout: LayoutFacts, activation_bytes: float, loss_bytes: float,
                       price: PriceCollective) -> ShardComm:
         """Its messages for one micro-batch (``activation_bytes``: one activation
         [b, s, h] whole; ``loss_bytes``: one fp32 figure per token), priced by
@@ -156,7 +156,7 @@ class TokenPricing(DimensionPricing, Protocol):
     work are divided by its degree (the planner's, over the role's degree); what it
     prices itself is its attention's messages."""
 
-    def communication(self, lay: LayoutFacts, block_values: float, value_bytes: int,
+    def communication(self, layout: LayoutFacts, block_values: float, value_bytes: int,
                       attention: float, attention_backward: float, price: PriceMessage
                       ) -> TokenComm:
         """Its messages for one layer of one micro-batch: ``block_values``, the keys'
@@ -167,7 +167,7 @@ class TokenPricing(DimensionPricing, Protocol):
         message to the next rank)."""
         ...
 
-    def buffer_bytes(self, lay: LayoutFacts, block_values: float, value_bytes: int
+    def buffer_bytes(self, layout: LayoutFacts, block_values: float, value_bytes: int
                      ) -> float:
         """The most bytes its messages travel in at once (held while a layer's
         attention runs), for :meth:`communication`'s block."""
@@ -255,8 +255,8 @@ class StageCut(Protocol):
 class StagePricing(DimensionPricing, Protocol):
     """The dimension that cuts the layers (:data:`~disttrain.dimensions.Role.LAYERS`)."""
 
-    def cut(self, lay: LayoutFacts) -> StageCut:
-        """The stages of ``lay``."""
+    def cut(self, layout: LayoutFacts) -> StageCut:
+        """The stages of ``layout``."""
         ...
 
     def run_chunks(self, parallel: ParallelConfig, spec: object, stages: int

@@ -168,16 +168,16 @@ def run_layout(run: RunRecord) -> tuple[Layout, PlannedLayout, int]:
     degrees = mesh.by_key()
     options = {k: v for d in DIMENSIONS
                for k, v in behaviour(d).pricing.options_from_config(p, degrees[d.key]).items()}
-    lay = PlannedLayout(**degrees, **options, mbs=batch.micro_batch, zero=mesh.zero,
+    planned = PlannedLayout(**degrees, **options, mbs=batch.micro_batch, zero=mesh.zero,
                         recompute=cfg.train.activation_checkpointing)
-    return mesh, lay, batch.global_batch
+    return mesh, planned, batch.global_batch
 
 
-def run_chunks(config: Config, lay: PlannedLayout) -> tuple[int, ...] | None:
+def run_chunks(config: Config, planned: PlannedLayout) -> tuple[int, ...] | None:
     """Layers in each chunk as the run cut them (``parallel.pp_split``, or balanced by
     the model's costs: the stage pricing's); None when the layers are not cut, or for a
     transformers model when transformers cannot build it here."""
-    if lay.stages == 1:
+    if planned.stages == 1:
         return None
     from ..models.gpt import gpt_spec
     from ..models.hf import hf_config_spec, is_hf
@@ -186,7 +186,7 @@ def run_chunks(config: Config, lay: PlannedLayout) -> tuple[int, ...] | None:
         spec = hf_config_spec(config.model) if is_hf(config.model) else gpt_spec(config.model)
     except (ImportError, OSError, ValueError):
         return None
-    return stage_pricing().run_chunks(config.parallel, spec, lay.stages)
+    return stage_pricing().run_chunks(config.parallel, spec, planned.stages)
 
 
 def run_cluster(text: str | None, run: RunRecord) -> Cluster:
@@ -245,9 +245,9 @@ def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
                      "saved-tensor meter does not see; left out of the comparison")
     steps = run.step_times[1:] if len(run.step_times) > 1 else run.step_times
     time = _pair(est.step_time_s, statistics.median(steps) if steps else None)
-    lay = est.layout
+    planned = est.layout
     return {"run_dir": str(run.run_dir), "model": run.config.model.name,
-            "layout": layout_fields(lay),
+            "layout": layout_fields(planned),
             "global_batch": global_batch, "precision": run.config.train.precision,
             "cluster": cluster.name, "cluster_source": cluster.source, "ranks": ranks,
             "step_time_s": {**time, "steps": len(steps),
@@ -276,8 +276,8 @@ def _error(e: float | None) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """The comparison as a table: one row per rank, then the step time and notes."""
-    lay, t = report["layout"], report["step_time_s"]
-    layout = ",".join(f"{k}={v}" for k, v in lay.items())
+    planned, t = report["layout"], report["step_time_s"]
+    layout = ",".join(f"{k}={v}" for k, v in planned.items())
     lines = [f"validate {report['run_dir']}: {report['model']}, {layout}, global batch "
              f"{report['global_batch']}, {report['precision']}; cluster "
              f"{report['cluster']} ({report['cluster_source']})",
@@ -300,20 +300,20 @@ def format_report(report: dict[str, Any]) -> str:
 def validate_run(run_dir: Path, cluster_text: str | None = None) -> dict[str, Any]:
     """Read the run at ``run_dir``, predict it on the cluster, compare."""
     run = read_run(run_dir)
-    mesh, lay, global_batch = run_layout(run)
+    mesh, planned, global_batch = run_layout(run)
     cluster = run_cluster(cluster_text, run)
     cfg = run.config
     notes: list[str] = []
     if cfg.train.optimizer not in ("adamw", "lamb"):
         notes.append(f"train.optimizer={cfg.train.optimizer}: the planner counts AdamW's "
                      "8 bytes of state per parameter")
-    chunks = run_chunks(cfg, lay)
-    if lay.stages > 1 and chunks is None:
+    chunks = run_chunks(cfg, planned)
+    if planned.stages > 1 and chunks is None:
         notes.append("the run's pipeline cut is not known here (transformers cannot "
                      "build its model): layers assumed evenly split")
     options = Options(precision=cfg.train.precision, accounting="disttrain",
                       bucket_mb=cfg.parallel.bucket_mb, log_every=cfg.train.log_every)
-    est = estimate(run_shape(run), cluster, lay, global_batch, options, all_stages=True,
+    est = estimate(run_shape(run), cluster, planned, global_batch, options, all_stages=True,
                    chunk_sizes=chunks)
     return compare(run, mesh, est, global_batch, cluster, notes)
 

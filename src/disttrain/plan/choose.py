@@ -90,11 +90,11 @@ def choose_layout(ns: argparse.Namespace) -> int:
     if bad or not recompute:
         raise UserError(f"--recompute {ns.recompute!r}: list some of {', '.join(RECOMPUTE)}")
     if ns.layout:
-        lay = parse_layout(ns.layout, cluster.n_devices)
-        problem = layout_problem(shape, cluster, lay, ns.global_batch)
+        planned = parse_layout(ns.layout, cluster.n_devices)
+        problem = layout_problem(shape, cluster, planned, ns.global_batch)
         if problem:
-            raise UserError(f"--layout {lay.label()}: {problem}")
-        rows = [estimate(shape, cluster, lay, ns.global_batch, options, all_stages=True)]
+            raise UserError(f"--layout {planned.label()}: {problem}")
+        rows = [estimate(shape, cluster, planned, ns.global_batch, options, all_stages=True)]
         result = SearchResult(rows=rows, considered=1)
     else:
         result = search(shape, cluster, ns.global_batch, options,

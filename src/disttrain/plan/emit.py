@@ -24,9 +24,9 @@ _CHECKPOINTING = {"none": "none", "full": "full"}
 
 def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate) -> dict:
     """The config sections of ``best`` (nested dicts)."""
-    lay = best.layout
-    if lay.recompute not in _CHECKPOINTING:
-        raise UserError(f"--emit-config: disttrain has no {lay.recompute!r} recomputation "
+    planned = best.layout
+    if planned.recompute not in _CHECKPOINTING:
+        raise UserError(f"--emit-config: disttrain has no {planned.recompute!r} recomputation "
                         "(it recomputes whole blocks); search with --recompute none,full")
     head = ns.model.partition(",")[0].strip()
     if head.endswith(".json"):
@@ -39,14 +39,14 @@ def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate) -> 
     else:
         raise UserError("--emit-config: disttrain builds this shape only from a "
                         "transformers config.json; pass --model path/config.json")
-    m = lay.micro_batches(ns.global_batch)
-    parallel: dict[str, Any] = {d.key: lay.degree(d.key) for d in plan_order()}
-    parallel["zero"] = lay.zero
+    m = planned.micro_batches(ns.global_batch)
+    parallel: dict[str, Any] = {d.key: planned.degree(d.key) for d in plan_order()}
+    parallel["zero"] = planned.zero
     for d in plan_order():  # the rest of each dimension's part of the section
-        parallel.update(behaviour(d).pricing.config_values(lay))
-    train = {"global_batch": ns.global_batch, "micro_batch": lay.mbs, "grad_accum": m,
+        parallel.update(behaviour(d).pricing.config_values(planned))
+    train = {"global_batch": ns.global_batch, "micro_batch": planned.mbs, "grad_accum": m,
              "precision": ns.precision,
-             "activation_checkpointing": _CHECKPOINTING[lay.recompute]}
+             "activation_checkpointing": _CHECKPOINTING[planned.recompute]}
     return {"model": model, "train": train, "parallel": parallel}
 
 

@@ -161,10 +161,10 @@ class Estimate:
                 "bottleneck": self.bottleneck}
 
 
-def layout_fields(lay: PlannedLayout) -> dict[str, int | str]:
+def layout_fields(planned: PlannedLayout) -> dict[str, int | str]:
     """A layout as rows and reports show it: every key always shown (label order), and
     the schedule its stages run."""
-    return {**dict(lay.items(shown=True)), "schedule": stage_pricing().cut(lay).schedule}
+    return {**dict(planned.items(shown=True)), "schedule": stage_pricing().cut(planned).schedule}
 
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_batch: int,
@@ -175,44 +175,44 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
     others are left empty) and, unless ``memory_only``, the step time. ``chunk_sizes``:
     the layers of each chunk, where a run cut them otherwise than the cut's even split
     (``parallel.pp_split``, or balanced by cost)."""
-    lay, o = layout, options
-    cut, sp = stage_pricing().cut(lay), shard_pricing().sequence_parallel(lay)
-    shards, replicas = lay.shards, lay.replicas
-    whole, shape = shape, _held(shape, lay.token_split)
-    m = lay.micro_batches(global_batch)
+    planned, o = layout, options
+    cut, sp = stage_pricing().cut(planned), shard_pricing().sequence_parallel(planned)
+    shards, replicas = planned.shards, planned.replicas
+    whole, shape = shape, _held(shape, planned.token_split)
+    m = planned.micro_batches(global_batch)
     sizes = chunk_sizes or cut.chunk_layers(shape.layers)
     if chunk_sizes and (len(sizes) != cut.n_chunks or sum(sizes) != shape.layers):
         raise ValueError(f"chunk_sizes {sizes} must give {cut.n_chunks} chunks of "
                          f"{shape.layers} layers in all")
     counts = list(cut.stage_layers(sizes))
-    per_layer = layer_activation_bytes(shape, b=lay.mbs, shards=shards, sp=sp,
-                                       recompute=lay.recompute, precision=o.precision,
+    per_layer = layer_activation_bytes(shape, b=planned.mbs, shards=shards, sp=sp,
+                                       recompute=planned.recompute, precision=o.precision,
                                        accounting=o.accounting)
     rebuilt = 0.0
-    if lay.recompute == "full":  # one layer rebuilt in full during its backward
-        rebuilt = layer_activation_bytes(shape, b=lay.mbs, shards=shards, sp=sp,
+    if planned.recompute == "full":  # one layer rebuilt in full during its backward
+        rebuilt = layer_activation_bytes(shape, b=planned.mbs, shards=shards, sp=sp,
                                          precision=o.precision, accounting=o.accounting)
     # the cast weights are held once per layer of the stage, not per micro-batch
-    cast = 0.0 if lay.recompute == "full" else \
+    cast = 0.0 if planned.recompute == "full" else \
         layer_cast_bytes(shape, o.precision, o.accounting) / shards
     layer_bytes = rank_params(shape, shards, 1, False, False, cut.stages) * o.act_bytes
     which = (list(range(cut.stages)) if all_stages
              else cut.stages_to_estimate(sizes, counts))
-    embedding, head, head_once = end_activations(shape, lay, o, shards, sp)
-    ring = token_pricing().buffer_bytes(lay, key_value_values(shape, lay.mbs, shards),
+    embedding, head, head_once = end_activations(shape, planned, o, shards, sp)
+    ring = token_pricing().buffer_bytes(planned, key_value_values(shape, planned.mbs, shards),
                                         o.act_bytes)
     n_chunks = cut.n_chunks
     stages: dict[int, StageMemory] = {}
     for stage in which:
         first, last = stage == 0, stage == cut.stages - 1
         params = rank_params(shape, shards, counts[stage], first, last, cut.stages)
-        states = model_state_bytes(params, replicas=replicas, zero=lay.zero,
+        states = model_state_bytes(params, replicas=replicas, zero=planned.zero,
                                    master_copy=o.master_copy)
         held = tuple((per_layer - cast) * sizes[c] + (embedding if c == 0 else 0)
                      + (head if c == n_chunks - 1 else 0)
                      for c in cut.local_chunks(stage))
         buckets = min(o.bucket_mb * 2**20, states.grads) * 2 if replicas > 1 else 0
-        gathered = 2 * layer_bytes if lay.zero >= 3 and replicas > 1 else 0
+        gathered = 2 * layer_bytes if planned.zero >= 3 and replicas > 1 else 0
         stages[stage] = StageMemory(
             params=states.params, grads=states.grads, optimizer=states.optimizer,
             activations=(cut.peak_held(m, stage, held)
@@ -220,12 +220,12 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
             rebuilt=rebuilt, communication=buckets + gathered + ring,
             other=cluster.reserved_gib * _GIB)
     worst = max(stages, key=lambda st: stages[st].total)
-    time = StepTime() if memory_only else step_time(lay, whole, cluster, o, global_batch,
+    time = StepTime() if memory_only else step_time(planned, whole, cluster, o, global_batch,
                                                     sizes, counts)
     tokens, model_flops, hardware_flops = ((0, 0.0, 0.0) if memory_only
-                                           else _flops(whole, lay, global_batch))
-    return Estimate(layout=lay, stages=[stages.get(st) for st in range(cut.stages)],
-                    worst_stage=worst, n_devices=lay.ranks,
+                                           else _flops(whole, planned, global_batch))
+    return Estimate(layout=planned, stages=[stages.get(st) for st in range(cut.stages)],
+                    worst_stage=worst, n_devices=planned.ranks,
                     peak_flops=cluster.peak_flops(o.precision),
                     fits=stages[worst].total <= cluster.memory_gib * _GIB,
                     step_time_s=time.step_time_s, times=time.times, split=time.split,
@@ -243,11 +243,11 @@ def _held(shape: ModelShape, token_split: int) -> ModelShape:
     return held if token_split == 1 else replace(held, flash=True)
 
 
-def _flops(shape: ModelShape, lay: PlannedLayout, global_batch: int
+def _flops(shape: ModelShape, planned: PlannedLayout, global_batch: int
            ) -> tuple[int, float, float]:
     """A step's tokens, model FLOPs, and the FLOPs executed (recomputation included)."""
     tokens = global_batch * shape.seq
     model_flops = shape.model_flops_per_token() * tokens
     rebuilt = {"none": 0, "selective": shape.layer_attention_flops(),
                "full": shape.layer_matmul_flops() + shape.layer_attention_flops()}
-    return tokens, model_flops, model_flops + shape.layers * rebuilt[lay.recompute] * tokens
+    return tokens, model_flops, model_flops + shape.layers * rebuilt[planned.recompute] * tokens

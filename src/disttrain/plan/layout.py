@@ -52,9 +52,9 @@ class PlannedLayout:
            recompute: str) -> PlannedLayout:
         """From the degrees (declaration order) and options (:data:`OPTIONS` order) as
         they are held (the search builds its candidates so)."""
-        lay = cls.__new__(cls)
-        lay._set(degrees, options, mbs, zero, recompute)
-        return lay
+        planned = cls.__new__(cls)
+        planned._set(degrees, options, mbs, zero, recompute)
+        return planned
 
     def _set(self, degrees: tuple[int, ...], options: tuple[int, ...], mbs: int,
              zero: int, recompute: str) -> None:

@@ -163,22 +163,22 @@ def layer_cast_bytes(shape: ModelShape, precision: str, accounting: str) -> floa
     return a * sum(i * o for _, i, o in shape.matmul_shapes())
 
 
-def end_activations(shape: ModelShape, lay: PlannedLayout, o: Options, shards: int,
+def end_activations(shape: ModelShape, planned: PlannedLayout, o: Options, shards: int,
                      sp: bool) -> tuple[float, float, float]:
     """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
     the head's and the loss's (last chunk); and what the last stage keeps once per
     step (autocast's cast of the head weight)."""
-    s, b, h, a = shape.seq, lay.mbs, shape.hidden, o.act_bytes
+    s, b, h, a = shape.seq, planned.mbs, shape.hidden, o.act_bytes
     split = shards if sp else 1
     embedding = 8 * s * b + (s * b * h / split if shape.dropout else 0)  # ids, mask
     if o.accounting == "disttrain":
-        return _disttrain_ends(shape, lay, a, embedding, shards, sp)
+        return _disttrain_ends(shape, planned, a, embedding, shards, sp)
     head = (2 * a * s * b * h / split  # final norm's input, head's input
             + 4 * s * b * shape.vocab / shards)  # fp32 logits for the loss
     return embedding, head, 0.0
 
 
-def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: float,
+def _disttrain_ends(shape: ModelShape, planned: PlannedLayout, a: int, embedding: float,
                     shards: int, sp: bool) -> tuple[float, float, float]:
     """:func:`end_activations` of disttrain's own embedding, head and loss: beyond
     the token ids, the position ids [s] (a learned table) and the
@@ -186,7 +186,7 @@ def _disttrain_ends(shape: ModelShape, lay: PlannedLayout, a: int, embedding: fl
     norm's fp32 input and statistics, the head's input (whole under sp, as for the
     layers), the loss's fp32 softmax [sb, V / shards] and targets (sharded: local ids
     and two masks); the cast head weight (16-bit)."""
-    s, b, h = shape.seq, lay.mbs, shape.hidden
+    s, b, h = shape.seq, planned.mbs, shape.hidden
     split = shards if sp else 1
     embedding += (8 * s if shape.positions else 0) + (s * b if shards > 1 else 0)
     head = ((4 * h + 2 * 4) * s * b / split + a * s * b * h

@@ -92,10 +92,10 @@ def check_row(row: TableRow, *, rank: bool = True) -> RowCheck:
 
 
 def _is_published(row: TableRow, est: Estimate) -> bool:
-    lay = est.layout
-    if lay.degrees != row.layout.degrees:
+    planned = est.layout
+    if planned.degrees != row.layout.degrees:
         return False
-    return row.layout.recompute != "full" or lay.recompute == "full"
+    return row.layout.recompute != "full" or planned.recompute == "full"
 
 
 def _recompute_pick(row: TableRow, cluster: Any) -> str | None:
@@ -104,8 +104,8 @@ def _recompute_pick(row: TableRow, cluster: Any) -> str | None:
     timed = []
     for mode in row.recompute_choices:
         base = row.layout
-        lay = PlannedLayout.of(base.degrees, base.options, base.mbs, base.zero, mode)
-        est = estimate(row.shape, cluster, lay, row.global_batch, row.options)
+        planned = PlannedLayout.of(base.degrees, base.options, base.mbs, base.zero, mode)
+        est = estimate(row.shape, cluster, planned, row.global_batch, row.options)
         if est.fits:
             timed.append((est.step_time_s, mode))
     return min(timed)[1] if timed else "none fits"

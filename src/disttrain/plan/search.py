@@ -41,30 +41,30 @@ class SearchResult:
         return dict(self.rejected.most_common())
 
 
-def layout_problem(shape: ModelShape, cluster: Cluster, lay: PlannedLayout,
+def layout_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
                    global_batch: int) -> str | None:
-    """The first of disttrain's rules ``lay`` breaks for this model, cluster and
+    """The first of disttrain's rules ``planned`` breaks for this model, cluster and
     batch (a short reason, used to count rejections), or None: the device count, each
     dimension's own rules, ZeRO's replicas, the batch's split, each dimension's rules on
     the micro-batches, the recomputation."""
     n = cluster.n_devices
-    if lay.ranks != n:
+    if planned.ranks != n:
         return f"{joined(plan_order())} != {n} devices"
     limits = _limits(cluster)
     for pricing in _pricings():
-        problem = pricing.problem(shape, lay, limits)
+        problem = pricing.problem(shape, planned, limits)
         if problem:
             return problem
-    if lay.zero and lay.replicas == 1:
+    if planned.zero and planned.replicas == 1:
         return f"ZeRO needs {joined(with_role(Role.REPLICAS))} > 1"
-    if global_batch % (lay.role(Role.SAMPLES) * lay.mbs):
+    if global_batch % (planned.role(Role.SAMPLES) * planned.mbs):
         return f"{joined(with_role(Role.SAMPLES))} x mbs does not divide the global batch"
-    m = lay.micro_batches(global_batch)
+    m = planned.micro_batches(global_batch)
     for pricing in _pricings():
-        problem = pricing.batch_problem(lay, m)
+        problem = pricing.batch_problem(planned, m)
         if problem:
             return problem
-    if lay.recompute not in RECOMPUTE:
+    if planned.recompute not in RECOMPUTE:
         return "unknown recompute"
     return None
 
@@ -143,21 +143,21 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
     result = SearchResult(rows=[])
     kept: list[Estimate] = []
     least = None
-    for lay in candidates(shape, cluster, global_batch, recompute=recompute,
+    for planned in candidates(shape, cluster, global_batch, recompute=recompute,
                           zero=zero):
         result.considered += 1
-        problem = layout_problem(shape, cluster, lay, global_batch)
+        problem = layout_problem(shape, cluster, planned, global_batch)
         if problem:
             result.rejected[problem] += 1
             continue
-        est = estimate(shape, cluster, lay, global_batch, options, memory_only=True)
+        est = estimate(shape, cluster, planned, global_batch, options, memory_only=True)
         if not est.fits:
             over = (est.memory_bytes - cluster.memory_gib * _GIB) / _GIB
             least = over if least is None else min(least, over)
             result.worst_overflow_gib = max(result.worst_overflow_gib, over)
             result.rejected["does not fit in memory"] += 1
             continue
-        kept.append(estimate(shape, cluster, lay, global_batch, options))
+        kept.append(estimate(shape, cluster, planned, global_batch, options))
     kept.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
     result.rows = kept[:top] if top > 0 else kept
     result.least_overflow_gib = least or 0.0

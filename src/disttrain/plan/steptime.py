@@ -99,28 +99,28 @@ SPLIT = (*SPLIT_KEYS, SHARD_COMM, TOKEN_COMM, STAGE_P2P, STAGE_BUBBLE,
          *(figure(Role.REPLICAS, op) for op in _REDUCTION_OPS), "step_sync", "optimizer")
 
 
-def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Options,
+def step_time(planned: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Options,
               global_batch: int, sizes: tuple[int, ...], counts: list[int]) -> StepTime:
-    """The step time of ``lay``, its parts and per-chunk costs; ``sizes``: layers of
+    """The step time of ``planned``, its parts and per-chunk costs; ``sizes``: layers of
     each global chunk; ``counts``: layers on each stage."""
-    busy = node_ranks(cluster, lay.ranks)
+    busy = node_ranks(cluster, planned.ranks)
     share = compute_share(cluster, busy)
     async_ = cluster.async_dispatch
-    cut, sp = stage_pricing().cut(lay), shard_pricing().sequence_parallel(lay)
-    shards, n = lay.shards, cut.stages
-    m = lay.micro_batches(global_batch)
-    shape = token_part(shape, lay.token_split)  # the positions this rank holds
-    tokens, a = lay.mbs * shape.seq, o.act_bytes
+    cut, sp = stage_pricing().cut(planned), shard_pricing().sequence_parallel(planned)
+    shards, n = planned.shards, cut.stages
+    m = planned.micro_batches(global_batch)
+    shape = token_part(shape, planned.token_split)  # the positions this rank holds
+    tokens, a = planned.mbs * shape.seq, o.act_bytes
     act = tokens * shape.hidden * a
-    fwd, bwd, attn = layer_work(shape, cluster, shards, lay.mbs, o.precision, sp,
-                                lay.token_split)
-    rework = {"none": Work(), "selective": attn, "full": fwd}[lay.recompute]
-    ring = _token_messages(shape, cluster, o, lay, attn, busy)
+    fwd, bwd, attn = layer_work(shape, cluster, shards, planned.mbs, o.precision, sp,
+                                planned.token_split)
+    rework = {"none": Work(), "selective": attn, "full": fwd}[planned.recompute]
+    ring = _token_messages(shape, cluster, o, planned, attn, busy)
     layer_fwd = share * fwd.seconds(async_)
     layer_bwd = share * bwd.seconds(async_)
     recompute = share * rework.seconds(async_)
     comm = shard_pricing().communication(
-        lay, act, 4 * tokens, lambda op, nbytes, ranks: collective_time(
+        planned, act, 4 * tokens, lambda op, nbytes, ranks: collective_time(
             cluster, op, nbytes, ranks, busy))
     layer_comm = (comm.layer_forward, comm.layer_backward)
     if o.layer_comm_overlap:  # pipelined with the pass's matmuls: only the excess shows
@@ -130,7 +130,7 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
     end = share * cluster.microbatch_overhead_s / 2
     ends_fwd = (comm.first_forward + end / 3, comm.last_forward + end / 3)
     ends_bwd = (end * 2 / 3, comm.last_backward + end * 2 / 3)
-    head_w = head_work(shape, cluster, lay.mbs, o.precision, shards)
+    head_w = head_work(shape, cluster, planned.mbs, o.precision, shards)
     head = share * head_w.device
     chunk_forward_s, chunk_backward_s = cut.chunk_times(
         sizes, layer_fwd + layer_comm[0] + ring.forward,
@@ -142,7 +142,7 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
                     for st, layers in enumerate(counts)]
     per_rank = [sum(f) + sum(b) for f, b in zip(chunk_forward_s, chunk_backward_s, strict=True)]
     messages = cut.messages_per_micro_batch()
-    p2p_message_s = (p2p_message_time(cluster, lay, act / (shards if sp else 1))
+    p2p_message_s = (p2p_message_time(cluster, planned, act / (shards if sp else 1))
                      if messages else 0.0)
     p2p = messages * p2p_message_s
     slowest = max(per_rank) + p2p
@@ -153,10 +153,10 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
                  for st, layers in enumerate(counts))
     top = max(range(n), key=lambda st: compute_rank[st])
     passes = (layer_fwd * counts[top], (layer_bwd + recompute) * counts[top])
-    reduction = _reduction_exposed(shape, cluster, o, lay, cut, m, busy, params, counts,
+    reduction = _reduction_exposed(shape, cluster, o, planned, cut, m, busy, params, counts,
                                    passes)
-    sync = _step_sync(shape, cluster, o, lay, cut, busy)
-    optimizer = share * _optimizer_time(shape, cluster, lay, n, params, counts)
+    sync = _step_sync(shape, cluster, o, planned, cut, busy)
+    optimizer = share * _optimizer_time(shape, cluster, planned, n, params, counts)
     compute_only = m * compute_rank[top]
     recomputed = m * recompute * max(counts)
     exposed = sum(reduction.values())
@@ -178,28 +178,28 @@ def step_time(lay: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Option
                     chunk_backward_s=chunk_backward_s, p2p_message_s=p2p_message_s)
 
 
-def p2p_message_time(cluster: Cluster, lay: PlannedLayout, nbytes: float) -> float:
+def p2p_message_time(cluster: Cluster, planned: PlannedLayout, nbytes: float) -> float:
     """One message of ``nbytes`` (an activation or its gradient) to the neighbouring
     stage."""
     # neighbouring stages' ranks are the other dimensions' degrees apart; once the
     # stages span nodes, some boundary crosses one, and the slowest boundary paces them
-    return message_time(cluster, lay.ranks <= cluster.gpus_per_node, nbytes)
+    return message_time(cluster, planned.ranks <= cluster.gpus_per_node, nbytes)
 
 
-def _token_messages(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
+def _token_messages(shape: ModelShape, cluster: Cluster, o: Options, planned: PlannedLayout,
                     attention: Work, busy: int) -> TokenComm:
     """Per layer and micro-batch, what the token split's messages add (its pricing's
     ``communication``): one rank's keys and values (``shape``: the positions it holds)
     to the next rank of the split's group, within a node when the group's span is,
     overlapping this rank's attention where compute and messages progress together."""
-    if lay.token_split == 1:
+    if planned.token_split == 1:
         return TokenComm()
-    intra = lay.span(Role.TOKENS) <= cluster.gpus_per_node
+    intra = planned.span(Role.TOKENS) <= cluster.gpus_per_node
     seconds = attention.seconds(cluster.async_dispatch) * compute_share(cluster, busy)
     if not overlaps_compute(cluster, busy):
         seconds = 0.0
     return token_pricing().communication(
-        lay, key_value_values(shape, lay.mbs, lay.shards), o.act_bytes, seconds,
+        planned, key_value_values(shape, planned.mbs, planned.shards), o.act_bytes, seconds,
         seconds * attention_backward_ratio(shape, cluster),
         lambda nbytes: message_time(cluster, intra, nbytes))
 
@@ -214,20 +214,20 @@ def message_time(cluster: Cluster, intra: bool, nbytes: float) -> float:
 
 
 def _reduction_exposed(shape: ModelShape, cluster: Cluster, o: Options,
-                       lay: PlannedLayout, cut: StageCut, m: int, busy: int, params: float,
+                       planned: PlannedLayout, cut: StageCut, m: int, busy: int, params: float,
                        counts: list[int], passes: tuple[float, float]) -> dict[str, float]:
     """The replica group's communication of one step that compute does not hide, per
     collective (all_reduce, reduce_scatter, all_gather); ``passes``: the slowest
     stage's layers' (forward, backward with recomputation) per micro-batch."""
     none = dict.fromkeys(_REDUCTION_OPS, 0.0)
-    replicas = lay.replicas
+    replicas = planned.replicas
     if replicas == 1:
         return none
-    span = lay.span(Role.REPLICAS)
+    span = planned.span(Role.REPLICAS)
     grads = params * o.grad_bytes
     hides = overlaps_compute(cluster, busy)
     forward, backward = passes if hides else (0.0, 0.0)
-    if lay.zero == 0:
+    if planned.zero == 0:
         buckets = max(1, math.ceil(grads / (o.bucket_mb * 2**20)))
         total = collective_time(cluster, "all_reduce", grads, replicas, busy,
                                 calls=buckets, span=span)
@@ -238,8 +238,8 @@ def _reduction_exposed(shape: ModelShape, cluster: Cluster, o: Options,
                              calls=flats, span=span)
     gather = collective_time(cluster, "all_gather", params * o.grad_bytes, replicas, busy,
                              calls=flats, span=span)
-    if lay.zero < 3:  # stage 1 reduces in the last backward only; the shards after
-        rounds = m if lay.zero == 2 else 1
+    if planned.zero < 3:  # stage 1 reduces in the last backward only; the shards after
+        rounds = m if planned.zero == 2 else 1
         if o.param_gather_overlap:  # behind the next step's first forward
             gather = _hidden_behind(gather, forward, flats)
         return none | {"reduce_scatter": rounds * _hidden_behind(reduce, backward, flats),
@@ -274,33 +274,33 @@ def _hidden_behind(total: float, window: float, calls: int) -> float:
     return max(total - window, total / calls)
 
 
-def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, lay: PlannedLayout,
+def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, planned: PlannedLayout,
                cut: StageCut, busy: int) -> float:
     """The small collectives of every step over the world (loss and token counts, the
     stop flag, telemetry on logged steps, the global norm of gradients that ZeRO or a
     dimension changing the model splits) and the tied embedding's gradient between the
     first and last stage."""
-    world = lay.ranks
-    split = lay.zero or any(lay.degree(d.key) > 1 for d in DIMENSIONS if d.changes_model)
+    world = planned.ranks
+    split = planned.zero or any(planned.degree(d.key) > 1 for d in DIMENSIONS if d.changes_model)
     small = 2 + 1 / max(1, o.log_every) + (1 if split else 0)
     sync = small * collective_time(cluster, "all_reduce", _CONTROL_BYTES, world, busy)
     if cut.stages > 1 and shape.tied:
-        sync += 2 * p2p_message_time(cluster, lay,
-                                     shape.vocab * shape.hidden / lay.shards * o.grad_bytes)
+        sync += 2 * p2p_message_time(cluster, planned,
+                                     shape.vocab * shape.hidden / planned.shards * o.grad_bytes)
     return sync
 
 
-def _optimizer_time(shape: ModelShape, cluster: Cluster, lay: PlannedLayout, stages: int,
+def _optimizer_time(shape: ModelShape, cluster: Cluster, planned: PlannedLayout, stages: int,
                     params: float, counts: list[int]) -> float:
     """The optimizer step on one rank's shard, memory-bound: AdamW reads the
     gradient and reads and writes the parameter and both moments (28 bytes per fp32
     parameter); clipping reads the gradient for its norm and zeroing writes it (8
     more); a few kernels, and framework time per parameter tensor."""
-    shard = params / (lay.replicas if lay.zero >= 1 else 1)
+    shard = params / (planned.replicas if planned.zero >= 1 else 1)
     seconds = elementwise_time(cluster, shard * _OPTIMIZER_BYTES, 4)
     seconds += cluster.kernel_overhead_s * 4
     if cluster.tensor_overhead_s:
         tensors = max(rank_tensors(shape, layers, st == 0, st == stages - 1, stages,
-                                   lay.zero) for st, layers in enumerate(counts))
+                                   planned.zero) for st, layers in enumerate(counts))
         seconds += tensors * cluster.tensor_overhead_s
     return seconds

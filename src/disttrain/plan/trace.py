@@ -52,10 +52,10 @@ def build_trace(est: Estimate, global_batch: int, *,
     be estimated with its step time)."""
     if not est.chunk_forward_s:
         raise ValueError("the estimate has no step time (estimated with memory_only)")
-    lay = est.layout
-    m = lay.micro_batches(global_batch)
+    planned = est.layout
+    m = planned.micro_batches(global_batch)
     traced = traced_micro_batches(est, m, max_actions)
-    name, timeline, actions_traced = stage_pricing().cut(lay).simulate(
+    name, timeline, actions_traced = stage_pricing().cut(planned).simulate(
         traced, _global(est.chunk_forward_s), _global(est.chunk_backward_s),
         est.p2p_message_s)
     events = _metadata(est)
@@ -123,11 +123,11 @@ def _after_pipeline(est: Estimate, rank: int, start: float) -> tuple[list[dict],
 
 
 def _metadata(est: Estimate) -> list[dict]:
-    lay = est.layout
+    planned = est.layout
     cutter = with_role(Role.LAYERS)[0]
-    alike = " x ".join(f"{d.key} {lay.degree(d.key)}" for d in plan_order() if d != cutter)
+    alike = " x ".join(f"{d.key} {planned.degree(d.key)}" for d in plan_order() if d != cutter)
     events = []
-    for rank in range(lay.stages):
+    for rank in range(planned.stages):
         name = f"{cutter.key} rank {rank} ({alike} replicas alike)"
         events += [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                     "args": {"name": name}},

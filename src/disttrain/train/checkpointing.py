@@ -246,9 +246,9 @@ class RunCheckpoints:
         self.stall_s += self.manager.before_update()
 
     def _meta(self, step: int, position: int) -> dict[str, Any]:
-        lay = self.plan.layout
+        planned = self.plan.layout
         return {"step": step, "position": position, "world_size": self.world.size,
-                "layout": lay.as_dict(),
+                "layout": planned.as_dict(),
                 "global_batch": self.plan.batch.global_batch,
                 "seed": self.config.train.seed, "optimizer": self.config.train.optimizer,
                 "config": self.config.to_dict(), "saved_at": time.time(),

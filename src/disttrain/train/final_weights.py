@@ -61,7 +61,7 @@ def write_final_weights(pieces: list[StatePiece], world: Communicator,
     problems = [p for _, p in everyone if p is not None]
     if rank == 0 and not problems:
         try:
-            _assemble(staging, [lay for lay, _ in everyone], Path(run_dir) / WEIGHTS_FILE,
+            _assemble(staging, [planned for planned, _ in everyone], Path(run_dir) / WEIGHTS_FILE,
                       {STEP_KEY: str(step)})
         except OSError as exc:
             problems.append(f"{run_dir / WEIGHTS_FILE}: {exc.strerror or exc}")

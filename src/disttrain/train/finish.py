@@ -45,12 +45,12 @@ def finish_run(run: Run, result: LoopResult) -> dict[str, Any]:
 
 
 def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
-    lay, steps = run.plan.layout, run.config.train.steps
+    planned, steps = run.plan.layout, run.config.train.steps
     ran = max(steps - run.start_step, 1)
     summary: dict[str, Any] = {
         "steps": steps, "start_step": run.start_step,
         "world_size": run.runtime.world_size,
-        "layout": lay.as_dict(),
+        "layout": planned.as_dict(),
         "global_batch": run.plan.batch.global_batch,
         "final_train_loss": result.final_loss,
         "initial_eval_loss": result.initial_eval, "final_eval_loss": result.final_eval,

@@ -78,8 +78,8 @@ def banner_text(world_size: int, device: torch.device, backend: str, plan: Any,
     """The start-up banner: the world, the batch triple, the model's size, where it
     writes, who holds what (where a dimension changed the model), the first held-out
     loss."""
-    lay, b = plan.layout, plan.batch
-    split = ", ".join(f"{d.key}={lay.degree(d.key)}" for d in with_role(Role.SAMPLES))
+    planned, b = plan.layout, plan.batch
+    split = ", ".join(f"{d.key}={planned.degree(d.key)}" for d in with_role(Role.SAMPLES))
     text = (f"disttrain: {world_size} rank(s) on {device.type}/{backend}, {split}; "
             f"global batch {b.global_batch} = {b.micro_batch} x {b.grad_accum} x "
             f"{b.shares}; {parameters:,} parameters; run dir {run_dir}")

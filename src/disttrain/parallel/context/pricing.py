@@ -44,42 +44,42 @@ class ContextPricing:
     def option_values(self, name: str, degree: int, limits: SearchLimits) -> Sequence[int]:
         raise KeyError(f"cp has no search key {name!r}")
 
-    def problem(self, shape: ShapeFacts, lay: LayoutFacts, limits: SearchLimits
+    def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
-        cp = lay.degree(ENTRY.key)
+        cp = layout.degree(ENTRY.key)
         if cp > 1 and shape.seq % (2 * cp):
             return "2 x cp does not divide the sequence"
-        if cp > 1 and lay.option("sp") and (shape.seq // cp) % lay.degree("tp"):
+        if cp > 1 and layout.option("sp") and (shape.seq // cp) % layout.degree("tp"):
             return "tp does not divide a cp rank's positions (sp)"
         return None
 
-    def batch_problem(self, lay: LayoutFacts, micro_batches: int) -> str | None:
+    def batch_problem(self, layout: LayoutFacts, micro_batches: int) -> str | None:
         return None
 
     def options_from_config(self, parallel: ParallelConfig, degree: int) -> dict[str, int]:
         return {}
 
-    def config_values(self, lay: LayoutFacts) -> dict[str, object]:
-        return {ENTRY.key: lay.degree(ENTRY.key)}
+    def config_values(self, layout: LayoutFacts) -> dict[str, object]:
+        return {ENTRY.key: layout.degree(ENTRY.key)}
 
-    def communication(self, lay: LayoutFacts, block_values: float, value_bytes: int,
+    def communication(self, layout: LayoutFacts, block_values: float, value_bytes: int,
                       attention: float, attention_backward: float, price: PriceMessage
                       ) -> TokenComm:
         """The ring's messages for one layer of one micro-batch (module docstring)."""
-        n = lay.degree(ENTRY.key)
+        n = layout.degree(ENTRY.key)
         if n == 1:
             return TokenComm()
         kv, grads = price(block_values * value_bytes), price(block_values * _GRAD_BYTES)
         forward = (n - 1) * max(0.0, kv - attention / n)
         backward = (n - 1) * max(0.0, kv + grads - attention_backward / n) + grads
-        if lay.recompute != "none":
+        if layout.recompute != "none":
             backward += forward
         return TokenComm(forward=forward, backward=backward)
 
-    def buffer_bytes(self, lay: LayoutFacts, block_values: float, value_bytes: int
+    def buffer_bytes(self, layout: LayoutFacts, block_values: float, value_bytes: int
                      ) -> float:
         """Backward's: the block in flight and two gradient buffers (module docstring)."""
-        if lay.degree(ENTRY.key) == 1:
+        if layout.degree(ENTRY.key) == 1:
             return 0.0
         return block_values * (value_bytes + 2 * _GRAD_BYTES)
 

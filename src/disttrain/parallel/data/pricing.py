@@ -23,18 +23,18 @@ class DataPricing:
     def option_values(self, name: str, degree: int, limits: SearchLimits) -> Sequence[int]:
         raise KeyError(f"dp has no search key {name!r}")
 
-    def problem(self, shape: ShapeFacts, lay: LayoutFacts, limits: SearchLimits
+    def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
         return None
 
-    def batch_problem(self, lay: LayoutFacts, micro_batches: int) -> str | None:
+    def batch_problem(self, layout: LayoutFacts, micro_batches: int) -> str | None:
         return None
 
     def options_from_config(self, parallel: ParallelConfig, degree: int) -> dict[str, int]:
         return {}
 
-    def config_values(self, lay: LayoutFacts) -> dict[str, object]:
-        return {"dp": lay.degree(ENTRY.key)}
+    def config_values(self, layout: LayoutFacts) -> dict[str, object]:
+        return {"dp": layout.degree(ENTRY.key)}
 
 
 PRICING = DataPricing()

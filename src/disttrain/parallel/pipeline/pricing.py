@@ -282,10 +282,10 @@ class PipelinePricing:
             return (0, *ZERO_BUBBLE) if degree > 1 else (0,)
         return (0,)  # gpipe: set by hand (--layout), never searched
 
-    def problem(self, shape: ShapeFacts, lay: LayoutFacts, limits: SearchLimits
+    def problem(self, shape: ShapeFacts, planned: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
-        pp, v, gpipe = lay.degree(ENTRY.key), lay.option("v"), lay.option("gpipe")
-        zb = lay.option("zb")
+        pp, v, gpipe = planned.degree(ENTRY.key), planned.option("v"), planned.option("gpipe")
+        zb = planned.option("zb")
         if pp * v > shape.layers:
             return "pp x v exceeds the layers"
         if v > 1 and pp == 1:
@@ -294,13 +294,13 @@ class PipelinePricing:
             return "gpipe needs pp > 1 and v = 1"
         if zb and (pp == 1 or gpipe or zb not in ZERO_BUBBLE or v != zb):
             return "zero bubble needs pp > 1, no gpipe, and v = 1 (zb1) or 2 (zbv)"
-        if zb and lay.zero >= 3:
+        if zb and planned.zero >= 3:
             return "zero bubble needs ZeRO <= 2"
         return None
 
-    def batch_problem(self, lay: LayoutFacts, micro_batches: int) -> str | None:
-        pp = lay.degree(ENTRY.key)
-        if lay.option("v") > 1 and not lay.option("zb") and micro_batches % pp:
+    def batch_problem(self, planned: LayoutFacts, micro_batches: int) -> str | None:
+        pp = planned.degree(ENTRY.key)
+        if planned.option("v") > 1 and not planned.option("zb") and micro_batches % pp:
             return "interleaved needs micro-batches divisible by pp"
         return None
 
@@ -310,20 +310,20 @@ class PipelinePricing:
                 "gpipe": int(degree > 1 and parallel.pp_schedule == SCHEDULE_GPIPE),
                 "zb": zb if degree > 1 else 0}
 
-    def config_values(self, lay: LayoutFacts) -> dict[str, object]:
-        pp, v = lay.degree(ENTRY.key), lay.option("v")
+    def config_values(self, planned: LayoutFacts) -> dict[str, object]:
+        pp, v = planned.degree(ENTRY.key), planned.option("v")
         values: dict[str, object] = {"pp": pp}
         if pp > 1:
-            values["pp_schedule"] = self.cut(lay).schedule
-            if v > 1 and not lay.option("zb"):
+            values["pp_schedule"] = self.cut(planned).schedule
+            if v > 1 and not planned.option("zb"):
                 values["pp_virtual"] = v
         return values
 
-    def cut(self, lay: LayoutFacts) -> PipelineStages:
-        v, zb = lay.option("v"), lay.option("zb")
+    def cut(self, planned: LayoutFacts) -> PipelineStages:
+        v, zb = planned.option("v"), planned.option("zb")
         schedule = (ZERO_BUBBLE[zb] if zb in ZERO_BUBBLE else INTERLEAVED if v > 1
-                    else GPIPE if lay.option("gpipe") else ONE_F_ONE_B)
-        return PipelineStages(lay.degree(ENTRY.key), v, schedule)
+                    else GPIPE if planned.option("gpipe") else ONE_F_ONE_B)
+        return PipelineStages(planned.degree(ENTRY.key), v, schedule)
 
     def run_chunks(self, parallel: ParallelConfig, spec: ModelSpec, stages: int
                    ) -> tuple[int, ...]:

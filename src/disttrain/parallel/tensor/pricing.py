@@ -27,9 +27,9 @@ class TensorPricing:
     def option_values(self, name: str, degree: int, limits: SearchLimits) -> Sequence[int]:
         return (0, 1) if degree > 1 else (0,)  # sp
 
-    def problem(self, shape: ShapeFacts, lay: LayoutFacts, limits: SearchLimits
+    def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
-        tp, sp = lay.degree(ENTRY.key), lay.option("sp")
+        tp, sp = layout.degree(ENTRY.key), layout.option("sp")
         if shape.heads % tp:
             return "tp does not divide the heads"
         if shape.kv % tp:
@@ -46,24 +46,24 @@ class TensorPricing:
             return "tp does not divide the sequence (sp)"
         return None
 
-    def batch_problem(self, lay: LayoutFacts, micro_batches: int) -> str | None:
+    def batch_problem(self, layout: LayoutFacts, micro_batches: int) -> str | None:
         return None
 
     def options_from_config(self, parallel: ParallelConfig, degree: int) -> dict[str, int]:
         return {"sp": int(parallel.sequence_parallel and degree > 1)}
 
-    def config_values(self, lay: LayoutFacts) -> dict[str, object]:
-        return {"tp": lay.degree(ENTRY.key), "sequence_parallel": bool(lay.option("sp"))}
+    def config_values(self, layout: LayoutFacts) -> dict[str, object]:
+        return {"tp": layout.degree(ENTRY.key), "sequence_parallel": bool(layout.option("sp"))}
 
-    def sequence_parallel(self, lay: LayoutFacts) -> bool:
-        return bool(lay.option("sp"))
+    def sequence_parallel(self, layout: LayoutFacts) -> bool:
+        return bool(layout.option("sp"))
 
-    def communication(self, lay: LayoutFacts, activation_bytes: float, loss_bytes: float,
+    def communication(self, layout: LayoutFacts, activation_bytes: float, loss_bytes: float,
                       price: PriceCollective) -> ShardComm:
-        tp = lay.degree(ENTRY.key)
+        tp = layout.degree(ENTRY.key)
         one = price("all_reduce", activation_bytes, tp)
         small = price("all_reduce", loss_bytes, tp)
-        per_layer = (4 + (2 if lay.recompute == "full" else 0)) * one
+        per_layer = (4 + (2 if layout.recompute == "full" else 0)) * one
         return ShardComm(layer_forward=2 * one, layer_backward=per_layer - 2 * one,
                          first_forward=one, last_forward=2 * small, last_backward=one)
 

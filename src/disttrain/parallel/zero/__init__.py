@@ -234,6 +234,8 @@ class ZeroDataParallel:
         if self.gathers is not None:
             if self.gather_at_end:
                 self.gathers.gather_all()
+            else:  # the root units an evaluation left gathered, before the final weights
+                self.gathers.end_step()
             self.gathers.remove()
         for h in self._hooks:
             h.remove()

@@ -11,8 +11,9 @@
   backward of the block before it starts, when its own is over); root units are
   gathered when their scope's module starts its forward and kept until the step ends.
   A block's gradients accumulate into one flat buffer per flat, allocated as its
-  backward starts, which is what is reduce-scattered (no copy), and is freed as soon
-  as the reduce-scatter is done: one unsharded gradient travels at a time.
+  backward starts (a root unit's: as its scope's forward ends, the head's gradient
+  being a backward's first), which is what is reduce-scattered (no copy), and is freed
+  as soon as the reduce-scatter is done: one unsharded gradient travels at a time.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class ShardReducer:
 
 def _unsharded_grad(flat: FlatParam) -> torch.Tensor:
     """``flat``'s whole gradient [padded], the parameters' ``.grad`` released: stage 3's
-    flat buffer they accumulated into (:meth:`Stage3Gathers.grad_buffer`), or (a root
-    unit, or a block whose backward hook did not run) a new one they are copied into."""
+    flat buffer they accumulated into (:meth:`Stage3Gathers._grad_buffers`), or (stage
+    2, or a unit whose hook did not run) a new one they are copied into."""
     source, flat.grad_flat = flat.grad_flat, None
     fresh = source is None
     if source is None:
@@ -184,8 +185,10 @@ class Stage3Gathers:
                 u.module.register_forward_hook(lambda m, a, o, i=i: self.free_unit(i)),
                 u.module.register_full_backward_pre_hook(before_backward)]
         for entry, scope in entries.values():
-            hooks.append(entry.register_forward_pre_hook(
-                lambda m, a, scope=scope: self._gather_roots(scope)))
+            hooks += [entry.register_forward_pre_hook(
+                          lambda m, a, scope=scope: self._gather_roots(scope)),
+                      entry.register_forward_hook(
+                          lambda m, a, o, scope=scope: self._root_grad_buffers(scope))]
         return hooks
 
     def _start(self, unit: int) -> None:
@@ -228,11 +231,26 @@ class Stage3Gathers:
         if done is not None:
             self._free_frozen(done)
         self.release()
+        self._grad_buffers(unit)
+
+    def _grad_buffers(self, unit: int) -> None:
+        """``unit``'s trainable flats get their unsharded gradient [padded], zeros, and
+        their parameters' ``.grad`` become views of it: autograd then adds each new
+        gradient into it in place (its rule for a ``.grad`` already set, outside
+        double backward), so no per-parameter gradient outlives its computation."""
         for f in self.by_unit.get(unit, []):
             if not f.frozen and f.grad_flat is None:
                 f.grad_flat = torch.zeros_like(f.full)
                 for p, view in zip(f.params, f.views(f.grad_flat), strict=True):
-                    p.grad = view  # autograd accumulates into it in place
+                    p.grad = view
+
+    def _root_grad_buffers(self, scope: int) -> None:
+        """After a forward that records a graph: the scope's root units get their
+        gradient buffers now, as the first gradients of a backward (the head's, a
+        tied embedding's) are theirs; an evaluation's forward gets none."""
+        if torch.is_grad_enabled():
+            for unit in self.roots.get(scope, []):
+                self._grad_buffers(unit)
 
     def _free_frozen(self, unit: int) -> None:
         for f in self.by_unit.get(unit, []):

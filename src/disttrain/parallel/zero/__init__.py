@@ -35,7 +35,7 @@ from ..placement import Placement, StatePiece
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from .check import check_zero
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
-from .hooks import ShardReducer, Stage3Gathers
+from .hooks import ShardReducer, Stage3Gathers, gather_flat
 from .state import (
     load_frozen,
     load_rank_state,
@@ -202,8 +202,9 @@ class ZeroDataParallel:
         if self.stage == 3:
             return
         with torch.no_grad():
-            for f in self.flats:  # the shard is a slice of full: send a copy of it
-                self.comm.all_gather_into(f.full, f.shard.detach().clone())
+            for f in self.flats:  # the shard is a slice of full, sent from where it is
+                for work in gather_flat(self.comm, f.full, f.shard.detach()):
+                    work.wait()
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds now for parameters, gradients and optimizer state

@@ -28,6 +28,40 @@ from ...comm.collectives import Communicator, TrackedWork
 from .flat import FlatParam, Unit, free, is_freed, materialize
 
 
+def gather_flat(comm: Communicator, full: torch.Tensor, shard: torch.Tensor
+                ) -> list[TrackedWork]:
+    """Every rank's ``shard`` [n] into ``full`` [size * n] (rank r's in block r); the
+    works to wait for. On a CPU group, one broadcast per rank from its block, in place
+    (this rank's shard first copied into its own block, unless it is that block): Gloo's
+    all-gather stages its whole output in a temporary as large as ``full`` (with the
+    reduce-scatter's, the largest transient a ZeRO-3 rank had: measured in
+    ``docs/strategies/zero.md``), a broadcast none. Elsewhere (NCCL) one all-gather."""
+    n = shard.numel()
+    own = full[comm.rank * n:(comm.rank + 1) * n]
+    in_place = own.data_ptr() == shard.data_ptr()  # stages 1-2: the shard is that block
+    if comm.device.type != "cpu" or comm.size == 1:
+        source = shard.clone() if in_place else shard
+        return [comm.all_gather_into(full, source, async_op=True)]
+    if not in_place:
+        own.copy_(shard)
+    return [comm.broadcast(full[r * n:(r + 1) * n], src=r, async_op=True)
+            for r in range(comm.size)]
+
+
+def reduce_flat(comm: Communicator, source: torch.Tensor) -> tuple[TrackedWork, torch.Tensor]:
+    """Sum ``source`` [size * n], an unsharded gradient no one reads after, over the
+    ranks: the work, and where this rank's block [n] of the sum is once it is done. On
+    a CPU group an all-reduce of ``source`` in place, its block r a view of it: Gloo's
+    reduce-scatter copies its whole input into a temporary, its all-reduce works in
+    place (and, measured, in less time). Elsewhere (NCCL) a reduce-scatter into a new
+    block."""
+    n = source.numel() // comm.size
+    if comm.device.type == "cpu" and comm.size > 1:
+        return comm.all_reduce(source, async_op=True), source[comm.rank * n:(comm.rank + 1) * n]
+    out = torch.empty(n, dtype=source.dtype, device=source.device)
+    return comm.reduce_scatter(out, source, async_op=True), out
+
+
 class ShardReducer:
     """Launches, orders and completes the reduce-scatters of the flat gradients."""
 
@@ -94,8 +128,10 @@ class ShardReducer:
             source = source.to(self.reduce_dtype)  # the shard is cast back on arrival
         if self.stage > 1:  # one unsharded gradient in flight at most: the previous one
             self.drain()    # is freed before this one travels
-        out = torch.empty(flat.shard.numel(), dtype=source.dtype, device=source.device)
-        work = self.comm.reduce_scatter(out, source, async_op=True)
+            work, out = reduce_flat(self.comm, source)
+        else:  # stage 1 keeps the local gradient (1-bit Adam reads it): not in place
+            out = torch.empty(flat.shard.numel(), dtype=source.dtype, device=source.device)
+            work = self.comm.reduce_scatter(out, source, async_op=True)
         self.in_flight.append((flat, work, out, source))
 
     def drain(self, keep: int = 0, *, done_only: bool = False) -> None:
@@ -103,14 +139,15 @@ class ShardReducer:
         already complete, waiting for none), adding their shards up; each one's
         unsharded gradient is freed as it is taken."""
         while len(self.in_flight) > keep:
-            flat, work, out, _source = self.in_flight[0]
+            flat, work, out, source = self.in_flight[0]
             if done_only and not work.is_completed():
                 return
             self.in_flight.pop(0)
             work.wait()
             out = out.to(flat.shard.dtype)
-            if flat.grad_sum is None:
-                flat.grad_sum = out
+            if flat.grad_sum is None:  # of its own: not a block of the unsharded gradient
+                aliased = out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+                flat.grad_sum = out.clone() if aliased else out
             else:
                 flat.grad_sum.add_(out)
 
@@ -198,8 +235,7 @@ class Stage3Gathers:
         for f in self.by_unit[unit]:
             if is_freed(f.full):
                 materialize(f.full)
-                works.append(self.comm.all_gather_into(f.full, f.shard.detach(),
-                                                       async_op=True))
+                works += gather_flat(self.comm, f.full, f.shard.detach())
         self.gathers[unit] = works
 
     def gather(self, unit: int, prefetch: Sequence[int] = ()) -> None:

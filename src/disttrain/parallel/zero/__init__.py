@@ -73,9 +73,13 @@ class ZeroDataParallel:
                                      comm.size, stage, device)) is not None]
         self.frozen_whole = [] if stage == 3 else [p for u in units for _, p in u.frozen]
         # stage 3: at most 1 + prefetch blocks gathered at once; a block's backward
-        # first frees the unsharded gradients whose reduce-scatter is done
+        # first frees the unsharded gradients whose reduction is done, and on a CPU
+        # group waits for the one still travelling: it shares the cores with the
+        # backward, so letting it overlap buys little, while it stays a third block
+        # beside the running block's parameters and gradient
+        overlap = comm.device.type != "cpu"
         self.gathers = (Stage3Gathers(units, self.flats + self.frozen_flats, comm, prefetch,
-                                      release=lambda: self.reducer.drain(done_only=True))
+                                      release=lambda: self.reducer.drain(done_only=overlap))
                         if stage == 3 else None)
         self.reducer = ShardReducer(self.flats, comm, stage, reduce_dtype,
                                     self.gathers.launched if self.gathers else lambda f: None)

@@ -273,11 +273,14 @@ class Stage3Gathers:
         """``unit``'s trainable flats get their unsharded gradient [padded], zeros, and
         their parameters' ``.grad`` become views of it: autograd then adds each new
         gradient into it in place (its rule for a ``.grad`` already set, outside
-        double backward), so no per-parameter gradient outlives its computation."""
+        double backward), so no per-parameter gradient outlives its computation (one
+        autograd already gave, if any, is moved into it)."""
         for f in self.by_unit.get(unit, []):
             if not f.frozen and f.grad_flat is None:
                 f.grad_flat = torch.zeros_like(f.full)
                 for p, view in zip(f.params, f.views(f.grad_flat), strict=True):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
                     p.grad = view
 
     def _root_grad_buffers(self, scope: int) -> None:

@@ -75,7 +75,8 @@ def test_the_allocator_settings_return_freed_buffers():
 
 
 def test_the_launcher_sets_the_allocator_unless_the_user_did(monkeypatch):
-    for name in (*ALLOCATOR_ENV, ALLOCATOR_CHOICE_ENV):
+    # every variable _worker_env sets, restored after the test
+    for name in (*ALLOCATOR_ENV, ALLOCATOR_CHOICE_ENV, "OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
         monkeypatch.delenv(name, raising=False)
     agent._worker_env(2)
     assert {k: os.environ[k] for k in ALLOCATOR_ENV} == ALLOCATOR_ENV

@@ -19,7 +19,13 @@ phases, ``end`` the whole run's. Figures are each rank's peak above its RSS afte
 over ranks). For ZeRO-3 the floor the run is held to: the sharded state (16 bytes per
 parameter / world: 4 / world of the fp32 model), two blocks gathered (the running one
 and the prefetched one), and the process (what the start holds beyond its shard).
-``--trace-phases`` prints rank 0's phase changes. One JSON line.
+``--trace-phases`` prints rank 0's phase changes.
+
+The ranks start as the command line's workers do: spawned (a fresh interpreter), with
+the launcher's allocator settings (``disttrain.launch.allocator.allocator_env``: freed
+buffers returned to the system; a ``MALLOC_*`` variable set here wins, and
+``DISTTRAIN_MALLOC=system`` keeps glibc's defaults); ``malloc_mmap_threshold`` in the
+output says which. One JSON line.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import tempfile
 
 import torch
 
+from disttrain.launch.allocator import allocator_env
 from disttrain.testing import run_distributed
 
 
@@ -178,13 +185,17 @@ def main() -> None:
     out: dict = {"bench": "startup_memory", "world": w, "n_layer": args.n_layer,
                  "d_model": args.d_model, "target_start_x_model": 0.75,
                  "target_run_x_model": 0.75}
+    workers_env = allocator_env()  # what the launcher adds for its workers
+    out["malloc_mmap_threshold"] = (dict(os.environ) | workers_env).get(
+        "MALLOC_MMAP_THRESHOLD_", "glibc default")
     with tempfile.TemporaryDirectory() as root:
         for name, layout in layouts.items():
             for meta in (True, False):
                 if args.only not in f"{name}_{'meta' if meta else 'whole'}":
                     continue
                 ranks = run_distributed(_body, w, args=(args, layout, meta, root),
-                                        timeout=args.timeout)
+                                        timeout=args.timeout, env=workers_env,
+                                        start_method="spawn")  # glibc reads it at start
                 key = f"{name}_{'meta' if meta else 'whole'}"
                 out["fp32_gb"] = round(ranks[0]["fp32_bytes"] / 1e9, 3)
                 for point in ("start", "step", "end"):

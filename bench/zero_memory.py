@@ -20,7 +20,12 @@ tensor bytes over ``--mem-steps`` more steps is taken on each rank; the largest 
 counts. Step time: all five systems live in one set of 4 processes; after warmup,
 rotations of ``--steps`` timed steps per system go round the systems so that drifting
 load hits all alike; a step is timed on every rank after a barrier and the slowest
-rank's time counts. Prints one JSON line.
+rank's time counts. The ranks start as the command line's workers do: spawned, with the
+launcher's allocator settings (``disttrain.launch.allocator.allocator_env``; a
+``MALLOC_*`` variable set here wins, ``DISTTRAIN_MALLOC=system`` keeps glibc's
+defaults: ``malloc_mmap_threshold`` in the output says which). The tracker counts live
+tensors, which the allocator does not change; the step times include its cost.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch.distributed.fsdp import fully_shard
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
+from disttrain.launch.allocator import allocator_env
 from disttrain.models import GPT, token_loss
 from disttrain.parallel.ddp import apply_data_parallel
 from disttrain.parallel.zero import apply_zero
@@ -218,15 +224,18 @@ def main() -> None:
     params = sum(p.numel() for p in GPT(cfg).parameters())
     _log(f"GPT {params / 1e6:.1f}M parameters, world size {WORLD_SIZE}")
     memory = {}
+    workers_env = allocator_env()  # what the launcher adds for its workers
     for system in SYSTEMS:
-        ranks = run_distributed(_peak_memory, WORLD_SIZE, timeout=1200,
+        ranks = run_distributed(_peak_memory, WORLD_SIZE, timeout=1200, env=workers_env,
+                                start_method="spawn",  # glibc reads the settings at start
                                 args=(system, cfg, args.micro_batch, args.bucket_mb,
                                       args.mem_steps))
         memory[system] = max(ranks, key=lambda r: r["peak"])
         _log(f"memory {system}: peak {memory[system]['peak']:.1f} MiB, between steps "
              f"{memory[system]['between_steps']:.1f} MiB; at the peak (MiB, the tracker's "
              f"own attribution): {memory[system]['at_peak']}")
-    timing = run_distributed(_step_times, WORLD_SIZE, timeout=3600,
+    timing = run_distributed(_step_times, WORLD_SIZE, timeout=3600, env=workers_env,
+                             start_method="spawn",
                              args=(cfg, args.micro_batch, args.bucket_mb, args.reps,
                                    args.steps))[0]
     step_s = {s: statistics.median(timing[s]["times"]) for s in SYSTEMS}
@@ -247,7 +256,9 @@ def main() -> None:
         "steps": args.steps, "reps": args.reps, "mem_steps": args.mem_steps,
         "params": params, "d_model": args.d_model, "n_layer": args.n_layer,
         "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "machine": f"{os.cpu_count()} cpu cores"})
+        "machine": f"{os.cpu_count()} cpu cores",
+        "malloc_mmap_threshold": (dict(os.environ) | workers_env).get(
+            "MALLOC_MMAP_THRESHOLD_", "glibc default")})
     print(json.dumps(result))
 
 

@@ -130,8 +130,9 @@ def test_bf16_wire_halves_the_reduce_scatter_bytes(tmp_path):
         assert a.dtype == torch.float32  # summed into fp32 shards
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
     none, half = got["summaries"]["none"], got["summaries"]["bf16"]
-    # the gradient reduce-scatter halves; the parameters' all-gather stays fp32
-    assert half["comm_bytes_per_step"] < 0.7 * none["comm_bytes_per_step"]
+    # the gradient reduce-scatter halves; the parameters' all-gather stays fp32 (on a
+    # CPU group one broadcast per rank: as many bytes passed in as the reduce-scatter)
+    assert half["comm_bytes_per_step"] < 0.8 * none["comm_bytes_per_step"]
     assert abs(half["final_train_loss"] - none["final_train_loss"]) < 0.01
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import STOP_CODES, UserError
 from ..monitor.watchdog import HANG_EXIT_CODE
+from .allocator import allocator_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +108,8 @@ def _worker_env(nproc: int) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # the workers return freed buffers to the system (.allocator); the user's own win
+    os.environ.update(allocator_env())
 
 
 # the agent's own lines while it passes a signal on: the launcher says it in one line

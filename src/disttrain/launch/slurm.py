@@ -25,6 +25,7 @@ import shlex
 from collections.abc import Mapping, MutableMapping
 
 from ..errors import UserError
+from .allocator import ALLOCATOR_ENV
 
 PORT_BASE, PORT_SPAN = 15000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN
 _SPECIAL_STEPS = 0xFFFFFFF0  # batch, extern and interactive steps have ids above this
@@ -112,6 +113,8 @@ def sbatch_script(*, nodes: int, gpus_per_node: int, train_args: list[str],
         f'RUN_DIR="{run_dir}"',
         "# If the nodes have several networks, name the one the ranks talk over:",
         "# export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0",
+        "# Freed buffers go back to the system (what disttrain's launcher sets; yours wins)",
+        *(f'export {k}="${{{k}:-{v}}}"' for k, v in ALLOCATOR_ENV.items()),
         "",
         "# One task per GPU: srun starts every rank; disttrain reads its rank, local rank",
         "# and the world size from SLURM, the rendezvous host is the first node, the",

@@ -35,7 +35,7 @@ from ..placement import Placement, StatePiece
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from .check import check_zero
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
-from .hooks import ShardReducer, Stage3Gathers
+from .hooks import ShardReducer, Stage3Gathers, gather_flat
 from .state import (
     load_frozen,
     load_rank_state,
@@ -73,9 +73,13 @@ class ZeroDataParallel:
                                      comm.size, stage, device)) is not None]
         self.frozen_whole = [] if stage == 3 else [p for u in units for _, p in u.frozen]
         # stage 3: at most 1 + prefetch blocks gathered at once; a block's backward
-        # first frees the unsharded gradients whose reduce-scatter is done
+        # first frees the unsharded gradients whose reduction is done, and on a CPU
+        # group waits for the one still travelling: it shares the cores with the
+        # backward, so letting it overlap buys little, while it stays a third block
+        # beside the running block's parameters and gradient
+        overlap = comm.device.type != "cpu"
         self.gathers = (Stage3Gathers(units, self.flats + self.frozen_flats, comm, prefetch,
-                                      release=lambda: self.reducer.drain(done_only=True))
+                                      release=lambda: self.reducer.drain(done_only=overlap))
                         if stage == 3 else None)
         self.reducer = ShardReducer(self.flats, comm, stage, reduce_dtype,
                                     self.gathers.launched if self.gathers else lambda f: None)
@@ -202,8 +206,9 @@ class ZeroDataParallel:
         if self.stage == 3:
             return
         with torch.no_grad():
-            for f in self.flats:  # the shard is a slice of full: send a copy of it
-                self.comm.all_gather_into(f.full, f.shard.detach().clone())
+            for f in self.flats:  # the shard is a slice of full, sent from where it is
+                for work in gather_flat(self.comm, f.full, f.shard.detach()):
+                    work.wait()
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds now for parameters, gradients and optimizer state
@@ -234,6 +239,8 @@ class ZeroDataParallel:
         if self.gathers is not None:
             if self.gather_at_end:
                 self.gathers.gather_all()
+            else:  # the root units an evaluation left gathered, before the final weights
+                self.gathers.end_step()
             self.gathers.remove()
         for h in self._hooks:
             h.remove()

@@ -11,8 +11,9 @@
   backward of the block before it starts, when its own is over); root units are
   gathered when their scope's module starts its forward and kept until the step ends.
   A block's gradients accumulate into one flat buffer per flat, allocated as its
-  backward starts, which is what is reduce-scattered (no copy), and is freed as soon
-  as the reduce-scatter is done: one unsharded gradient travels at a time.
+  backward starts (a root unit's: as its scope's forward ends, the head's gradient
+  being a backward's first), which is what is reduce-scattered (no copy), and is freed
+  as soon as the reduce-scatter is done: one unsharded gradient travels at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,40 @@ from torch.utils.hooks import RemovableHandle
 
 from ...comm.collectives import Communicator, TrackedWork
 from .flat import FlatParam, Unit, free, is_freed, materialize
+
+
+def gather_flat(comm: Communicator, full: torch.Tensor, shard: torch.Tensor
+                ) -> list[TrackedWork]:
+    """Every rank's ``shard`` [n] into ``full`` [size * n] (rank r's in block r); the
+    works to wait for. On a CPU group, one broadcast per rank from its block, in place
+    (this rank's shard first copied into its own block, unless it is that block): Gloo's
+    all-gather stages its whole output in a temporary as large as ``full`` (with the
+    reduce-scatter's, the largest transient a ZeRO-3 rank had: measured in
+    ``docs/strategies/zero.md``), a broadcast none. Elsewhere (NCCL) one all-gather."""
+    n = shard.numel()
+    own = full[comm.rank * n:(comm.rank + 1) * n]
+    in_place = own.data_ptr() == shard.data_ptr()  # stages 1-2: the shard is that block
+    if comm.device.type != "cpu" or comm.size == 1:
+        source = shard.clone() if in_place else shard
+        return [comm.all_gather_into(full, source, async_op=True)]
+    if not in_place:
+        own.copy_(shard)
+    return [comm.broadcast(full[r * n:(r + 1) * n], src=r, async_op=True)
+            for r in range(comm.size)]
+
+
+def reduce_flat(comm: Communicator, source: torch.Tensor) -> tuple[TrackedWork, torch.Tensor]:
+    """Sum ``source`` [size * n], an unsharded gradient no one reads after, over the
+    ranks: the work, and where this rank's block [n] of the sum is once it is done. On
+    a CPU group an all-reduce of ``source`` in place, its block r a view of it: Gloo's
+    reduce-scatter copies its whole input into a temporary, its all-reduce works in
+    place (and, measured, in less time). Elsewhere (NCCL) a reduce-scatter into a new
+    block."""
+    n = source.numel() // comm.size
+    if comm.device.type == "cpu" and comm.size > 1:
+        return comm.all_reduce(source, async_op=True), source[comm.rank * n:(comm.rank + 1) * n]
+    out = torch.empty(n, dtype=source.dtype, device=source.device)
+    return comm.reduce_scatter(out, source, async_op=True), out
 
 
 class ShardReducer:
@@ -93,8 +128,10 @@ class ShardReducer:
             source = source.to(self.reduce_dtype)  # the shard is cast back on arrival
         if self.stage > 1:  # one unsharded gradient in flight at most: the previous one
             self.drain()    # is freed before this one travels
-        out = torch.empty(flat.shard.numel(), dtype=source.dtype, device=source.device)
-        work = self.comm.reduce_scatter(out, source, async_op=True)
+            work, out = reduce_flat(self.comm, source)
+        else:  # stage 1 keeps the local gradient (1-bit Adam reads it): not in place
+            out = torch.empty(flat.shard.numel(), dtype=source.dtype, device=source.device)
+            work = self.comm.reduce_scatter(out, source, async_op=True)
         self.in_flight.append((flat, work, out, source))
 
     def drain(self, keep: int = 0, *, done_only: bool = False) -> None:
@@ -102,22 +139,23 @@ class ShardReducer:
         already complete, waiting for none), adding their shards up; each one's
         unsharded gradient is freed as it is taken."""
         while len(self.in_flight) > keep:
-            flat, work, out, _source = self.in_flight[0]
+            flat, work, out, source = self.in_flight[0]
             if done_only and not work.is_completed():
                 return
             self.in_flight.pop(0)
             work.wait()
             out = out.to(flat.shard.dtype)
-            if flat.grad_sum is None:
-                flat.grad_sum = out
+            if flat.grad_sum is None:  # of its own: not a block of the unsharded gradient
+                aliased = out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+                flat.grad_sum = out.clone() if aliased else out
             else:
                 flat.grad_sum.add_(out)
 
 
 def _unsharded_grad(flat: FlatParam) -> torch.Tensor:
     """``flat``'s whole gradient [padded], the parameters' ``.grad`` released: stage 3's
-    flat buffer they accumulated into (:meth:`Stage3Gathers.grad_buffer`), or (a root
-    unit, or a block whose backward hook did not run) a new one they are copied into."""
+    flat buffer they accumulated into (:meth:`Stage3Gathers._grad_buffers`), or (stage
+    2, or a unit whose hook did not run) a new one they are copied into."""
     source, flat.grad_flat = flat.grad_flat, None
     fresh = source is None
     if source is None:
@@ -184,8 +222,10 @@ class Stage3Gathers:
                 u.module.register_forward_hook(lambda m, a, o, i=i: self.free_unit(i)),
                 u.module.register_full_backward_pre_hook(before_backward)]
         for entry, scope in entries.values():
-            hooks.append(entry.register_forward_pre_hook(
-                lambda m, a, scope=scope: self._gather_roots(scope)))
+            hooks += [entry.register_forward_pre_hook(
+                          lambda m, a, scope=scope: self._gather_roots(scope)),
+                      entry.register_forward_hook(
+                          lambda m, a, o, scope=scope: self._root_grad_buffers(scope))]
         return hooks
 
     def _start(self, unit: int) -> None:
@@ -195,8 +235,7 @@ class Stage3Gathers:
         for f in self.by_unit[unit]:
             if is_freed(f.full):
                 materialize(f.full)
-                works.append(self.comm.all_gather_into(f.full, f.shard.detach(),
-                                                       async_op=True))
+                works += gather_flat(self.comm, f.full, f.shard.detach())
         self.gathers[unit] = works
 
     def gather(self, unit: int, prefetch: Sequence[int] = ()) -> None:
@@ -228,11 +267,29 @@ class Stage3Gathers:
         if done is not None:
             self._free_frozen(done)
         self.release()
+        self._grad_buffers(unit)
+
+    def _grad_buffers(self, unit: int) -> None:
+        """``unit``'s trainable flats get their unsharded gradient [padded], zeros, and
+        their parameters' ``.grad`` become views of it: autograd then adds each new
+        gradient into it in place (its rule for a ``.grad`` already set, outside
+        double backward), so no per-parameter gradient outlives its computation (one
+        autograd already gave, if any, is moved into it)."""
         for f in self.by_unit.get(unit, []):
             if not f.frozen and f.grad_flat is None:
                 f.grad_flat = torch.zeros_like(f.full)
                 for p, view in zip(f.params, f.views(f.grad_flat), strict=True):
-                    p.grad = view  # autograd accumulates into it in place
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+
+    def _root_grad_buffers(self, scope: int) -> None:
+        """After a forward that records a graph: the scope's root units get their
+        gradient buffers now, as the first gradients of a backward (the head's, a
+        tied embedding's) are theirs; an evaluation's forward gets none."""
+        if torch.is_grad_enabled():
+            for unit in self.roots.get(scope, []):
+                self._grad_buffers(unit)
 
     def _free_frozen(self, unit: int) -> None:
         for f in self.by_unit.get(unit, []):

@@ -89,7 +89,21 @@ class Census:
 
 def _runs() -> list[dict]:
     """Each prefetch depth: two ZeRO-3 steps and an evaluation, its census, and its
-    largest parameter difference from the plain run (on rank 0's view)."""
+    largest parameter difference from the plain run (on rank 0's view); then the same
+    with the accelerator forms of the collectives (one all-gather, a reduce-scatter:
+    what NCCL runs) instead of the CPU's in-place ones, at ZeRO-3 and ZeRO-2."""
+    from disttrain.parallel.zero import hooks
+
+    out = [_run(3, prefetch) for prefetch in PREFETCH]
+    hooks.CPU_FORMS = False
+    try:
+        out += [_run(stage, 1) for stage in (3, 2)]
+    finally:
+        hooks.CPU_FORMS = True
+    return out
+
+
+def _run(stage: int, prefetch: int) -> dict:
     from dataclasses import replace
 
     from disttrain.comm import CollectiveLedger, Communicator
@@ -98,34 +112,32 @@ def _runs() -> list[dict]:
 
     cfg = replace(tiny_config().model, n_layer=N_LAYER)
     batches = _batches(cfg.vocab_size, cfg.seq_len)
-    out = []
-    for prefetch in PREFETCH:
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        want = _reference(copy.deepcopy(model), batches)
-        names = {id(p): n for n, p in model.named_parameters()}
-        comm = Communicator(None, CollectiveLedger())
-        census = Census()
-        census.watch_grads(model)
-        census.zero = zero = apply_zero(model, comm, 3, names, prefetch=prefetch)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    want = _reference(copy.deepcopy(model), batches)
+    names = {id(p): n for n, p in model.named_parameters()}
+    comm = Communicator(None, CollectiveLedger())
+    census = Census()
+    census.watch_grads(model)
+    census.zero = zero = apply_zero(model, comm, stage, names, prefetch=prefetch)
+    if stage == 3:
         census.watch(model.blocks)
-        opt = torch.optim.AdamW(zero.param_groups(0.0), lr=LR)
-        for tokens in batches:
-            mine = tokens[2 * comm.rank:2 * comm.rank + 2]
-            zero.zero_grad()
-            loss, _ = token_loss(model(mine[:, :-1]), mine[:, 1:])
-            loss.backward()
-            zero.finish_gradient_sync(1.0 / tokens[:, 1:].numel())
-            opt.step()
-            zero.after_optimizer_step()
-        with torch.no_grad():
-            model(batches[0][:, :-1])
-        zero.finalize()  # every rank gathers the trained parameters whole
-        diff = max(float((p.detach() - want[n]).abs().max())
-                   for n, p in model.named_parameters())
-        out.append({"most": census.most, "grads": census.grads, "diff": diff,
-                    "own_grads": sorted(census.own_grads), "checked": len(names)})
-    return out
+    opt = torch.optim.AdamW(zero.param_groups(0.0), lr=LR)
+    for tokens in batches:
+        mine = tokens[2 * comm.rank:2 * comm.rank + 2]
+        zero.zero_grad()
+        loss, _ = token_loss(model(mine[:, :-1]), mine[:, 1:])
+        loss.backward()
+        zero.finish_gradient_sync(1.0 / tokens[:, 1:].numel())
+        opt.step()
+        zero.after_optimizer_step()
+    with torch.no_grad():
+        model(batches[0][:, :-1])
+    zero.finalize()  # every rank gathers the trained parameters whole
+    diff = max(float((p.detach() - want[n]).abs().max())
+               for n, p in model.named_parameters())
+    return {"most": census.most, "grads": census.grads, "diff": diff,
+            "own_grads": sorted(census.own_grads), "checked": len(names)}
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +175,13 @@ def test_every_prefetch_follows_plain_pytorch(runs, prefetch):
     # two ranks' partial gradients against one backward over the whole batch), ~1e-7
     # relative, amplified by Adam's division in the first steps: 1e-5 absolute allows it
     assert runs[PREFETCH.index(prefetch)]["diff"] < 1e-5
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_the_accelerator_collectives_follow_plain_pytorch(runs, stage):
+    # NCCL's forms (all-gather, reduce-scatter, a reduction overlapping the next
+    # block's backward) run on the CPU too: the same trajectory (same tolerance)
+    assert runs[len(PREFETCH) + (3, 2).index(stage)]["diff"] < 1e-5
 
 
 def test_zero_prefetch_outside_zero_3_is_refused_in_one_line():

@@ -35,7 +35,7 @@ from ..placement import Placement, StatePiece
 from ..strategy import WIRE_DTYPES, DataParallelStrategy, StrategyContext
 from .check import check_zero
 from .flat import FlatParam, Unit, build_units, flatten_unit, free
-from .hooks import ShardReducer, Stage3Gathers, gather_flat
+from .hooks import ShardReducer, Stage3Gathers, cpu_forms, gather_flat
 from .state import (
     load_frozen,
     load_rank_state,
@@ -77,7 +77,7 @@ class ZeroDataParallel:
         # group waits for the one still travelling: it shares the cores with the
         # backward, so letting it overlap buys little, while it stays a third block
         # beside the running block's parameters and gradient
-        overlap = comm.device.type != "cpu"
+        overlap = not cpu_forms(comm)
         self.gathers = (Stage3Gathers(units, self.flats + self.frozen_flats, comm, prefetch,
                                       release=lambda: self.reducer.drain(done_only=overlap))
                         if stage == 3 else None)

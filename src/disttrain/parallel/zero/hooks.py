@@ -27,6 +27,17 @@ from torch.utils.hooks import RemovableHandle
 from ...comm.collectives import Communicator, TrackedWork
 from .flat import FlatParam, Unit, free, is_freed, materialize
 
+# ZeRO's CPU forms (in-place broadcasts and all-reduces, a block's backward waiting for
+# the reduction before it) where the group's tensors are on the CPU (Gloo); False runs
+# the accelerator forms there too (one all-gather, a reduce-scatter, overlap), which is
+# how the CPU suite checks the collectives NCCL runs (tests/parallel/test_zero_prefetch.py)
+CPU_FORMS = True
+
+
+def cpu_forms(comm: Communicator) -> bool:
+    """Whether ``comm``'s ZeRO collectives take their CPU forms (see :data:`CPU_FORMS`)."""
+    return CPU_FORMS and comm.device.type == "cpu" and comm.size > 1
+
 
 def gather_flat(comm: Communicator, full: torch.Tensor, shard: torch.Tensor
                 ) -> list[TrackedWork]:
@@ -39,7 +50,7 @@ def gather_flat(comm: Communicator, full: torch.Tensor, shard: torch.Tensor
     n = shard.numel()
     own = full[comm.rank * n:(comm.rank + 1) * n]
     in_place = own.data_ptr() == shard.data_ptr()  # stages 1-2: the shard is that block
-    if comm.device.type != "cpu" or comm.size == 1:
+    if not cpu_forms(comm):
         source = shard.clone() if in_place else shard
         return [comm.all_gather_into(full, source, async_op=True)]
     if not in_place:
@@ -56,7 +67,7 @@ def reduce_flat(comm: Communicator, source: torch.Tensor) -> tuple[TrackedWork, 
     place (and, measured, in less time). Elsewhere (NCCL) a reduce-scatter into a new
     block."""
     n = source.numel() // comm.size
-    if comm.device.type == "cpu" and comm.size > 1:
+    if cpu_forms(comm):
         return comm.all_reduce(source, async_op=True), source[comm.rank * n:(comm.rank + 1) * n]
     out = torch.empty(n, dtype=source.dtype, device=source.device)
     return comm.reduce_scatter(out, source, async_op=True), out

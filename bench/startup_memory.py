@@ -22,10 +22,10 @@ and the prefetched one), and the process (what the start holds beyond its shard)
 ``--trace-phases`` prints rank 0's phase changes.
 
 The ranks start as the command line's workers do: spawned (a fresh interpreter), with
-the launcher's allocator settings (``disttrain.launch.allocator.allocator_env``: freed
-buffers returned to the system; a ``MALLOC_*`` variable set here wins, and
-``DISTTRAIN_MALLOC=system`` keeps glibc's defaults); ``malloc_mmap_threshold`` in the
-output says which. One JSON line.
+the launcher's allocator settings under ``DISTTRAIN_MALLOC=return``
+(``disttrain.launch.allocator.allocator_env``: freed buffers returned to the system; a
+``MALLOC_*`` variable set here wins); ``malloc_mmap_threshold`` in the output says
+which. One JSON line.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import tempfile
 
 import torch
 
-from disttrain.launch.allocator import allocator_env
+from disttrain.launch.allocator import ALLOCATOR_CHOICE_ENV, ALLOCATOR_RETURN, allocator_env
 from disttrain.testing import run_distributed
 
 
@@ -185,7 +185,9 @@ def main() -> None:
     out: dict = {"bench": "startup_memory", "world": w, "n_layer": args.n_layer,
                  "d_model": args.d_model, "target_start_x_model": 0.75,
                  "target_run_x_model": 0.75}
-    workers_env = allocator_env()  # what the launcher adds for its workers
+    # what the launcher adds for its workers under DISTTRAIN_MALLOC=return (the memory
+    # floor is measured with freed buffers returned; the caller's MALLOC_* win)
+    workers_env = allocator_env({**os.environ, ALLOCATOR_CHOICE_ENV: ALLOCATOR_RETURN})
     out["malloc_mmap_threshold"] = (dict(os.environ) | workers_env).get(
         "MALLOC_MMAP_THRESHOLD_", "glibc default")
     with tempfile.TemporaryDirectory() as root:

@@ -21,9 +21,9 @@ counts. Step time: all five systems live in one set of 4 processes; after warmup
 rotations of ``--steps`` timed steps per system go round the systems so that drifting
 load hits all alike; a step is timed on every rank after a barrier and the slowest
 rank's time counts. The ranks start as the command line's workers do: spawned, with the
-launcher's allocator settings (``disttrain.launch.allocator.allocator_env``; a
-``MALLOC_*`` variable set here wins, ``DISTTRAIN_MALLOC=system`` keeps glibc's
-defaults: ``malloc_mmap_threshold`` in the output says which). The tracker counts live
+launcher's allocator settings under ``DISTTRAIN_MALLOC=return``
+(``disttrain.launch.allocator.allocator_env``; a ``MALLOC_*`` variable set here wins:
+``malloc_mmap_threshold`` in the output says which). The tracker counts live
 tensors, which the allocator does not change; the step times include its cost.
 Prints one JSON line.
 """
@@ -48,7 +48,7 @@ from torch.distributed.fsdp import fully_shard
 
 from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
-from disttrain.launch.allocator import allocator_env
+from disttrain.launch.allocator import ALLOCATOR_CHOICE_ENV, ALLOCATOR_RETURN, allocator_env
 from disttrain.models import GPT, token_loss
 from disttrain.parallel.ddp import apply_data_parallel
 from disttrain.parallel.zero import apply_zero
@@ -224,7 +224,9 @@ def main() -> None:
     params = sum(p.numel() for p in GPT(cfg).parameters())
     _log(f"GPT {params / 1e6:.1f}M parameters, world size {WORLD_SIZE}")
     memory = {}
-    workers_env = allocator_env()  # what the launcher adds for its workers
+    # what the launcher adds for its workers under DISTTRAIN_MALLOC=return (the memory
+    # floor is measured with freed buffers returned; the caller's MALLOC_* win)
+    workers_env = allocator_env({**os.environ, ALLOCATOR_CHOICE_ENV: ALLOCATOR_RETURN})
     for system in SYSTEMS:
         ranks = run_distributed(_peak_memory, WORLD_SIZE, timeout=1200, env=workers_env,
                                 start_method="spawn",  # glibc reads the settings at start

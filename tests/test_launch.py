@@ -15,7 +15,7 @@ from disttrain.launch.agent import torchrun_args
 from disttrain.launch.allocator import (
     ALLOCATOR_CHOICE_ENV,
     ALLOCATOR_ENV,
-    ALLOCATOR_SYSTEM,
+    ALLOCATOR_RETURN,
     allocator_env,
 )
 
@@ -71,17 +71,18 @@ def test_the_allocator_settings_return_freed_buffers():
     # glibc's default keeps the 64 MiB resident; the workers' settings unmap each buffer
     # as it is freed (a few pages of slack: the interpreter's own allocations meanwhile)
     assert _retained_mib({}) > 48
-    assert _retained_mib(allocator_env({})) < 8
+    assert _retained_mib(allocator_env({ALLOCATOR_CHOICE_ENV: ALLOCATOR_RETURN})) < 8
 
 
-def test_the_launcher_sets_the_allocator_unless_the_user_did(monkeypatch):
+def test_the_launcher_sets_the_allocator_when_asked_unless_the_user_did(monkeypatch):
     # every variable _worker_env sets, restored after the test
     for name in (*ALLOCATOR_ENV, ALLOCATOR_CHOICE_ENV, "OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
         monkeypatch.delenv(name, raising=False)
+    agent._worker_env(2)  # by default glibc's own (no step-time cost)
+    assert not any(k in os.environ for k in ALLOCATOR_ENV)
+    monkeypatch.setenv(ALLOCATOR_CHOICE_ENV, ALLOCATOR_RETURN)
     agent._worker_env(2)
     assert {k: os.environ[k] for k in ALLOCATOR_ENV} == ALLOCATOR_ENV
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own value wins
     agent._worker_env(2)
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "65536"
-    # and glibc's own defaults on request
-    assert allocator_env({ALLOCATOR_CHOICE_ENV: ALLOCATOR_SYSTEM}) == {}

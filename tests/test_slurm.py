@@ -102,8 +102,8 @@ def test_the_batch_script_passes_bash_and_names_the_task_layout(tmp_path, capsys
                  "train.steps=1000",
                  "# srun disttrain train --nnodes 2 --nproc 8",
                  'scontrol requeue "$SLURM_JOB_ID"',
-                 # the tasks srun starts are the workers: the launcher's allocator
-                 'export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-131072}"'):
+                 # the tasks srun starts are the workers: the launcher's allocator, asked for
+                 '# export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-131072}"'):
         assert line in script, line
     with pytest.raises(UserError):
         sbatch_script(nodes=0, gpus_per_node=8, train_args=[])

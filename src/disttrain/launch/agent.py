@@ -108,7 +108,7 @@ def _worker_env(nproc: int) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(worker_threads(nproc))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    # the workers return freed buffers to the system (.allocator); the user's own win
+    # DISTTRAIN_MALLOC=return: the workers return freed buffers (.allocator)
     os.environ.update(allocator_env())
 
 

@@ -13,9 +13,11 @@ with the threshold fixed).
 
 ``MALLOC_MMAP_THRESHOLD_`` fixes the threshold (which also stops its growth and keeps
 the trim threshold at its 128 KiB default), so every buffer of 128 KiB or more is
-unmapped when freed. glibc reads the variable once, as the process starts, so the
-launcher sets it for the workers it starts (:func:`allocator_env`); a variable the user
-set wins, and ``DISTTRAIN_MALLOC=system`` keeps glibc's own defaults. Other allocators
+unmapped when freed. It costs step time on the CPU (each such buffer's pages are zeroed
+again as they are touched: +21% for a ZeRO-3 step at world 4 here), so it is asked for:
+``DISTTRAIN_MALLOC=return`` makes the launcher set it for the workers it starts
+(:func:`allocator_env`; glibc reads it once, as the process starts), a variable the
+user set winning. By default the workers keep glibc's defaults. Other allocators
 (jemalloc or tcmalloc through ``LD_PRELOAD``) ignore these variables.
 """
 
@@ -27,16 +29,17 @@ from collections.abc import Mapping
 # fixed at glibc's initial default (128 KiB): from there on, every tensor storage of
 # 32K fp32 elements or more is its own mapping, returned as it is freed
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-# "system": the workers start with glibc's defaults (the dynamic threshold)
+# "return": the workers return freed buffers (ALLOCATOR_ENV); anything else, or unset:
+# glibc's defaults (the dynamic threshold)
 ALLOCATOR_CHOICE_ENV = "DISTTRAIN_MALLOC"
-ALLOCATOR_SYSTEM = "system"
+ALLOCATOR_RETURN = "return"
 
 
 def allocator_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables to add to ``env`` (default: this process's environment) for the
-    workers it starts: :data:`ALLOCATOR_ENV`'s, but those ``env`` already sets, and none
-    with ``DISTTRAIN_MALLOC=system``."""
+    workers it starts: with ``DISTTRAIN_MALLOC=return``, :data:`ALLOCATOR_ENV`'s but
+    those ``env`` already sets; otherwise none."""
     env = os.environ if env is None else env
-    if env.get(ALLOCATOR_CHOICE_ENV, "") == ALLOCATOR_SYSTEM:
+    if env.get(ALLOCATOR_CHOICE_ENV, "") != ALLOCATOR_RETURN:
         return {}
     return {k: v for k, v in ALLOCATOR_ENV.items() if k not in env}

@@ -185,7 +185,7 @@ def test_train_two_workers_end_to_end_then_export(cache_env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _check_run_dir(run_dir, 2, 10)
     assert "held-out loss" in proc.stderr and "step 10/10" in proc.stderr
-    assert summary["layout"] == {"dp": 2, "pp": 1, "tp": 1, "zero": 0}
+    assert summary["layout"] == {"dp": 2, "pp": 1, "tp": 1, "cp": 1, "zero": 0}
 
     out = tmp_path / "model.safetensors"
     proc = run_cli(["export", str(run_dir), "--out", str(out)], cache_env, timeout=60)

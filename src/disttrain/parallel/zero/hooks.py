@@ -36,7 +36,7 @@ CPU_FORMS = True
 
 def cpu_forms(comm: Communicator) -> bool:
     """Whether ``comm``'s ZeRO collectives take their CPU forms (see :data:`CPU_FORMS`)."""
-    return CPU_FORMS and comm.device.type == "cpu" and comm.size > 1
+    return CPU_FORMS and comm.size > 1 and comm.device.type == "cpu"
 
 
 def gather_flat(comm: Communicator, full: torch.Tensor, shard: torch.Tensor

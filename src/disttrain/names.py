@@ -123,3 +123,8 @@ OPTIMIZERS = (OPTIMIZER_ADAMW, OPTIMIZER_SGD, OPTIMIZER_LARS, OPTIMIZER_LAMB,
 POSITION_IDS = "position_ids"
 DOCUMENT_IDS = "document_ids"
 ATTENTION_MASK = "attention_mask"
+
+# ----------------------------------------------------------- fault tolerance
+# the environment the launcher (or a cluster's job spec) sets on each replica group
+REPLICA_GROUP_ENV = "DISTTRAIN_REPLICA_GROUP"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"

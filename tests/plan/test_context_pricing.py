@@ -11,9 +11,9 @@ import pytest
 from disttrain.parallel.context.pricing import PRICING
 from disttrain.plan import PRESETS, ModelShape, PlannedLayout, estimate, search
 from disttrain.plan.costs import attention_time
-from disttrain.plan.shape import token_part
 from disttrain.plan.steptime import TOKEN_COMM
 from disttrain.plan.work import layer_work
+from disttrain.shape import token_part
 
 A100 = PRESETS["a100-80gb"]
 LONG = ModelShape(name="long", layers=8, hidden=2048, heads=16, seq=131072, vocab=32000,

@@ -24,7 +24,7 @@ from disttrain.plan import (
     search,
 )
 from disttrain.plan.memory import model_state_bytes
-from disttrain.plan.shape import gpt_shape, rank_params
+from disttrain.shape import gpt_shape, rank_params
 
 
 def test_zero_paper_example_exactly():

@@ -16,7 +16,7 @@ from disttrain.plan.cluster import PRESETS, Cluster
 from disttrain.plan.costs import collective_time, compute_share, ring_time, tier
 from disttrain.plan.estimate import estimate
 from disttrain.plan.layout import PlannedLayout
-from disttrain.plan.shape import gpt_shape, zero_flats
+from disttrain.shape import gpt_shape, zero_flats
 
 CALL_S = 1e-3  # every measured collective call below costs this, whatever its size
 SHAPE = ModelShape(name="small", layers=4, hidden=64, heads=4, seq=32, vocab=128)

@@ -116,8 +116,9 @@ def _replica_groups(config: Config, opts: LaunchOptions) -> int:
     ranks split into (refused unless it divides them; the lighthouse, when given, must
     answer); 1 otherwise, and 1 for one group started on its own (a cluster's job per
     group: ``DISTTRAIN_REPLICA_GROUP`` set, ``--nproc`` its ranks per node)."""
+    from ..names import LIGHTHOUSE_ENV
     from ..parallel.ft.check import replica_groups
-    from ..parallel.ft.replicas import LIGHTHOUSE_ENV, check_lighthouse
+    from ..parallel.ft.replicas import check_lighthouse
 
     groups = replica_groups(config)
     if config.parallel.fault_tolerance == "none":
@@ -144,7 +145,7 @@ def _replica_groups(config: Config, opts: LaunchOptions) -> int:
 def _one_group(config: Config) -> bool:
     """A replica group started on its own (``DISTTRAIN_REPLICA_GROUP`` set): an
     ordinary torchrun job, no lighthouse or other groups started here."""
-    from ..parallel.ft.replicas import REPLICA_GROUP_ENV
+    from ..names import REPLICA_GROUP_ENV
 
     return config.parallel.fault_tolerance != "none" and REPLICA_GROUP_ENV in os.environ
 

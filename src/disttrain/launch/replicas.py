@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..parallel.ft.replicas import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+from ..names import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from .agent import PASSED_ON_CODES, LaunchOptions, torchrun_args
 
 

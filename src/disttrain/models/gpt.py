@@ -199,11 +199,11 @@ def gpt_spec(cfg: ModelConfig) -> ModelSpec:
     """The GPT's structure for the strategies (needs only the config, so validation can
     check a layout before any model exists).
 
-    Costs are forward FLOPs per token, the planner's (:func:`~disttrain.plan.shape.
+    Costs are forward FLOPs per token, the planner's (:func:`~disttrain.shape.
     gpt_shape`): a block's matmuls (2 x 12 d^2) and attention (4 T d); the head 2 d V
     (plus the loss, a few V); the embedding lookups and the position add, about d
     (memory-bound, costed as d)."""
-    from ..plan.shape import gpt_shape  # plan's package imports the models back
+    from ..shape import gpt_shape
 
     d, t, vocab = cfg.d_model, cfg.seq_len, cfg.vocab_size
     shape = gpt_shape(_costed(cfg))
@@ -252,10 +252,10 @@ def num_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
 
 def flops_per_token(cfg: ModelConfig) -> int:
     """Training FLOPs per token (forward + backward = 3x forward): the planner's
-    formula for this shape (:meth:`disttrain.plan.shape.ModelShape.model_flops_per_token`:
+    formula for this shape (:meth:`disttrain.shape.ModelShape.model_flops_per_token`:
     2 per weight of each matmul, the head's 2 d V, attention's 4 T d per layer; biases,
     norms and lookups are no multiply-adds)."""
-    from ..plan.shape import gpt_shape  # plan's package imports the models back
+    from ..shape import gpt_shape
 
     return gpt_shape(_costed(cfg)).model_flops_per_token()
 

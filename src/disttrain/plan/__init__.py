@@ -13,6 +13,7 @@ counts are the pipeline's own (:mod:`disttrain.parallel.pipeline.pricing`).
     best = result.rows[0]          # an Estimate: best.row() is the JSON row
 """
 
+from ..shape import ModelShape, gpt_shape, hf_shape, parse_model
 from .cluster import PRESETS, Cluster, parse_cluster
 from .estimate import Estimate, estimate
 from .layout import PlannedLayout
@@ -25,7 +26,6 @@ from .memory import (
 )
 from .options import Options
 from .search import SearchResult, layout_problem, search
-from .shape import ModelShape, gpt_shape, hf_shape, parse_model
 
 __all__ = ["PRESETS", "Cluster", "Estimate", "MemoryEstimate", "ModelShape", "Options",
            "PlannedLayout", "SearchResult", "estimate", "estimate_gpt", "gpt_activation_bytes",

@@ -46,11 +46,11 @@ from ..names import (
     SYNC_EVERY_STEP,
 )
 from ..parallel.dimensions import behaviour, stage_pricing
+from ..shape import ModelShape, gpt_shape, hf_shape
 from .cluster import PRESETS, Cluster, parse_cluster, preset_for_device
 from .estimate import Estimate, estimate, layout_fields
 from .layout import PlannedLayout
 from .options import Options
-from .shape import ModelShape, gpt_shape, hf_shape
 
 _RECOMPUTE = ("none", "full")  # the activation_checkpointing modes the planner models
 

@@ -48,6 +48,7 @@ import torch
 from ..errors import UserError
 from ..launch.agent import worker_threads
 from ..monitor.peaks import matmul_precision
+from ..shape import ModelShape
 from ..testing import run_distributed
 from .cluster import GROUP_LINK_OPS, Cluster, group_link_key
 from .costs import attention_time, ring_bytes_factor, ring_latency_steps
@@ -68,7 +69,6 @@ from .measure import (
     time_tiny_layer,
     time_tiny_model,
 )
-from .shape import ModelShape
 from .work import head_kernel_time, kernel_time_of_layer
 
 # one call after one warm-up: a 16-bit probe on a CPU may be emulated, and slow

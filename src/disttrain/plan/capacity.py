@@ -26,8 +26,8 @@ from ..config.schema import Config, ModelConfig
 from ..dimensions import Role
 from ..errors import ConfigError, UserError
 from ..models import num_params
+from ..shape import ModelShape, hf_shape
 from .memory import gpt_activation_bytes, model_state_bytes
-from .shape import ModelShape, hf_shape
 
 _GIB = 2**30
 _MEMINFO = Path("/proc/meminfo")

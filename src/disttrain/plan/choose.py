@@ -14,12 +14,12 @@ from typing import Any
 
 from ..dimensions import Role, derived_dimension, joined, plan_order
 from ..errors import UserError
+from ..shape import ModelShape, parse_model
 from .cluster import Cluster, parse_cluster
 from .estimate import Estimate, estimate
 from .layout import OPTIONS, RECOMPUTE, PlannedLayout, figure
 from .options import Options
 from .search import SearchResult, layout_problem, search
-from .shape import ModelShape, parse_model
 
 _GIB = 2**30
 _FLAGS = {o.name for o in OPTIONS if o.flag}

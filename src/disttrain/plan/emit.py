@@ -15,8 +15,8 @@ from typing import Any
 from ..dimensions import plan_order
 from ..errors import UserError
 from ..parallel.dimensions import behaviour
+from ..shape import ModelShape
 from .estimate import Estimate
-from .shape import ModelShape
 
 # disttrain's activation_checkpointing for each planner recompute mode
 _CHECKPOINTING = {"none": "none", "full": "full"}

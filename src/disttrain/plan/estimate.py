@@ -42,11 +42,11 @@ from dataclasses import dataclass, field, replace
 
 from ..dimensions import Role
 from ..parallel.dimensions import shard_pricing, stage_pricing, token_pricing
+from ..shape import ModelShape, key_value_values, rank_params, token_part
 from .cluster import Cluster
 from .layout import PlannedLayout, figure
 from .memory import end_activations, layer_activation_bytes, layer_cast_bytes, model_state_bytes
 from .options import DEFAULT_OPTIONS, Options
-from .shape import ModelShape, key_value_values, rank_params, token_part
 from .steptime import StepTime, step_time
 
 _GIB = 2**30

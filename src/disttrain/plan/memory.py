@@ -31,10 +31,10 @@ from dataclasses import dataclass, replace
 
 from ..config.schema import ModelConfig
 from ..models import num_params as gpt_num_params
+from ..shape import ModelShape, gpt_shape
 from .costs import ACT_BYTES
 from .layout import PlannedLayout
 from .options import Options
-from .shape import ModelShape, gpt_shape
 
 # per parameter, sharded by ZeRO; SGD's is its momentum buffer; 1-bit Adam keeps
 # AdamW's and adds (below) a worker residual held whole, a server residual of 4 / dp and,

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..shape import ModelShape
 from .layout import OPTIONS, PlannedLayout
 from .options import Options
-from .shape import ModelShape
 
 _OPTION_NAMES = {o.name for o in OPTIONS}
 MIXED = Options(accounting="mixed")

@@ -40,10 +40,10 @@ data parallel size of one") gives no layouts. Left out.
 
 from __future__ import annotations
 
+from ..shape import ModelShape
 from .layout import PlannedLayout
 from .options import Options
 from .published import PublishedTable, TableRow
-from .shape import ModelShape
 
 MEGATRON_H100_SOURCE = ("NVIDIA/Megatron-LM README.md @ d98e8a64 (since f2e5db40), "
                         "'Performance Benchmarking', images/model_table.png")

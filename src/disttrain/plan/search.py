@@ -19,11 +19,11 @@ from ..dimensions import DIMENSIONS, Dimension, Role, joined, plan_order, with_r
 from ..errors import UserError
 from ..parallel.dimensions import behaviour
 from ..parallel.pricing import DimensionPricing, SearchLimits
+from ..shape import ModelShape
 from .cluster import Cluster
 from .estimate import Estimate, estimate
 from .layout import OPTIONS, RECOMPUTE, PlannedLayout
 from .options import DEFAULT_OPTIONS, Options
-from .shape import ModelShape
 
 _GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)

@@ -41,6 +41,14 @@ from dataclasses import dataclass, field
 from ..dimensions import DIMENSIONS, Role
 from ..parallel.dimensions import shard_pricing, stage_pricing, token_pricing
 from ..parallel.pricing import StageCut, TokenComm
+from ..shape import (
+    ModelShape,
+    key_value_values,
+    rank_params,
+    rank_tensors,
+    token_part,
+    zero_flats,
+)
 from .cluster import Cluster
 from .costs import (
     collective_time,
@@ -51,14 +59,6 @@ from .costs import (
 )
 from .layout import PlannedLayout, figure
 from .options import Options
-from .shape import (
-    ModelShape,
-    key_value_values,
-    rank_params,
-    rank_tensors,
-    token_part,
-    zero_flats,
-)
 from .work import SPLIT_KEYS, Work, attention_backward_ratio, head_work, layer_work
 
 _OPTIMIZER_BYTES = 28 + 8

@@ -25,11 +25,11 @@ from ..dimensions import Role, plan_order, with_role
 from ..errors import UserError
 from ..parallel.dimensions import stage_pricing
 from ..parallel.pricing import SimulatedAction
+from ..shape import ModelShape
 from .cluster import Cluster
 from .estimate import Estimate
 from .layout import figure
 from .options import Options
-from .shape import ModelShape
 
 MAX_TRACED_ACTIONS = 2**14  # forwards and backwards over all stages
 _REPLICAS = figure(Role.REPLICAS, "").rstrip("_")  # the name of the replica group's figures

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from ..shape import ModelShape
 from .cluster import Cluster
 from .costs import ACT_BYTES, attention_time, elementwise_time, matmul_parts
-from .shape import ModelShape
 
 SPLIT_KEYS = ("matmul", "attention", "memory_bound", "overhead")
 

@@ -15,8 +15,8 @@ from .common import as_causal_lm
 def matmul_flops_per_token(model: nn.Module, seq_len: int, n_layer: int,
                            d_model: int) -> int:
     """Training FLOPs per token: for the GPT-2 and Llama families the planner's formula
-    of the model's config at ``seq_len`` (:func:`~disttrain.plan.shape.hf_config_shape`,
-    :meth:`~disttrain.plan.shape.ModelShape.model_flops_per_token`); for another model,
+    of the model's config at ``seq_len`` (:func:`~disttrain.shape.hf_config_shape`,
+    :meth:`~disttrain.shape.ModelShape.model_flops_per_token`); for another model,
     from its shapes: 6 per weight of every matrix that multiplies activations
     (embedding lookups excluded, a tied output head counted) plus attention's scores
     and weighted sum, 12 T d per layer (forward and backward)."""
@@ -36,7 +36,7 @@ def _planner_shape(model: nn.Module, seq_len: int) -> Any:
     """The planner's shape (a ``ModelShape``) of a GPT-2 or Llama-family transformers
     model at ``seq_len``, or None for another model."""
     from ...errors import UserError
-    from ...plan.shape import hf_config_shape  # plan's package imports the models back
+    from ...shape import hf_config_shape
 
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)

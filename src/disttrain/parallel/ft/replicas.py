@@ -43,10 +43,8 @@ from torch import nn
 
 from ...comm.collectives import CollectiveLedger
 from ...errors import ConfigError, TrainingStopped, UserError
+from ...names import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 
-# the environment the launcher (or a cluster's job spec) sets on each replica group
-REPLICA_GROUP_ENV = "DISTTRAIN_REPLICA_GROUP"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # the ledger's name for the cross-replica group
 REPLICAS_GROUP = "replicas"
 

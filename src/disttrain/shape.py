@@ -1,4 +1,5 @@
-"""A decoder-only transformer described by its dimensions, for the planner.
+"""A decoder-only transformer described by its dimensions: the planner's shapes and the
+one FLOPs formula the models, the metrics and the planner share.
 
 Counts parameters per layer, embedding and head, and the FLOPs of every matmul, for
 the GPT-2 family (learned positions, LayerNorm with biases, GELU MLP 4h, tied head), the
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import ModelConfig
-from ..errors import UserError
+from .config.schema import ModelConfig
+from .errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)

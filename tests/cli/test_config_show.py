@@ -21,7 +21,7 @@ def test_show_prints_toml_that_loads_back_to_the_same_plan(in_tmp, capsys):
     args = ["c.toml", "--set", "train.micro_batch=4", "--set", "train.lr=1e-3"]
     assert main(["config", "show", *args, "--nproc", "4"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# resolved: dp=4 pp=1 tp=1 zero=0; global_batch 32 = "
+    assert out.startswith("# resolved: dp=4 pp=1 tp=1 cp=1 zero=0; global_batch 32 = "
                           "micro_batch 4 x grad_accum 2 x dp 4")
     assert "[comm]" in out and 'codec = "none"' in out and "steps = 7" in out
     (in_tmp / "shown.toml").write_text(out)

@@ -141,30 +141,38 @@ def test_the_loss_counts_the_trained_tokens_only(chat_run):
         _plain_loss(model, splits["train"]), rel=1e-5)
 
 
-def test_packed_rows_train_the_loss_of_the_examples_alone(chat_run):
-    """The guide's packed command on the same examples, every packed row in the one
-    step's batch: the step's loss is the plain per-example loss over trained tokens
-    (rows of several examples each, positions restarting: nothing attends across)."""
+def _one_packed_step(root: Path, llama: Path, prepared, train: list[str], run: str):
+    """``train`` (a guide command that packs, writing ``runs/<run>``) run for one step
+    over every packed row of the training split at the tiny model's context: (its first
+    metrics record, the base model in fp32, the training examples as (ids, labels), the
+    number of rows)."""
     from transformers import AutoModelForCausalLM
 
     from disttrain.data.packing import PackedExamples
 
-    root, llama, prepared, _, _ = chat_run
-    (train,) = _guide_commands("the chat examples of the previous section, packed")
-    assert "data.packing=true" in train
     seq = 32
-    rows = PackedExamples(prepared.dataset("train"), seq, seed=load_config().train.seed)
     ds = prepared.dataset("train")
-    assert len(rows) < len(ds)  # rows hold several examples each
+    rows = len(PackedExamples(ds, seq, seed=load_config().train.seed))
     _run_guide_train(root, train, [f"model.seq_len={seq}", "data.val_fraction=0.25",
                                    "train.steps=1", "train.warmup_steps=0",
                                    "train.eval_samples=64", "train.log_every=1",
-                                   f"train.global_batch={len(rows)}"])
-    step1 = json.loads((root / "runs" / "chat-packed" / "metrics.jsonl").read_text()
-                       .splitlines()[0])
-    model = AutoModelForCausalLM.from_pretrained(llama).float().eval()
+                                   f"train.global_batch={rows}"])
+    step1 = json.loads((root / "runs" / run / "metrics.jsonl").read_text().splitlines()[0])
+    base = AutoModelForCausalLM.from_pretrained(llama).float().eval()
     samples = [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist())
                for i in range(len(ds))]
+    return step1, base, samples, rows
+
+
+def test_packed_rows_train_the_loss_of_the_examples_alone(chat_run):
+    """The guide's packed command on the same examples, every packed row in the one
+    step's batch: the step's loss is the plain per-example loss over trained tokens
+    (rows of several examples each, positions restarting: nothing attends across)."""
+    root, llama, prepared, _, _ = chat_run
+    (train,) = _guide_commands("the chat examples of the previous section, packed")
+    assert "data.packing=true" in train
+    step1, model, samples, rows = _one_packed_step(root, llama, prepared, train, "chat-packed")
+    assert rows < len(samples)  # rows hold several examples each
     # the same fp32 weights; the summation order differs (rows, the chunked fused loss)
     assert step1["step"] == 1 and step1["loss"] == pytest.approx(
         _plain_loss(model, samples), rel=1e-5)
@@ -177,23 +185,10 @@ def test_the_whole_job_of_the_guide_runs_as_printed(chat_run, tmp_path):
     at zero), and the merged model's logits are peft's on the base with the adapters."""
     from transformers import AutoModelForCausalLM
 
-    from disttrain.data.packing import PackedExamples
-
     root, llama, prepared, _, _ = chat_run
     train, *exports = _guide_commands("## The whole job")
     assert [a for a in train if a.startswith("model.lora_rank")] and len(exports) == 2
-    seq = 32
-    ds = prepared.dataset("train")
-    rows = PackedExamples(ds, seq, seed=load_config().train.seed)
-    _run_guide_train(root, train, [f"model.seq_len={seq}", "data.val_fraction=0.25",
-                                   "train.steps=1", "train.warmup_steps=0",
-                                   "train.eval_samples=64", "train.log_every=1",
-                                   f"train.global_batch={len(rows)}"])
-    step1 = json.loads((root / "runs" / "chat-lora" / "metrics.jsonl").read_text()
-                       .splitlines()[0])
-    base = AutoModelForCausalLM.from_pretrained(llama).float().eval()
-    samples = [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist())
-               for i in range(len(ds))]
+    step1, base, samples, _ = _one_packed_step(root, llama, prepared, train, "chat-lora")
     # fp32 throughout; the sums run in other orders (rows, tp shards, the fused loss)
     assert step1["loss"] == pytest.approx(_plain_loss(base, samples), rel=1e-5)
     for argv in exports:

@@ -84,6 +84,7 @@ def _reset_peak() -> None:
     """Free what the previous side left, then start a new peak."""
     gc.collect()  # the Trainer's model and optimizer state (it holds reference cycles)
     if DEVICE.type == "cuda":
+        torch.cuda.init()  # the allocator's statistics exist only once CUDA has started
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(DEVICE)
 

@@ -107,7 +107,7 @@ def profile_plain(cfg: ModelConfig, data, args) -> profile:  # noqa: ANN001
     gpu_mfu._synchronize = synchronize_and_step
     try:
         with prof:
-            gpu_mfu.run_plain(cfg, data, ns)
+            gpu_mfu.run_plain(cfg, data, ns, args.micro_batch)
     finally:
         gpu_mfu._synchronize = original
     return prof

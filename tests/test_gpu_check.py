@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh starts and finishes: its CPU dry run (DISTTRAIN_GPU_SET_ON_CPU=1)
-of the environment, MFU and pretrained sections, into $OUT (the whole dry run, with the GPU set and
-the jobs, takes minutes: `bench/README.md` records it)."""
+of the environment, MFU, pretrained and profile sections, into $OUT (the whole dry run,
+with the GPU set and the jobs, takes minutes: `bench/README.md` records it)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_writes_its_summary_and_json(tmp_path):
-    env = {**os.environ, "DISTTRAIN_GPU_SET_ON_CPU": "1", "GPU_CHECK_ONLY": "env mfu pretrained",
-           "OUT": str(tmp_path), "PYTHON": sys.executable}
+    env = {**os.environ, "DISTTRAIN_GPU_SET_ON_CPU": "1",
+           "GPU_CHECK_ONLY": "env mfu pretrained profile", "OUT": str(tmp_path),
+           "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text().split("\n")
     assert [line.split()[:2] for line in summary if line] == [
-        ["env", "ok"], ["mfu_eager", "ok"], ["mfu_compile", "ok"], ["pretrained", "ok"]]
+        ["env", "ok"], ["mfu_eager", "ok"], ["mfu_compile", "ok"], ["pretrained", "ok"],
+        ["profile", "ok"]]
     lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().split("\n")
              if line]
     assert lines[0]["check"] == "env" and lines[0]["cuda_available"] is False

@@ -42,11 +42,24 @@ from disttrain.parallel.fused_loss import (
     linear_cross_entropy,
     replace_submodule,
 )
+from disttrain.parallel.fused_loss import functions as fused_functions
 from disttrain.targets import IGNORE_INDEX, LABEL_IGNORE_INDEX
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 B, T, D, V = 3, 7, 16, 40  # 21 tokens; V divisible by tp 2 and 4
 SCALE = 0.7  # the upstream gradient of the sum (a loss scale, 1 / token count)
+
+
+KERNELS_HERE = ("cpu", "cuda")  # the fused path (two kernels on CUDA) run eagerly on CPU
+
+
+@pytest.fixture(params=["in_place", "kernels"])
+def path(request, monkeypatch):
+    """Each chunk's softmax both ways: in place over fp32 logits (the CPU's), and the
+    fused path CUDA compiles (one reduction and one elementwise pass), run eagerly."""
+    if request.param == "kernels":
+        monkeypatch.setattr(fused_functions, "KERNEL_DEVICES", KERNELS_HERE)
+    return request.param
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, **tol: float) -> None:
@@ -86,7 +99,7 @@ def _reference(hidden, weight, bias, targets, ignore, smoothing):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("ignore", [IGNORE_INDEX, LABEL_IGNORE_INDEX])
 def test_loss_and_every_gradient_equal_cross_entropy_on_full_logits(chunk, smoothing,
-                                                                    ignore):
+                                                                    ignore, path):
     hidden, weight, bias, targets = _inputs(1, ignore)
     ref_loss, ref_h, ref_w, ref_b = _reference(hidden, weight, bias, targets, ignore,
                                                smoothing)
@@ -104,7 +117,7 @@ def test_loss_and_every_gradient_equal_cross_entropy_on_full_logits(chunk, smoot
     assert not h.grad[2].any(), "an ignored row got a gradient"
 
 
-def test_without_bias_and_a_frozen_weight_only_the_hidden_gradient_is_computed():
+def test_without_bias_and_a_frozen_weight_only_the_hidden_gradient_is_computed(path):
     hidden, weight, _, targets = _inputs(2, IGNORE_INDEX, bias=False)
     ref_loss, ref_h, _, _ = _reference(hidden, weight, None, targets, IGNORE_INDEX, 0.0)
     h = hidden.clone().requires_grad_()
@@ -115,7 +128,7 @@ def test_without_bias_and_a_frozen_weight_only_the_hidden_gradient_is_computed()
     assert weight.grad is None
 
 
-def test_without_gradients_the_loss_is_the_same_and_nothing_is_kept():
+def test_without_gradients_the_loss_is_the_same_and_nothing_is_kept(path):
     hidden, weight, bias, targets = _inputs(3, IGNORE_INDEX)
     ref_loss, *_ = _reference(hidden, weight, bias, targets, IGNORE_INDEX, 0.0)
     h, w, b = _leaves(hidden, weight, bias)
@@ -134,7 +147,7 @@ def test_a_second_backward_is_refused():
         loss.backward()
 
 
-def test_under_bf16_autocast_it_follows_the_unfused_head():
+def test_under_bf16_autocast_it_follows_the_unfused_head(path):
     """Both multiply in bf16 and take the softmax in fp32; the fused one adds the weight
     gradient's chunks in fp32, the unfused one rounds it to bf16 once: they agree to
     bf16's precision (2^-8 relative, atol 2e-2 on gradients of order 1)."""
@@ -284,7 +297,10 @@ def _check_vocab_parallel(comm: Communicator) -> None:
     summed over tp (the copy into the tp region) and each rank's rows of the weight and
     bias gradients equal the full ones; two small all-reduces per chunk, no logits."""
     size, rank = comm.size, comm.rank
-    for chunk, smoothing in ((4, 0.0), (21, 0.1), (5, 0.2)):
+    for devices, chunk, smoothing in ((("cuda",), 4, 0.0), (("cuda",), 21, 0.1),
+                                      (("cuda",), 5, 0.2), (KERNELS_HERE, 4, 0.0),
+                                      (KERNELS_HERE, 5, 0.2)):
+        fused_functions.KERNEL_DEVICES = devices  # in place, then the fused path
         hidden, weight, bias, targets = _inputs(7, IGNORE_INDEX)
         ref_loss, ref_h, ref_w, ref_b = _reference(hidden, weight, bias, targets,
                                                    IGNORE_INDEX, smoothing)
@@ -296,7 +312,7 @@ def _check_vocab_parallel(comm: Communicator) -> None:
                                            chunk_tokens=chunk, comm=comm)
         records = list(comm.ledger.records)[-(comm.ledger.seq - start):]
         (SCALE * loss).backward()
-        what = f"chunk {chunk}, smoothing {smoothing}"
+        what = f"{devices}: chunk {chunk}, smoothing {smoothing}"
         _close(loss.detach(), ref_loss, f"{what}: loss")
         assert int(count) == 11
         _close(h.grad, ref_h, f"{what}: hidden grad")

@@ -13,6 +13,8 @@ holds and saves: ``docs/strategies/memory.md``, "The fused linear + cross-entrop
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,26 +194,26 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: to
            rows: slice, how: ChunkedLoss, grads: _Grads) -> torch.Tensor:
     """The summed loss of tokens ``rows``, their gradients added into ``grads``. A
     function of its own so that the chunk's logits are freed before the next chunk's
-    exist (one chunk of them at a time)."""
-    z = _logits(h[rows], w, b)
+    exist (one chunk of them at a time). The product is in the compute dtype; the
+    softmax's arithmetic in fp32."""
+    z = torch.mm(h[rows], w.t()) if b is None else torch.addmm(b, h[rows], w.t())
     wanted = any(g is not None for g in (grads.hidden, grads.weight, grads.bias))
-    loss = _chunk_loss(z, targets[rows], how, w.shape[0], grad=wanted)
-    if grads.bias is not None:
-        grads.bias.add_(z.sum(0))
-    if grads.hidden is None and grads.weight is None:
+    g: torch.Tensor | None
+    if z.device.type in KERNEL_DEVICES:
+        loss, g = _chunk_loss_fused(z, targets[rows], how, w.shape[0], grad=wanted)
+    else:  # in place over the chunk's fp32 logits, which become the gradient
+        g = z.float()
+        loss = _chunk_loss(g, targets[rows], how, w.shape[0], grad=wanted)
+    if g is None or not wanted:
         return loss
-    g = z.to(how.compute_dtype)  # the chunk's d loss / d logits [c, rows]
+    if grads.bias is not None:
+        grads.bias.add_(g.sum(0, dtype=torch.float32))
+    g = g.to(how.compute_dtype)  # the chunk's d loss / d logits [c, rows]
     if grads.hidden is not None:
         _into(grads.hidden[rows], g, w)
     if grads.weight is not None:
         _add_product(grads.weight, g.t(), h[rows])
     return loss
-
-
-def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """A chunk's logits [c, rows] in fp32 (the product in the compute dtype)."""
-    z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
-    return z.float()
 
 
 def _chunk_loss(z: torch.Tensor, targets: torch.Tensor, how: ChunkedLoss, rows: int, *,
@@ -244,6 +246,86 @@ def _chunk_loss(z: torch.Tensor, targets: torch.Tensor, how: ChunkedLoss, rows: 
             z.sub_(eps / vocab)
         z.mul_(valid.unsqueeze(1))
     return loss
+
+
+KERNEL_DEVICES: tuple[str, ...] = ("cuda",)
+"""Devices whose chunks go through :func:`_chunk_loss_fused` (on CUDA: two kernels that
+inductor generates, a reduction and an elementwise pass over the chunk's logits in the
+matmul's dtype). On the others the chunk's fp32 logits are reworked in place by
+:func:`_chunk_loss` (eager, no compiler needed). Both compute the same values; tests add
+"cpu" here to run the fused path's arithmetic eagerly on the CPU."""
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernel(fn: Any, device: torch.device) -> Any:
+    """``fn`` compiled once by inductor (static shapes: a full chunk and the last one)
+    where the device is CUDA and inductor can generate its kernels (Triton installed,
+    dynamo supported), else ``fn`` itself, run eagerly (the same values, with a few
+    chunk-sized temporaries)."""
+    if device.type != "cuda" or not _can_compile():
+        return fn
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[fn.__name__]
+
+
+@functools.cache
+def _can_compile() -> bool:
+    import torch._dynamo
+
+    return importlib.util.find_spec("triton") is not None and torch._dynamo.is_dynamo_supported()
+
+
+def _exp_sums(z: torch.Tensor, row_max: torch.Tensor, with_sum: bool) -> torch.Tensor:
+    """[1 or 2, c] fp32: per row the sum of exp(z - max) (and the sum of z - max), in
+    one pass over ``z`` [c, rows] (any float dtype; the arithmetic in fp32)."""
+    shifted = z.float() - row_max.unsqueeze(1)
+    sums = [shifted.exp().sum(dim=1)]
+    if with_sum:
+        sums.append(shifted.sum(dim=1))
+    return torch.stack(sums)
+
+
+def _softmax_grad(z: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor,
+                  index: torch.Tensor, mine: torch.Tensor, valid: torch.Tensor,
+                  eps: float, vocab: int) -> torch.Tensor:
+    """d loss / d z [c, rows] in ``z``'s dtype, in one pass over ``z``: the softmax,
+    minus 1 - eps at this rank's target column, minus eps / vocab; 0 on rows not
+    counted."""
+    columns = torch.arange(z.shape[1], device=z.device)
+    hit = (columns.unsqueeze(0) == index) & mine.unsqueeze(1)
+    g = (z.float() - row_max.unsqueeze(1)).exp() / sum_exp.unsqueeze(1)
+    g = g - torch.where(hit, 1.0 - eps, 0.0) - eps / vocab
+    return torch.where(valid.unsqueeze(1), g, 0.0).to(z.dtype)
+
+
+def _chunk_loss_fused(z: torch.Tensor, targets: torch.Tensor, how: ChunkedLoss, rows: int,
+                      *, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_chunk_loss`'s loss (and, when ``grad``, d loss / d z in ``z``'s dtype)
+    from the chunk's logits ``z`` [c, rows] as the matmul gave them: the max, the exp
+    sums and the gradient each one pass over ``z``, and no fp32 copy of it."""
+    eps, vocab = how.label_smoothing, rows * how.tp
+    valid = targets != how.ignore_index
+    local = targets - how.rank * rows
+    mine = valid & (local >= 0) & (local < rows)
+    index = local.clamp(0, rows - 1).unsqueeze(1)
+    row_max = z.amax(dim=1).float()  # exact in any dtype
+    if how.comm is not None:  # the max only steadies exp(): no gradient flows through it
+        how.comm.all_reduce(row_max, op=ReduceOp.MAX)
+    target = torch.where(mine, z.gather(1, index).squeeze(1).float() - row_max, 0.0)
+    sums = _kernel(_exp_sums, z.device)(z, row_max, bool(eps))
+    stats = torch.cat([sums[:1], target.unsqueeze(0), sums[1:]])  # as _chunk_loss's
+    if how.comm is not None:
+        how.comm.all_reduce(stats)
+    per_token = stats[0].log() - (1.0 - eps) * stats[1]
+    if eps:
+        per_token = per_token - (eps / vocab) * stats[2]
+    loss = torch.where(valid, per_token, 0.0).sum()
+    if not grad:
+        return loss, None
+    g = _kernel(_softmax_grad, z.device)(z, row_max, stats[0], index, mine, valid, eps, vocab)
+    return loss, g
 
 
 def _into(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:

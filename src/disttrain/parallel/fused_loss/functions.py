@@ -216,29 +216,52 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: to
     return loss
 
 
+def _targets_here(targets: torch.Tensor, how: ChunkedLoss, rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For targets [c] (global ids) and this rank's ``rows`` of the vocabulary: which
+    are counted [c], which are counted and in this rank's rows [c], and their column
+    here [c, 1] (clamped where not here)."""
+    valid = targets != how.ignore_index
+    local = targets - how.rank * rows
+    mine = valid & (local >= 0) & (local < rows)
+    return valid, mine, local.clamp(0, rows - 1).unsqueeze(1)
+
+
+def _global_max(row_max: torch.Tensor, how: ChunkedLoss) -> torch.Tensor:
+    """The row max [c] over the whole vocabulary (MAX over the tp group): it only
+    steadies exp(), so no gradient flows through it."""
+    if how.comm is not None:
+        how.comm.all_reduce(row_max, op=ReduceOp.MAX)
+    return row_max
+
+
+def _summed_loss(stats: torch.Tensor, valid: torch.Tensor, how: ChunkedLoss,
+                 vocab: int) -> torch.Tensor:
+    """The chunk's summed loss from this rank's [2 or 3, c] sums (exp(z - max), the
+    target's z - max, with smoothing the sum of z - max), summed over the tp group in
+    place, in one collective."""
+    if how.comm is not None:
+        how.comm.all_reduce(stats)
+    eps = how.label_smoothing
+    per_token = stats[0].log() - (1.0 - eps) * stats[1]
+    if eps:
+        per_token = per_token - (eps / vocab) * stats[2]
+    return torch.where(valid, per_token, 0.0).sum()
+
+
 def _chunk_loss(z: torch.Tensor, targets: torch.Tensor, how: ChunkedLoss, rows: int, *,
                 grad: bool) -> torch.Tensor:
     """The chunk's summed loss from its logits ``z`` [c, rows] (fp32, this rank's
     rows), which become, in place, d loss / d z when ``grad`` (else exp(z - max))."""
     eps, vocab = how.label_smoothing, rows * how.tp
-    valid = targets != how.ignore_index
-    local = targets - how.rank * rows
-    mine = valid & (local >= 0) & (local < rows)
-    index = local.clamp(0, rows - 1).unsqueeze(1)
-    row_max = z.amax(dim=1)
-    if how.comm is not None:  # the max only steadies exp(): no gradient flows through it
-        how.comm.all_reduce(row_max, op=ReduceOp.MAX)
+    valid, mine, index = _targets_here(targets, how, rows)
+    row_max = _global_max(z.amax(dim=1), how)
     z.sub_(row_max.unsqueeze(1))
     target = torch.where(mine, z.gather(1, index).squeeze(1), 0.0)
     sums = [target, z.sum(dim=1)] if eps else [target]
     z.exp_()
-    stats = torch.stack([z.sum(dim=1), *sums])  # one collective for all of them
-    if how.comm is not None:
-        how.comm.all_reduce(stats)
-    per_token = stats[0].log() - (1.0 - eps) * stats[1]
-    if eps:
-        per_token = per_token - (eps / vocab) * stats[2]
-    loss = torch.where(valid, per_token, 0.0).sum()
+    stats = torch.stack([z.sum(dim=1), *sums])
+    loss = _summed_loss(stats, valid, how, vocab)
     if grad:
         z.div_(stats[0].unsqueeze(1))  # the softmax over the whole vocabulary
         z.scatter_add_(1, index, mine.unsqueeze(1).to(z.dtype).mul_(eps - 1.0))
@@ -306,22 +329,12 @@ def _chunk_loss_fused(z: torch.Tensor, targets: torch.Tensor, how: ChunkedLoss, 
     from the chunk's logits ``z`` [c, rows] as the matmul gave them: the max, the exp
     sums and the gradient each one pass over ``z``, and no fp32 copy of it."""
     eps, vocab = how.label_smoothing, rows * how.tp
-    valid = targets != how.ignore_index
-    local = targets - how.rank * rows
-    mine = valid & (local >= 0) & (local < rows)
-    index = local.clamp(0, rows - 1).unsqueeze(1)
-    row_max = z.amax(dim=1).float()  # exact in any dtype
-    if how.comm is not None:  # the max only steadies exp(): no gradient flows through it
-        how.comm.all_reduce(row_max, op=ReduceOp.MAX)
+    valid, mine, index = _targets_here(targets, how, rows)
+    row_max = _global_max(z.amax(dim=1).float(), how)  # the max is exact in any dtype
     target = torch.where(mine, z.gather(1, index).squeeze(1).float() - row_max, 0.0)
     sums = _kernel(_exp_sums, z.device)(z, row_max, bool(eps))
     stats = torch.cat([sums[:1], target.unsqueeze(0), sums[1:]])  # as _chunk_loss's
-    if how.comm is not None:
-        how.comm.all_reduce(stats)
-    per_token = stats[0].log() - (1.0 - eps) * stats[1]
-    if eps:
-        per_token = per_token - (eps / vocab) * stats[2]
-    loss = torch.where(valid, per_token, 0.0).sum()
+    loss = _summed_loss(stats, valid, how, vocab)
     if not grad:
         return loss, None
     g = _kernel(_softmax_grad, z.device)(z, row_max, stats[0], index, mine, valid, eps, vocab)

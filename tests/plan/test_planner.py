@@ -111,8 +111,12 @@ def _one_trillion() -> tuple[ModelShape, object]:
 def test_search_over_a_trillion_parameters_keeps_only_rows_that_fit():
     shape, cluster = _one_trillion()
     assert shape.num_params() == pytest.approx(1.008e12, rel=1e-3)
-    result = search(shape, cluster, 3072, Options(accounting="mixed"), top=20)
+    # every degree, schedule and micro-batch, in the modes of Narayanan et al.'s run (no
+    # ZeRO, full recomputation): 130,940 layouts rather than 1.57 million, the same rules
+    result = search(shape, cluster, 3072, Options(accounting="mixed"), top=20, zero=(0,),
+                    recompute=("full",))
     assert len(result.rows) == 20 and result.rejected["does not fit in memory"] > 0
+    assert result.least_overflow_gib > 0
     budget = cluster.memory_gib * 2**30
     for row in result.rows:
         assert row.fits and row.memory_bytes <= budget

@@ -235,6 +235,24 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                     model_flops=model_flops, hardware_flops=hardware_flops)
 
 
+def memory_floor(shape: ModelShape, cluster: Cluster, layout: PlannedLayout,
+                 options: Options = DEFAULT_OPTIONS) -> float:
+    """A lower bound of :func:`estimate`'s memory of ``layout`` that depends on neither
+    its micro-batch nor its recomputation: the largest stage's model states and the
+    cluster's reserved memory (activations and buffers only add). The search drops a
+    layout whose floor exceeds the device without estimating it, and with it every
+    micro-batch and recomputation of the same degrees, options and ZeRO stage."""
+    cut = stage_pricing().cut(layout)
+    shape = _held(shape, layout.token_split)
+    counts = list(cut.stage_layers(cut.chunk_layers(shape.layers)))
+    states = max(model_state_bytes(
+        rank_params(shape, layout.shards, layers, st == 0, st == cut.stages - 1,
+                    cut.stages),
+        replicas=layout.replicas, zero=layout.zero, master_copy=options.master_copy).total
+        for st, layers in enumerate(counts))
+    return states + cluster.reserved_gib * _GIB
+
+
 def _held(shape: ModelShape, token_split: int) -> ModelShape:
     """What one rank's activations are of: ``shape`` at its part of each sample's
     tokens; split, its attention keeps no scores whatever the model's kernel (each

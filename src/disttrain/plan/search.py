@@ -21,7 +21,7 @@ from ..parallel.dimensions import behaviour
 from ..parallel.pricing import DimensionPricing, SearchLimits
 from ..shape import ModelShape
 from .cluster import Cluster
-from .estimate import Estimate, estimate
+from .estimate import Estimate, estimate, memory_floor
 from .layout import OPTIONS, RECOMPUTE, PlannedLayout
 from .options import DEFAULT_OPTIONS, Options
 
@@ -31,6 +31,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 @dataclass
 class SearchResult:
+    """The kept ``rows`` (fastest first), how many layouts were ``considered``, and the
+    ``rejected`` by reason; of those that do not fit, the ``least_overflow_gib`` (exact)
+    and the ``worst_overflow_gib`` (at least: a layout whose model states alone miss by
+    more than the closest miss is not estimated further)."""
+
     rows: list[Estimate]
     considered: int = 0
     rejected: Counter = field(default_factory=Counter)
@@ -143,6 +148,8 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
     result = SearchResult(rows=[])
     kept: list[Estimate] = []
     least = None
+    budget = cluster.memory_gib * _GIB
+    floors: dict[tuple, float] = {}  # memory_floor by what it depends on
     for planned in candidates(shape, cluster, global_batch, recompute=recompute,
                           zero=zero):
         result.considered += 1
@@ -150,9 +157,20 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
         if problem:
             result.rejected[problem] += 1
             continue
+        key = (planned.degrees, planned.options, planned.zero)
+        floor = floors.get(key)
+        if floor is None:
+            floor = floors[key] = memory_floor(shape, cluster, planned, options)
+        # the floor is a lower bound of the estimate: above the device, it cannot fit,
+        # and unless it could be the closest miss it is not worth estimating
+        if floor > budget and least is not None and floor - budget >= least * _GIB:
+            result.worst_overflow_gib = max(result.worst_overflow_gib,
+                                            (floor - budget) / _GIB)
+            result.rejected["does not fit in memory"] += 1
+            continue
         est = estimate(shape, cluster, planned, global_batch, options, memory_only=True)
         if not est.fits:
-            over = (est.memory_bytes - cluster.memory_gib * _GIB) / _GIB
+            over = (est.memory_bytes - budget) / _GIB
             least = over if least is None else min(least, over)
             result.worst_overflow_gib = max(result.worst_overflow_gib, over)
             result.rejected["does not fit in memory"] += 1

@@ -1,6 +1,6 @@
-"""The search's memory floor drops layouts without estimating them: it must drop
-only layouts that do not fit, keep every row an exhaustive search keeps, and report
-the same closest miss."""
+"""What the search leaves out: its memory floor drops layouts without estimating them
+(only layouts that do not fit: it keeps every row an exhaustive search keeps and
+reports the same closest miss), and ``held`` keys leave out what a framework lacks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from disttrain.errors import UserError
 from disttrain.plan import PRESETS, ModelShape, Options, estimate, search
 from disttrain.plan.estimate import memory_floor
 from disttrain.plan.search import candidates, layout_problem
@@ -52,3 +53,20 @@ def test_pruned_search_keeps_what_an_exhaustive_one_keeps():
     assert result.least_overflow_gib == pytest.approx(min(overflows), rel=1e-12)
     # the worst miss is a lower bound once layouts are dropped by their floor
     assert 0 < result.worst_overflow_gib <= max(overflows) * (1 + 1e-12)
+
+
+def test_held_keys_keep_only_the_layouts_a_framework_offers():
+    # Megatron-LM in 2021 had no sequence or context parallelism: a search with those
+    # held is the unrestricted search's rows of cp 1 and sp 0, in the same order
+    shape = ModelShape(name="1b", layers=8, hidden=2048, heads=16, seq=1024, vocab=32000)
+    cluster = replace(PRESETS["a100-80gb"], nodes=1)
+    held = (("cp", 1), ("sp", 0))
+    every = search(shape, cluster, 16, top=0, zero=(0, 1))
+    kept = search(shape, cluster, 16, top=0, zero=(0, 1), held=held)
+    want = [e.layout for e in every.rows
+            if e.layout.degree("cp") == 1 and e.layout.option("sp") == 0]
+    assert want and len(want) < len(every.rows)
+    assert [e.layout for e in kept.rows] == want
+    assert kept.considered < every.considered
+    with pytest.raises(UserError, match="'pq' is neither a dimension"):
+        search(shape, cluster, 16, held=(("pq", 1),))

@@ -80,6 +80,10 @@ class TableRow:
     # the ZeRO stages the framework offers (Megatron-LM: none or its distributed
     # optimizer; FSDP: all): the rank is among layouts the authors could have run
     zero_choices: tuple[int, ...] = (0, 1, 2, 3)
+    # the dimensions and options the framework did not have, held at what it ran
+    # (Megatron-LM in 2021: no sequence or context parallelism): the rank is among
+    # layouts it could have run (the search's ``held``)
+    held: tuple[tuple[str, int], ...] = ()
     # the estimate's assumptions: 16-bit weights and gradients with an fp32 master
     # copy, and the overlaps the framework had
     options: Options = MIXED

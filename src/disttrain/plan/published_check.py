@@ -7,9 +7,10 @@ considers, and whether the planner makes the row's recomputation choice.
   (``degrees_only``), the planner's fastest layout of those degrees (it picks the
   micro-batch, schedule, ZeRO stage and recomputation, except a published "full").
 - Rank: the search's layouts that fit (of the ZeRO stages the row's framework offers,
-  ``zero_choices``) are grouped by their degrees (tp, pp, cp, dp),
-  each group timed by its fastest member; the published degrees' rank is one more than
-  the groups strictly faster. None when no layout of those degrees fits.
+  ``zero_choices``, and of the dimensions and options it has, ``held``) are grouped by
+  their degrees (tp, pp, cp, dp), each group timed by its fastest member; the published
+  degrees' rank is one more than the groups strictly faster. None when no layout of
+  those degrees fits.
 - Recomputation: at the published layout, the planner's pick is the fastest of the
   framework's modes (``recompute_choices``) that fits; right when it is the published
   mode.
@@ -74,7 +75,7 @@ def check_row(row: TableRow, *, rank: bool = True) -> RowCheck:
     published = None
     if rank or row.degrees_only:
         for est in search(row.shape, cluster, row.global_batch, row.options, top=0,
-                          zero=row.zero_choices).rows:
+                          zero=row.zero_choices, held=row.held).rows:
             groups.setdefault(est.layout.degrees, est)  # rows come fastest first
             if published is None and _is_published(row, est):
                 published = est

@@ -55,6 +55,11 @@ TORCHTITAN_SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtita
 # Megatron-LM replicates its model states or shards the optimizer's (its distributed
 # optimizer, ZeRO-1); it has no ZeRO-2 or 3
 MEGATRON_ZERO = (0, 1)
+# what Megatron-LM did not have: zero-bubble schedules (Qi et al. 2023's are a fork's,
+# sail-sg/zero-bubble-pipeline-parallelism), and in 2021 (Narayanan et al.) sequence
+# parallelism (Korthikanti et al. 2022) and context parallelism (Megatron-Core, 2024)
+MEGATRON_HELD = (("zb", 0),)
+MEGATRON_2021_HELD = (("cp", 1), ("sp", 0), ("zb", 0))
 
 # the README's "Communication optimizations": --overlap-grad-reduce (disttrain's
 # buckets do as much), --overlap-param-gather, --tp-comm-overlap
@@ -102,7 +107,8 @@ def megatron_h100_rows() -> tuple[TableRow, ...]:
                              f"gpu=h100-80gb,gpus_per_node=8,nodes={_nodes(gpus)}",
                              PlannedLayout(tp=tp, pp=pp, dp=dp), batch, tflops,
                              metric="tflops_per_gpu", degrees_only=True,
-                             zero_choices=MEGATRON_ZERO, options=MEGATRON_OVERLAPS))
+                             zero_choices=MEGATRON_ZERO, held=MEGATRON_HELD,
+                             options=MEGATRON_OVERLAPS))
     return tuple(rows)
 
 
@@ -118,7 +124,8 @@ def megatron_a100_rows() -> tuple[TableRow, ...]:
                              f"gpu=a100-80gb,gpus_per_node=8,nodes={_nodes(gpus)}",
                              PlannedLayout(tp=tp, pp=pp, dp=dp, recompute="full"), batch,
                              tflops, metric="tflops_per_gpu", hardware=True,
-                             degrees_only=True, zero_choices=MEGATRON_ZERO))
+                             degrees_only=True, zero_choices=MEGATRON_ZERO,
+                             held=MEGATRON_2021_HELD))
     return tuple(rows)
 
 

@@ -140,9 +140,12 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,
            options: Options = DEFAULT_OPTIONS, *, top: int = 5,
            recompute: tuple[str, ...] = RECOMPUTE,
-           zero: tuple[int, ...] = ZERO_STAGES) -> SearchResult:
+           zero: tuple[int, ...] = ZERO_STAGES,
+           held: tuple[tuple[str, int], ...] = ()) -> SearchResult:
     """The ``top`` fastest layouts that fit (0: all of them), and why the others were
-    dropped; ``recompute`` and ``zero``: the modes and stages a framework offers."""
+    dropped; ``recompute`` and ``zero``: the modes and stages a framework offers;
+    ``held``: (key, value) of the dimensions and options it does not offer, held at the
+    value it runs (``("cp", 1)``, ``("sp", 0)``): the other layouts are not considered."""
     if global_batch < 1:
         raise UserError(f"--global-batch {global_batch} must be at least 1")
     result = SearchResult(rows=[])
@@ -152,6 +155,8 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
     floors: dict[tuple, float] = {}  # memory_floor by what it depends on
     for planned in candidates(shape, cluster, global_batch, recompute=recompute,
                           zero=zero):
+        if held and any(_value(planned, key) != value for key, value in held):
+            continue
         result.considered += 1
         problem = layout_problem(shape, cluster, planned, global_batch)
         if problem:
@@ -180,3 +185,13 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
     result.rows = kept[:top] if top > 0 else kept
     result.least_overflow_gib = least or 0.0
     return result
+
+
+def _value(planned: PlannedLayout, key: str) -> int:
+    """A dimension's degree or a dimension option's value, by its key."""
+    if key in {d.key for d in DIMENSIONS}:
+        return planned.degree(key)
+    if key in {o.name for o in OPTIONS}:
+        return planned.option(key)
+    raise UserError(f"held key {key!r} is neither a dimension nor a dimension option; "
+                    f"use one of {[d.key for d in DIMENSIONS] + [o.name for o in OPTIONS]}")

@@ -10,8 +10,6 @@ model that loses it fails. bench/plan.py prints every table's figures.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -22,12 +20,7 @@ from disttrain.dimensions import Role
 from disttrain.models import GPT, flops_per_token
 from disttrain.plan import PRESETS, ModelShape, Options, PlannedLayout, estimate, gpt_shape
 from disttrain.plan.memory import gpt_activation_bytes
-from disttrain.plan.published import (
-    LLM_FOUNDRY_A100,
-    LLM_FOUNDRY_H100,
-    LLM_FOUNDRY_TABLES,
-    TableRow,
-)
+from disttrain.plan.published import LLM_FOUNDRY_A100, LLM_FOUNDRY_H100, LLM_FOUNDRY_TABLES
 from disttrain.plan.published_check import check_row
 from disttrain.plan.published_layouts import LAYOUT_TABLES, megatron_h100_rows
 
@@ -59,24 +52,6 @@ def test_published_degrees_rank_in_the_planners_top_three(row):
     check = check_row(row)
     assert check.rank is not None and check.rank <= 3, (check.rank, check.candidates)
     assert check.candidates > 3  # a ranking among several, not a lone candidate
-
-
-def test_a_model_parallel_size_is_ranked_as_any_of_its_splits():
-    # Megatron-LM's 2021 table gives tp x pp as one size: a row of mp 4 on 8 GPUs is
-    # published whichever of tp 4, tp 2 x pp 2 or pp 4 the planner prefers
-    shape = ModelShape(name="gpt-2b", layers=16, hidden=2560, heads=20, seq=1024,
-                       vocab=51200, dropout=True, flash=False)
-    base = TableRow("mp4", shape, "gpu=a100-80gb,gpus_per_node=8,nodes=1",
-                    PlannedLayout(tp=4, pp=1, dp=2, recompute="full"), 64, 100.0,
-                    metric="tflops_per_gpu", hardware=True, degrees_only=True,
-                    zero_choices=(0, 1), held=(("cp", 1), ("sp", 0), ("zb", 0)))
-    split = check_row(base)
-    whole = check_row(replace(base, model_parallel_only=True))
-    # fewer groups (the splits of 4 are one), the published one at least as high
-    assert whole.candidates < split.candidates
-    assert whole.rank is not None and split.rank is not None and whole.rank <= split.rank
-    # its prediction is its fastest split's, at least that of the row's own split
-    assert whole.predicted >= split.predicted
 
 
 def test_tables_name_their_sources_and_what_they_leave_out():

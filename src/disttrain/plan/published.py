@@ -77,9 +77,6 @@ class TableRow:
     # the source gives the degrees only: the planner picks the rest (micro-batch,
     # schedule, ZeRO stage, sequence parallelism; recomputation unless it is "full")
     degrees_only: bool = False
-    # the source gives tensor x pipeline as one model-parallel size: any split of it is
-    # the published layout (the row's own tp, pp: one such split, for its label)
-    model_parallel_only: bool = False
     # the ZeRO stages the framework offers (Megatron-LM: none or its distributed
     # optimizer; FSDP: all): the rank is among layouts the authors could have run
     zero_choices: tuple[int, ...] = (0, 1, 2, 3)

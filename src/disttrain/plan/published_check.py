@@ -5,13 +5,12 @@ considers, and whether the planner makes the row's recomputation choice.
 
 - Prediction: the row's layout as published; where the source gives the degrees only
   (``degrees_only``), the planner's fastest layout of those degrees (it picks the
-  micro-batch, schedule, ZeRO stage and recomputation, except a published "full"; and
-  with ``model_parallel_only``, the split of tp x pp too).
+  micro-batch, schedule, ZeRO stage and recomputation, except a published "full").
 - Rank: the search's layouts that fit (of the ZeRO stages the row's framework offers,
   ``zero_choices``, and of the dimensions and options it has, ``held``) are grouped by
-  their degrees (tp, pp, cp, dp; tp x pp as one with ``model_parallel_only``), each
-  group timed by its fastest member; the published degrees' rank is one more than the
-  groups strictly faster. None when no layout of those degrees fits.
+  their degrees (tp, pp, cp, dp), each group timed by its fastest member; the published
+  degrees' rank is one more than the groups strictly faster. None when no layout of
+  those degrees fits.
 - Recomputation: at the published layout, the planner's pick is the fastest of the
   framework's modes (``recompute_choices``) that fits; right when it is the published
   mode.
@@ -77,7 +76,7 @@ def check_row(row: TableRow, *, rank: bool = True) -> RowCheck:
     if rank or row.degrees_only:
         for est in search(row.shape, cluster, row.global_batch, row.options, top=0,
                           zero=row.zero_choices, held=row.held).rows:
-            groups.setdefault(_group(row, est.layout), est)  # rows come fastest first
+            groups.setdefault(est.layout.degrees, est)  # rows come fastest first
             if published is None and _is_published(row, est):
                 published = est
     if not row.degrees_only:
@@ -85,7 +84,7 @@ def check_row(row: TableRow, *, rank: bool = True) -> RowCheck:
     if published is None:  # no layout of the published degrees fits
         published = estimate(row.shape, cluster, row.layout, row.global_batch, row.options)
     place = None
-    own = groups.get(_group(row, row.layout))
+    own = groups.get(row.layout.degrees)
     if rank and own is not None:
         place = 1 + sum(e.step_time_s < own.step_time_s for e in groups.values())
     return RowCheck(row=row, predicted=figure_of(row, published), rank=place,
@@ -93,17 +92,9 @@ def check_row(row: TableRow, *, rank: bool = True) -> RowCheck:
                     fits=published.fits)
 
 
-def _group(row: TableRow, planned: PlannedLayout) -> tuple[int, ...]:
-    """What of a layout the source publishes: its degrees, or with
-    ``model_parallel_only`` tp x pp as one size beside the others."""
-    if not row.model_parallel_only:
-        return planned.degrees
-    return (planned.shards * planned.stages, planned.token_split, planned.replicas)
-
-
 def _is_published(row: TableRow, est: Estimate) -> bool:
     planned = est.layout
-    if _group(row, planned) != _group(row, row.layout):
+    if planned.degrees != row.layout.degrees:
         return False
     return row.layout.recompute != "full" or planned.recompute == "full"
 

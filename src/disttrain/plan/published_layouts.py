@@ -15,14 +15,13 @@ chooses them); attention is Transformer Engine's fused kernel.
 the table image ``images/cases_april2021.png``, from Narayanan et al. 2021, arXiv
 2104.04473): GPT models of 1.7B to 1T parameters, vocabulary 51200, sequence 2048,
 hidden size, layers, *model-parallel size*, GPUs, batch and achieved TFLOP/s per GPU,
-which Narayanan et al. count with the recomputation's forward (full recomputation, their
-formula 96Bslh^2(1 + s/6h + V/16lh)). The image gives tensor x pipeline as one product:
-each row's label splits it as tensor parallelism within a node, ``tp = min(mp, 8)``,
-``pp = mp / tp`` (as the paper's 1T run, tp 8 x pp 64, does), but the check takes any
-split of it as the published layout (``model_parallel_only``). Heads are not in the
-table: 128 per head is assumed (heads change only the unfused attention's score memory,
-5as^2b per layer, and which tp degrees divide them). Attention is unfused (2021),
-dropout 0.1, learned positions, tied embedding.
+which Narayanan et al. count with the recomputation's forward (full recomputation,
+their formula 96Bslh^2(1 + s/6h + V/16lh)). The image gives tensor x pipeline as one
+product: the split here takes tensor parallelism within a node, ``tp = min(mp, 8)``,
+``pp = mp / tp`` (as the paper's 1T run, tp 8 x pp 64, does), an inference the table
+does not state. Heads are not in the table: 128 per head is assumed (heads change only
+the unfused attention's score memory, 5as^2b per layer, and which tp degrees divide
+them). Attention is unfused (2021), dropout 0.1, learned positions, tied embedding.
 
 **torchtitan's Llama 3.1 benchmarks** (github.com/pytorch/torchtitan,
 ``benchmarks/llama3_h100_202412_torchtitan.md``, read at commit b5bcd76c, 2026-08-21;
@@ -125,8 +124,8 @@ def megatron_a100_rows() -> tuple[TableRow, ...]:
                              f"gpu=a100-80gb,gpus_per_node=8,nodes={_nodes(gpus)}",
                              PlannedLayout(tp=tp, pp=pp, dp=dp, recompute="full"), batch,
                              tflops, metric="tflops_per_gpu", hardware=True,
-                             degrees_only=True, model_parallel_only=True,
-                             zero_choices=MEGATRON_ZERO, held=MEGATRON_2021_HELD))
+                             degrees_only=True, zero_choices=MEGATRON_ZERO,
+                             held=MEGATRON_2021_HELD))
     return tuple(rows)
 
 

@@ -125,8 +125,21 @@ def _step_spans(comm: Communicator, timings: list) -> list[tuple[float, float, f
     return comm.all_gather_object(mine)
 
 
+def _overhead_ms(comm: Communicator, timings: list, schedule, sleep_s: float) -> dict:
+    """Median time per action kind beyond its blocks' sleeps (``sleep_s``: a chunk's
+    forward), and between actions beyond the receive wait: the runner's own cost."""
+    sleeps = {"F": 1, "B": 1 if schedule.split else 2, "W": 1}  # sleeps of sleep_s
+    mine = [(t.action.kind, t.end - t.start - sleeps[t.action.kind] * sleep_s)
+            for t in timings]
+    mine += [("between", b.start - b.wait - a.end)
+             for a, b in zip(timings[:-1], timings[1:], strict=True)]
+    everyone = [d for part in comm.all_gather_object(mine) for d in part]
+    return {kind: round(1e3 * statistics.median(d for k, d in everyone if k == kind), 3)
+            for kind in ("F", "B", "W", "between") if any(k == kind for k, _ in everyone)}
+
+
 def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v: int,
-          latency: float, args: argparse.Namespace) -> dict:
+          latency: float, work: str, args: argparse.Namespace) -> dict:
     pp = comm.size
     v = CHUNKS.get(name, 1) or v
     per_chunk = cfg.n_layer // (pp * v)
@@ -139,7 +152,7 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
     tokens = torch.randint(0, cfg.vocab_size, (m, args.micro_batch, cfg.seq_len + 1),
                            generator=g)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    bubbles, simulated, steps, peak = [], [], [], 0
+    bubbles, simulated, steps, peak, overhead = [], [], [], 0, []
     if cfg.n_layer % (pp * v):
         return {"schedule": name, "p": pp, "v": v, "m": m, "skipped": "n_layer % (p v)"}
     for rep in range(1 + args.reps):  # one warmup step
@@ -158,6 +171,9 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
             bubbles.append([1 - busy / span for busy, _, _ in spans])
             steps.append(span)
             simulated.append(_simulated_bubble(comm, schedule, result.timings, latency))
+            if work == "sleep":
+                overhead.append(_overhead_ms(comm, result.timings, schedule,
+                                             per_chunk * args.sleep_ms / 1e3))
     per_stage = [statistics.median(b[s] for b in bubbles) for s in range(pp)]
     measured = statistics.median(statistics.fmean(b) for b in bubbles)
     return {"schedule": name, "p": pp, "v": v, "m": m,
@@ -167,7 +183,9 @@ def _case(model: GPT, cfg: ModelConfig, comm: Communicator, name: str, m: int, v
             "bubble_analytic": round(analytic_bubble(name, pp, m, v), 4),
             "bubble_simulated": round(statistics.median(simulated), 4),
             "step_s": round(statistics.median(steps), 4),
-            "peak_activation_bytes": comm.all_gather_object(peak)}
+            "peak_activation_bytes": comm.all_gather_object(peak),
+            **({"overhead_ms": {k: statistics.median(o[k] for o in overhead)
+                                for k in overhead[0]}} if overhead else {})}
 
 
 def _bench(work: str, args: argparse.Namespace) -> list[dict]:
@@ -180,7 +198,7 @@ def _bench(work: str, args: argparse.Namespace) -> list[dict]:
     out = []
     for k in args.m_per_pp:
         for name in args.schedules:
-            case = _case(model, cfg, comm, name, k * pp, args.v, latency, args)
+            case = _case(model, cfg, comm, name, k * pp, args.v, latency, work, args)
             case.update(work=work, message_latency_s=round(latency, 5))
             if dist.get_rank() == 0:
                 print(f"[pipeline] {json.dumps(case)}", file=sys.stderr, flush=True)

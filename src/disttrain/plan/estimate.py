@@ -47,7 +47,7 @@ from .cluster import Cluster
 from .layout import PlannedLayout, figure
 from .memory import end_activations, layer_activation_bytes, layer_cast_bytes, model_state_bytes
 from .options import DEFAULT_OPTIONS, Options
-from .steptime import StepTime, step_time
+from .steptime import StepTime, holds_ends, step_time
 
 _GIB = 2**30
 
@@ -204,7 +204,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
     n_chunks = cut.n_chunks
     stages: dict[int, StageMemory] = {}
     for stage in which:
-        first, last = stage == 0, stage == cut.stages - 1
+        first, last = holds_ends(cut, stage)
         params = rank_params(shape, shards, counts[stage], first, last, cut.stages)
         states = model_state_bytes(params, replicas=replicas, zero=planned.zero,
                                    master_copy=o.master_copy)

@@ -136,9 +136,9 @@ def step_time(planned: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Op
         sizes, layer_fwd + layer_comm[0] + ring.forward,
         layer_bwd + recompute + layer_comm[1] + ring.backward, head, ends_fwd,
         ends_bwd)
+    ends = [holds_ends(cut, st) for st in range(n)]
     compute_rank = [layers * (layer_fwd + layer_bwd + recompute)
-                    + (head if st == n - 1 else 0.0)
-                    + (end if st in (0, n - 1) else 0.0) * (1 + (n == 1))
+                    + (head if ends[st][1] else 0.0) + end * sum(ends[st])
                     for st, layers in enumerate(counts)]
     per_rank = [sum(f) + sum(b) for f, b in zip(chunk_forward_s, chunk_backward_s, strict=True)]
     messages = cut.messages_per_micro_batch()
@@ -149,14 +149,14 @@ def step_time(planned: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Op
     slow = max(range(n), key=lambda st: per_rank[st])
     ring_s = m * (ring.forward + ring.backward) * counts[slow]
     pipeline, bubble = cut.step(m, per_rank, p2p)
-    params = max(rank_params(shape, shards, layers, st == 0, st == n - 1, n)
+    params = max(rank_params(shape, shards, layers, *ends[st], n)
                  for st, layers in enumerate(counts))
     top = max(range(n), key=lambda st: compute_rank[st])
     passes = (layer_fwd * counts[top], (layer_bwd + recompute) * counts[top])
     reduction = _reduction_exposed(shape, cluster, o, planned, cut, m, busy, params, counts,
                                    passes)
     sync = _step_sync(shape, cluster, o, planned, cut, busy)
-    optimizer = share * _optimizer_time(shape, cluster, planned, n, params, counts)
+    optimizer = share * _optimizer_time(shape, cluster, planned, cut, params, counts)
     compute_only = m * compute_rank[top]
     recomputed = m * recompute * max(counts)
     exposed = sum(reduction.values())
@@ -232,7 +232,7 @@ def _reduction_exposed(shape: ModelShape, cluster: Cluster, o: Options,
         total = collective_time(cluster, "all_reduce", grads, replicas, busy,
                                 calls=buckets, span=span)
         return none | {"all_reduce": _hidden_behind(total, backward, buckets)}
-    flats = max(zero_flats(layers, st == 0, st == cut.stages - 1)
+    flats = max(zero_flats(layers, *holds_ends(cut, st))
                 for st, layers in enumerate(counts))
     reduce = collective_time(cluster, "reduce_scatter", grads, replicas, busy,
                              calls=flats, span=span)
@@ -290,8 +290,15 @@ def _step_sync(shape: ModelShape, cluster: Cluster, o: Options, planned: Planned
     return sync
 
 
-def _optimizer_time(shape: ModelShape, cluster: Cluster, planned: PlannedLayout, stages: int,
-                    params: float, counts: list[int]) -> float:
+def holds_ends(cut: StageCut, stage: int) -> tuple[bool, bool]:
+    """Whether ``stage`` holds the first chunk (the embedding) and the last (the
+    head): stage 0 and the last stage, or in a V (zbv) both on stage 0."""
+    local = cut.local_chunks(stage)
+    return 0 in local, cut.n_chunks - 1 in local
+
+
+def _optimizer_time(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
+                    cut: StageCut, params: float, counts: list[int]) -> float:
     """The optimizer step on one rank's shard, memory-bound: AdamW reads the
     gradient and reads and writes the parameter and both moments (28 bytes per fp32
     parameter); clipping reads the gradient for its norm and zeroing writes it (8
@@ -300,7 +307,7 @@ def _optimizer_time(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
     seconds = elementwise_time(cluster, shard * _OPTIMIZER_BYTES, 4)
     seconds += cluster.kernel_overhead_s * 4
     if cluster.tensor_overhead_s:
-        tensors = max(rank_tensors(shape, layers, st == 0, st == stages - 1, stages,
+        tensors = max(rank_tensors(shape, layers, *holds_ends(cut, st), cut.stages,
                                    planned.zero) for st, layers in enumerate(counts))
         seconds += tensors * cluster.tensor_overhead_s
     return seconds

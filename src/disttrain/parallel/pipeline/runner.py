@@ -36,7 +36,12 @@ from ...monitor.saved_activations import SavedActivationMeter
 from .chunks import PipelineChunk
 from .p2p import check_nccl_order, destination, message_groups, source
 from .schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from .split_backward import DeferredWeightGrads, backward_input, backward_weight
+from .split_backward import (
+    DeferredWeightGrads,
+    WeightPassSaves,
+    backward_input,
+    backward_weight,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
 GradSync = Callable[[int, bool], AbstractContextManager]
@@ -127,6 +132,8 @@ class _Runner:
         self.grad_sync = grad_sync or (lambda chunk, last: contextlib.nullcontext())
         self.meter = (SavedActivationMeter(p for ch in chunks for p in ch.parameters())
                       if measure_activations else None)
+        # split: B releases the saved tensors no W reads (through the meter's count)
+        self.saves = WeightPassSaves(self.meter) if schedule.split else None
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.recvs: dict[tuple[int, int], tuple[torch.Tensor, TrackedWork]] = {}
@@ -209,7 +216,7 @@ class _Runner:
     def _forward(self, action: Action, x: torch.Tensor | None) -> None:
         chunk, key = self.chunks[action.chunk], (action.chunk, action.micro)
         self.inputs[key] = x
-        with self.meter or contextlib.nullcontext():
+        with self.saves or self.meter or contextlib.nullcontext():
             y = chunk(x, self.micro_batches[action.micro][0])
             if chunk.is_last:
                 loss, count = self.loss_fn(y, self.micro_batches[action.micro][1])
@@ -231,7 +238,7 @@ class _Runner:
         out, x = self.outputs.pop(key), self.inputs.pop(key)
         if self.schedule.split:
             params = [p for p in self.chunks[action.chunk].parameters() if p.requires_grad]
-            dx, self.deferred[key] = backward_input(out, grad, x, params)
+            dx, self.deferred[key] = backward_input(out, grad, x, params, self.saves)
         else:
             with self.grad_sync(action.chunk, last):
                 if out.requires_grad:  # else nothing before it trains (a frozen first chunk)

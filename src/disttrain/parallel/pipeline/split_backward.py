@@ -16,6 +16,13 @@ For a chunk ``y = f(x; theta)`` and the gradient ``g = dL/dy`` it received:
   that W reaches again from another frontier node gets its recorded gradient, never a
   second one.
 
+What B keeps for W is only what W reads: the saved tensors of the nodes W runs (the
+frontier nodes, e.g. a linear layer's input, and the nodes between them and the
+parameters) and the recorded gradients. Forwards run under :class:`WeightPassSaves`,
+which boxes every saved tensor; B notes which node reads which box and empties the
+boxes of the nodes W never runs (softmax outputs, activations' inputs, dropout masks),
+so a micro-batch waiting for its W holds less than one waiting for its B.
+
 The gradients W accumulates into ``.grad`` are those of the fused backward (same
 nodes, same inputs; summation order within a node unchanged). Parameters'
 accumulation hooks (data parallelism's buckets, ZeRO's reduce-scatter) fire in W.
@@ -30,29 +37,76 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+_RELEASED = object()  # a box emptied after B: no W reads it
+
+
+class _Box:
+    """What the graph holds instead of a saved tensor (see :class:`WeightPassSaves`)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+class WeightPassSaves(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks for a split schedule's forwards: each tensor autograd saves
+    is boxed, so that :func:`backward_input` can empty the boxes no W reads. ``inner``:
+    hooks to pack through inside the box (a :class:`SavedActivationMeter`, whose count
+    drops when a box is emptied)."""
+
+    def __init__(self, inner: torch.autograd.graph.saved_tensors_hooks | None = None
+                 ) -> None:
+        self._inner = inner
+        self._node: Node | None = None  # the node B is running, while one runs
+        self._reads: list[tuple[Node, _Box]] | None = None  # during B only
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Box:
+        return _Box(self._inner.pack_hook(tensor) if self._inner else tensor)
+
+    def _unpack(self, box: _Box) -> torch.Tensor:
+        if box.packed is _RELEASED:  # never: B keeps what the nodes W runs read
+            raise RuntimeError("a W pass read a saved tensor that its B released")
+        if self._reads is not None and self._node is not None:
+            self._reads.append((self._node, box))
+        return self._inner.unpack_hook(box.packed) if self._inner else box.packed
+
+    def hold(self, tensors: Iterable[torch.Tensor]) -> list[Any]:
+        """Count ``tensors`` (recorded gradients W keeps) in the inner meter for as
+        long as the returned list lives; nothing without one."""
+        return [self._inner.pack_hook(t) for t in tensors] if self._inner else []
 
 
 @dataclass
 class DeferredWeightGrads:
     """What B kept for W: ``groups`` of (frontier nodes, their recorded gradients, the
     parameters they reach); or, for a chunk without input, the ``output`` and its
-    ``grad`` for a whole backward."""
+    ``grad`` for a whole backward. ``vectors``: (parameter, gradient) of the vector
+    parameters, whose gradients B computed; ``held``: the meter's count of the
+    recorded gradients (see :meth:`WeightPassSaves.hold`)."""
 
     groups: list[tuple[list[Node], list[tuple], list[torch.Tensor]]] = field(
         default_factory=list)
     output: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    vectors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    held: list[Any] = field(default_factory=list)
 
 
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
-                   x: torch.Tensor | None, params: Iterable[torch.Tensor]
+                   x: torch.Tensor | None, params: Iterable[torch.Tensor],
+                   saves: WeightPassSaves | None = None
                    ) -> tuple[torch.Tensor | None, DeferredWeightGrads]:
     """B: ``dL/dx`` for the chunk output ``output`` (receiving ``grad``, None for a
     scalar loss) and its input ``x`` (a leaf [b, T, d] requiring grad, or None), and
-    what W needs. ``dL/dx`` is zeros where ``x`` does not reach ``output``."""
+    what W needs. ``dL/dx`` is zeros where ``x`` does not reach ``output``. ``saves``:
+    the hooks the forward ran under; the saved tensors no W reads are released."""
     if x is None or output.grad_fn is None:
         return None, DeferredWeightGrads(output=output, grad=grad)
     x_node = get_gradient_edge(x).node
@@ -62,18 +116,75 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     to_params = _reaching(children, set(param_nodes))
     frontier = [n for n in children if n in to_x and any(
         c in to_params and c not in to_x for c in children[n])]
+    groups = _groups(children, frontier, to_x, param_nodes)
+    # vector parameters (norm scales, their biases): their gradients come in B, from
+    # the nodes B runs anyway, so W keeps neither their inputs nor their gradients
+    vectors = [ps for _, ps in groups if all(p.dim() <= 1 for p in ps)]
+    groups = [(nodes, ps) for nodes, ps in groups if any(p.dim() > 1 for p in ps)]
+    now = [p for ps in vectors for p in ps]
     recorded: dict[Node, tuple] = {}
-    handles = [n.register_prehook(_recorder(recorded, n)) for n in frontier]
+    handles = [n.register_prehook(_recorder(recorded, n)) for nodes, _ in groups
+               for n in nodes]
+    if saves is not None:
+        handles += _track_reads(saves, [n for n in children if n in to_x])
     try:
-        (dx,) = torch.autograd.grad(output, [x], grad_outputs=grad, retain_graph=True,
-                                    allow_unused=True)
+        dx, *vector_grads = torch.autograd.grad(
+            output, [x, *now], grad_outputs=grad, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    groups = _groups(children, frontier, to_x, param_nodes)
-    return (dx if dx is not None else torch.zeros_like(x),
-            DeferredWeightGrads(groups=[(nodes, [recorded.get(n, ()) for n in nodes], ps)
-                                        for nodes, ps in groups]))
+    kept = DeferredWeightGrads(groups=[(nodes, [recorded.get(n, ()) for n in nodes], ps)
+                                       for nodes, ps in groups],
+                               vectors=[(p, g) for p, g in zip(now, vector_grads,
+                                                               strict=True)
+                                        if g is not None])
+    if saves is not None:
+        _release_unread(saves, children, groups, param_nodes)
+        kept.held = saves.hold(g for _, grads, _ in kept.groups for r in grads
+                               for g in r if g is not None)
+    return dx if dx is not None else torch.zeros_like(x), kept
+
+
+def _track_reads(saves: WeightPassSaves, nodes: Sequence[Node]) -> list:
+    """Hooks that name the node running while B unpacks saved tensors."""
+    saves._reads = []
+
+    def enter(node: Node) -> Callable[[tuple], None]:
+        def hook(_grad_outputs: tuple) -> None:
+            saves._node = node
+        return hook
+
+    def leave(_grad_inputs: tuple, _grad_outputs: tuple) -> None:
+        saves._node = None
+    return [h for n in nodes for h in (n.register_prehook(enter(n)), n.register_hook(leave))]
+
+
+def _release_unread(saves: WeightPassSaves, children: dict[Node, list[Node]],
+                    groups: Sequence[tuple[list[Node], list[torch.Tensor]]],
+                    param_nodes: dict[Node, torch.Tensor]) -> None:
+    """Empty the boxes B read that no node W runs reads again: W runs, per group, the
+    nodes on a path from its frontier nodes to its parameters."""
+    reads, saves._reads, saves._node = saves._reads or [], None, None
+    by_param = {id(p): n for n, p in param_nodes.items()}
+    runs: set[Node] = set()
+    for nodes, params in groups:
+        below = _below(children, nodes)
+        runs |= below & _reaching(children, {by_param[id(p)] for p in params})
+    for node, box in reads:
+        if node not in runs:
+            box.packed = _RELEASED
+
+
+def _below(children: dict[Node, list[Node]], roots: Sequence[Node]) -> set[Node]:
+    """``roots`` and every node reachable from them."""
+    seen: set[Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(children[node])
+    return seen
 
 
 def backward_weight(kept: DeferredWeightGrads) -> None:
@@ -83,6 +194,9 @@ def backward_weight(kept: DeferredWeightGrads) -> None:
         if kept.output.requires_grad:  # else nothing before it trains (a frozen chunk)
             torch.autograd.backward(kept.output, grad_tensors=kept.grad)
         return
+    if kept.vectors:  # through autograd: their accumulation hooks fire here, in W
+        torch.autograd.backward([p for p, _ in kept.vectors],
+                                grad_tensors=[g for _, g in kept.vectors])
     for nodes, grads, params in kept.groups:
         edges, values = [], []
         for node, recorded in zip(nodes, grads, strict=True):
@@ -102,6 +216,8 @@ def backward_weight(kept: DeferredWeightGrads) -> None:
             for h in handles:
                 h.remove()
     kept.groups.clear()
+    kept.vectors.clear()
+    kept.held.clear()
 
 
 def _graph(root: Node) -> dict[Node, list[Node]]:

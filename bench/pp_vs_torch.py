@@ -32,7 +32,9 @@ r's compute seconds in the step (every forward, the loss included, and every bac
 of its chunks, read around each library's per-action call; waits on receives
 excluded) and span is the schedule's wall time over all ranks (optimizer excluded);
 ``bubble_theory`` = (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), zero-bubble
-:func:`~disttrain.parallel.pipeline.analytic_bubble`'s. ``loss`` (both): the
+:func:`~disttrain.parallel.pipeline.analytic_bubble`'s. ``idle_per_rank_s`` (per
+system): each rank's span - busy_r, ``start_per_rank_s`` its first action's start after
+the earliest rank's (both medians over steps). ``loss`` (both): the
 mean token loss of the last timed step (after 1 + steps - 1 AdamW updates from the
 same weights); ``loss_rel_diff`` = |disttrain - torch| / torch, the largest over the
 steps. Prints one JSON line; progress on stderr.
@@ -91,8 +93,14 @@ def _summary(rows: list[torch.Tensor]) -> dict:
     spans = [float(r[:, 3].max() - r[:, 2].min()) for r in rows]
     bubbles = [float((1 - r[:, 5] / span).mean()) for r, span in zip(rows, spans, strict=True)]
     losses = [float(r[:, 0].sum() / r[:, 1].sum()) for r in rows]
+    # per rank: wall time of the schedule not spent computing, and when it started
+    idle = [[float(span - r[k, 5]) for r, span in zip(rows, spans, strict=True)]
+            for k in range(rows[0].shape[0])]
+    late = [[float(r[k, 2] - r[:, 2].min()) for r in rows] for k in range(rows[0].shape[0])]
     return {"step_s": statistics.median(steps), "pipeline_s": statistics.median(spans),
             "cpu_s": statistics.median(cpu),
+            "idle_per_rank_s": [round(statistics.median(i), 5) for i in idle],
+            "start_per_rank_s": [round(statistics.median(t), 5) for t in late],
             "bubble": statistics.median(bubbles), "losses": losses}
 
 
@@ -134,6 +142,10 @@ def _case(cfg: ModelConfig, comm: Communicator, name: str, m: int, v: int,
             "bubble_disttrain": round(ours["bubble"], 4),
             "bubble_torch": round(theirs["bubble"], 4),
             "bubble_theory": round(analytic_bubble(name, pp, m, v), 4),
+            "idle_per_rank_s": {DISTTRAIN: ours["idle_per_rank_s"],
+                                TORCH: theirs["idle_per_rank_s"]},
+            "start_per_rank_s": {DISTTRAIN: ours["start_per_rank_s"],
+                                 TORCH: theirs["start_per_rank_s"]},
             "loss_disttrain": round(ours["losses"][-1], 6),
             "loss_torch": round(theirs["losses"][-1], 6),
             "loss_rel_diff": float(f"{max(diffs):.3g}")}

@@ -12,7 +12,7 @@ from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
 from ...names import SCHEDULE_INTERLEAVED, SCHEDULE_ZBV
 from ...spec import ModelSpec
-from .schedules import SPLIT_SCHEDULES, validate_schedule
+from .schedules import validate_schedule
 
 
 def virtual_stages(parallel: ParallelConfig) -> int:
@@ -52,11 +52,6 @@ def check_pipeline(config: Config, layout: Layout, spec: ModelSpec,
         raise ConfigError(field, value, problem, f"{fix or 'see the schedule'}; the "
                           "micro-batches per step are train.grad_accum, v is "
                           "parallel.pp_virtual") from None
-    if p.pp_schedule in SPLIT_SCHEDULES and p.zero >= 3:
-        raise ConfigError("parallel.zero", p.zero, f"the '{p.pp_schedule}' schedule runs "
-                          "each weight-gradient pass after ZeRO-3 has freed the gathered "
-                          "parameters it reads", "use parallel.zero=1 or 2 with it, or "
-                          "parallel.pp_schedule='1f1b' or 'interleaved' with ZeRO-3")
     pipeline_starts(p.pp_split, pp * v, spec.n_blocks)
 
 

@@ -294,8 +294,6 @@ class PipelinePricing:
             return "gpipe needs pp > 1 and v = 1"
         if zb and (pp == 1 or gpipe or zb not in ZERO_BUBBLE or v != zb):
             return "zero bubble needs pp > 1, no gpipe, and v = 1 (zb1) or 2 (zbv)"
-        if zb and planned.zero >= 3:
-            return "zero bubble needs ZeRO <= 2"
         return None
 
     def batch_problem(self, planned: LayoutFacts, micro_batches: int) -> str | None:

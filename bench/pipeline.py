@@ -13,8 +13,10 @@ compute, excluding the time blocked on receives), averaged over stages; a case's
 bubble is the median over --reps steps. The same cases run again with "sleep" blocks:
 a sleep of F in forward, and in backward one of B on the input's path and one of W on
 a parameter's (F = B = W, the fused backward 2 F), so no CPU contention: they check the
-runner and schedule alone. The zero-bubble paper's figure, idle over busy time
-``(p-1)/3m`` for ZB-H1, is ``bubble / (1 - bubble)`` here. Prints one JSON line.
+runner and schedule alone (``overhead_ms``: each action kind's median time beyond its
+sleeps, and the runner's time between actions). The zero-bubble paper's figure, idle
+over busy time ``(p-1)/3m`` for ZB-H1, is ``bubble / (1 - bubble)`` here. Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -66,14 +68,15 @@ class _SleepIdentity(torch.autograd.Function):
 
 
 class SleepBlock(nn.Module):
-    """A block [B, T, d] -> [B, T, d] of fixed duration: ``x + 0 * w`` for a 0-dim
+    """A block [B, T, d] -> [B, T, d] of fixed duration: ``x + w`` for a [1, 1]
     parameter w (zero), sleeping ``forward_s`` in forward, ``input_s`` for the input's
-    gradient and ``weight_s`` for the weight's."""
+    gradient and ``weight_s`` for the weight's. w is a matrix: a split backward
+    computes a vector parameter's gradient in B, a matrix's in W."""
 
     def __init__(self, forward_s: float, input_s: float, weight_s: float) -> None:
         super().__init__()
         self.forward_s, self.input_s, self.weight_s = forward_s, input_s, weight_s
-        self.weight = nn.Parameter(torch.zeros(()))
+        self.weight = nn.Parameter(torch.zeros(1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (_SleepIdentity.apply(x, self.forward_s, self.input_s)

@@ -77,6 +77,24 @@ class WeightPassSaves(torch.autograd.graph.saved_tensors_hooks):
             self._reads.append((self._node, box))
         return self._inner.unpack_hook(box.packed) if self._inner else box.packed
 
+    def track_reads(self, nodes: Sequence[Node], keep: set[Node]) -> list:
+        """Hooks (to remove after B), one per node of ``nodes`` (those B runs), that
+        note which boxes the nodes outside ``keep`` (those no W runs) read."""
+        self._reads = []
+
+        def enter(node: Node | None) -> Callable[[tuple], None]:
+            def hook(_grad_outputs: tuple) -> None:
+                self._node = node
+            return hook
+        return [n.register_prehook(enter(None if n in keep else n)) for n in nodes]
+
+    def release_read(self) -> None:
+        """Empty the boxes the tracked nodes read; the others (read by nodes W runs
+        again, or on the weights' side of the graph, which B does not run) stay."""
+        reads, self._reads, self._node = self._reads or [], None, None
+        for _, box in reads:
+            box.packed = _RELEASED
+
     def hold(self, tensors: Iterable[torch.Tensor]) -> list[Any]:
         """Count ``tensors`` (recorded gradients W keeps) in the inner meter for as
         long as the returned list lives; nothing without one."""
@@ -126,7 +144,8 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     handles = [n.register_prehook(_recorder(recorded, n)) for nodes, _ in groups
                for n in nodes]
     if saves is not None:
-        handles += _track_reads(saves, [n for n in children if n in to_x])
+        runs = _weight_pass_nodes(children, groups, param_nodes)
+        handles += saves.track_reads([n for n in children if n in to_x], runs)
     try:
         dx, *vector_grads = torch.autograd.grad(
             output, [x, *now], grad_outputs=grad, retain_graph=True, allow_unused=True)
@@ -139,40 +158,25 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
                                                                strict=True)
                                         if g is not None])
     if saves is not None:
-        _release_unread(saves, children, groups, param_nodes)
+        saves.release_read()
         kept.held = saves.hold(g for _, grads, _ in kept.groups for r in grads
                                for g in r if g is not None)
     return dx if dx is not None else torch.zeros_like(x), kept
 
 
-def _track_reads(saves: WeightPassSaves, nodes: Sequence[Node]) -> list:
-    """Hooks that name the node running while B unpacks saved tensors."""
-    saves._reads = []
-
-    def enter(node: Node) -> Callable[[tuple], None]:
-        def hook(_grad_outputs: tuple) -> None:
-            saves._node = node
-        return hook
-
-    def leave(_grad_inputs: tuple, _grad_outputs: tuple) -> None:
-        saves._node = None
-    return [h for n in nodes for h in (n.register_prehook(enter(n)), n.register_hook(leave))]
-
-
-def _release_unread(saves: WeightPassSaves, children: dict[Node, list[Node]],
-                    groups: Sequence[tuple[list[Node], list[torch.Tensor]]],
-                    param_nodes: dict[Node, torch.Tensor]) -> None:
-    """Empty the boxes B read that no node W runs reads again: W runs, per group, the
-    nodes on a path from its frontier nodes to its parameters."""
-    reads, saves._reads, saves._node = saves._reads or [], None, None
+def _weight_pass_nodes(children: dict[Node, list[Node]],
+                       groups: Sequence[tuple[list[Node], list[torch.Tensor]]],
+                       param_nodes: dict[Node, torch.Tensor]) -> set[Node]:
+    """The nodes on the path to x that W runs: each group's frontier nodes and, in a
+    group of several (a parameter used twice), those on a path from its frontier nodes
+    to its parameters (W runs them again on the way to the next frontier node)."""
     by_param = {id(p): n for n, p in param_nodes.items()}
-    runs: set[Node] = set()
+    runs = {n for nodes, _ in groups for n in nodes}
     for nodes, params in groups:
-        below = _below(children, nodes)
-        runs |= below & _reaching(children, {by_param[id(p)] for p in params})
-    for node, box in reads:
-        if node not in runs:
-            box.packed = _RELEASED
+        if len(nodes) > 1:  # one alone: its path-to-x children reach none of them
+            runs |= _below(children, nodes) & _reaching(
+                children, {by_param[id(p)] for p in params})
+    return runs
 
 
 def _below(children: dict[Node, list[Node]], roots: Sequence[Node]) -> set[Node]:

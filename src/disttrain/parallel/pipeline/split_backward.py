@@ -21,7 +21,9 @@ frontier nodes, e.g. a linear layer's input, and the nodes between them and the
 parameters) and the recorded gradients. Forwards run under :class:`WeightPassSaves`,
 which boxes every saved tensor; B notes which node reads which box and empties the
 boxes of the nodes W never runs (softmax outputs, activations' inputs, dropout masks),
-so a micro-batch waiting for its W holds less than one waiting for its B.
+so a micro-batch waiting for its W holds less than one waiting for its B. The vector
+parameters' gradients (norm scales and shifts: cheap, and their nodes' inputs and
+gradients would otherwise wait for W) are computed in B and accumulated in W.
 
 The gradients W accumulates into ``.grad`` are those of the fused backward (same
 nodes, same inputs; summation order within a node unchanged). Parameters'

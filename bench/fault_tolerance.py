@@ -1,29 +1,37 @@
 """Fault tolerance between replica groups (torchft) against plain data parallelism and
-against today's restart from a checkpoint.
+against today's restart from a checkpoint: steps and wall time lost to a killed replica.
 
-    python bench/fault_tolerance.py [--steps 150] [--every 50] [--seed 0]
+    python bench/fault_tolerance.py [--reps 3] [--steps 110] [--every 50]
+                                    [--sample-cost 0.0625] [--seed 0]
 
-Four runs of the default job (the byte-level GPT on the standard-library corpus, Gloo),
-each ``disttrain train --nproc 2``, one thread per rank, ``train.log_every=1``:
+Each repetition runs four jobs of the default job's byte-level GPT (shrunk to 2 layers
+of width 64, so its own compute is small), ``disttrain train --nproc 2`` with one
+thread per rank, checkpoints every ``--every`` steps, in this order:
 
-- ``plain``: data parallelism over 2 ranks, checkpoints every ``--every`` steps;
-- ``restart``: the same with one rank killed after a random step ``K`` (seeded, in the
-  second checkpoint interval) and ``--max-restarts 1``: the job restarts from its last
-  checkpoint (today's recovery);
-- ``ft``: ``parallel.fault_tolerance=replica`` with 2 replica groups of 1 rank (the
-  same global batch, the same checkpoints);
-- ``ft_kill``: the same with group 1 SIGKILLed after step ``K``; its agent restarts it
-  and it heals from group 0.
+- ``ft_kill``: ``parallel.fault_tolerance=replica``, 2 replica groups of 1 rank, group 1
+  SIGKILLed after step ``K``; its agent restarts it and it heals from group 0;
+- ``ft``: the same without the failure;
+- ``restart``: data parallelism over 2 ranks, one rank killed after step ``K`` and
+  ``--max-restarts 1``: the job restarts from its last checkpoint (today's recovery);
+- ``plain``: the same without the failure.
 
-Figures: ``overhead`` = ft's step time / plain's (``summary.json``'s training time per
-step; target <= 1.05); steps lost: for the restart, from its checkpoint to the kill
-(its resume line); for ft, the surviving group's steps logged more than once; wall
-time lost = the killed run's wall time
-minus its clean run's (target for ft: <= 0.25x the restart's); ``ft_missing_s`` = the
-surviving group's time in the steps it took without group 1 (from the kill to the
-heal, the quorum's wait for the dead group's heartbeat included); torchft's host round trips
-per step (``ft_quorum_s_per_step``, ``ft_commit_s_per_step`` from ft's summary). Prints
-one JSON line; progress goes to stderr.
+``K`` is drawn per repetition (seeded) in the second checkpoint interval
+(``every + 1 .. 2 every - 1``), the same for both killed jobs of a repetition.
+
+The step's cost is a sleep of ``--sample-cost`` seconds per sample a rank trains
+(``DISTTRAIN_SAMPLE_COST``: the time a device would take, without taking this
+machine's cores, so the other jobs on it move the figures little): with the global
+batch of 32 split over 2 ranks, 16 samples each, 1 s per step by default; a group
+left alone trains all 32, 2 s. The cost is large beside a process start (a few
+seconds), so the restart's redone steps, not start-up noise, decide its loss.
+
+Figures: wall time lost = a killed job's wall time minus the same mode's job without
+the failure in the same repetition (the job's wall time: the launch to the last
+group's exit); their medians, extremes and the ratio ft / restart of the medians
+(target <= 0.25) and of each repetition; steps lost (the restart: from its checkpoint
+to the kill; ft: the surviving group's steps logged more than once, target 0); the
+overhead, ft's step time / plain's (``summary.json``; target <= 1.05). Prints one JSON
+line; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -33,29 +41,35 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 DISTTRAIN = str(Path(sys.executable).with_name("disttrain"))
 TARGET_OVERHEAD = 1.05
 TARGET_WALL_RATIO = 0.25
+MODES = ("ft_kill", "ft", "restart", "plain")  # the order of a repetition's jobs
+SMALL_MODEL = ("model.n_layer=2", "model.d_model=64", "model.n_head=2")
 
 
-def _run(run_dir: Path, steps: int, every: int, ft: bool, kill: int | None
+def _run(run_dir: Path, args: argparse.Namespace, mode: str, kill: int
          ) -> tuple[float, str]:
-    """One job; returns its wall time and its stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [DISTTRAIN, "train", "--nproc", "2", "--quiet", "--run-dir", str(run_dir),
-           "--set", f"train.steps={steps}", "--set", f"checkpoint.every={every}",
-           "--set", "train.log_every=1", "--set", "train.eval_every=0",
-           "--set", "train.eval_samples=32", "--set", "train.warmup_steps=5"]
+    """One job of ``mode``; returns its wall time and its stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DISTTRAIN_SAMPLE_COST=str(args.sample_cost))
+    sets = [*SMALL_MODEL, f"train.steps={args.steps}", f"checkpoint.every={args.every}",
+            "train.log_every=1", "train.eval_every=0", "train.eval_samples=32",
+            "train.warmup_steps=5"]
+    ft = mode.startswith("ft")
     if ft:
-        cmd += ["--set", "parallel.fault_tolerance=replica", "--set", "parallel.replicas=2"]
-    if kill is not None:
+        sets += ["parallel.fault_tolerance=replica", "parallel.replicas=2"]
+    cmd = [DISTTRAIN, "train", "--nproc", "2", "--quiet", "--run-dir", str(run_dir),
+           *[a for s in sets for a in ("--set", s)]]
+    if mode in ("ft_kill", "restart"):
         cmd += ["--max-restarts", "1"]
         env["DISTTRAIN_FAULT"] = f"train.step:{kill}" + ("" if ft else "@1")
         env["DISTTRAIN_FAULT_ONCE"] = "1"  # the restart runs clean
@@ -69,6 +83,10 @@ def _run(run_dir: Path, steps: int, every: int, ft: bool, kill: int | None
 
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _steps_logged_twice(run_dir: Path) -> int:
@@ -85,54 +103,90 @@ def _steps_redone(stderr: str, kill: int) -> int:
 
 
 def _step_time(run_dir: Path) -> float:
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = _summary(run_dir)
     return summary["train_time_s"] / summary["steps"]
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2), "runs": [round(v, 2) for v in values]}
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _repetition(tmp: Path, args: argparse.Namespace, kill: int) -> dict[str, Any]:
+    """The four jobs of one repetition; what each killed job lost."""
+    walls, logs, runs = {}, {}, {m: tmp / m for m in MODES}
+    for mode in MODES:
+        print(f"[fault_tolerance bench] {tmp.name} {mode} (kill after {kill})",
+              file=sys.stderr, flush=True)
+        walls[mode], logs[mode] = _run(runs[mode], args, mode, kill)
+    survivor = runs["ft_kill"] / "replica-0"
+    survived = _summary(survivor)
+    short = survived["ft_short_steps"]
+    return {
+        "walls": walls,
+        "restart_lost": walls["restart"] - walls["plain"],
+        "ft_lost": walls["ft_kill"] - walls["ft"],
+        "restart_steps_lost": _steps_redone(logs["restart"], kill),
+        "ft_steps_lost": _steps_logged_twice(survivor),
+        "ft_healed_at": _summary(runs["ft_kill"] / "replica-1")["ft_healed_at"],
+        "ft_short_steps": len(short),
+        "ft_missing_s": sum(r["step_time_s"] for r in _records(survivor)
+                            if r["step"] in short),
+        "overhead": _step_time(runs["ft"] / "replica-0") / _step_time(runs["plain"]),
+        "plain_step_s": _step_time(runs["plain"]),
+        "quorum_s": _summary(runs["ft"] / "replica-0")["ft_quorum_s_per_step"],
+        "commit_s": _summary(runs["ft"] / "replica-0")["ft_commit_s_per_step"],
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=110)
     p.add_argument("--every", type=int, default=50)
+    p.add_argument("--sample-cost", type=float, default=0.0625,
+                   help="seconds of sleep per sample a rank trains (the step's cost)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    kill = random.Random(args.seed).randint(args.every + 1, 2 * args.every - 1)
-    walls: dict[str, float] = {}
-    logs: dict[str, str] = {}
+    draw = random.Random(args.seed)
+    kills = [draw.randint(args.every + 1, 2 * args.every - 1) for _ in range(args.reps)]
+    loads = [_load()]
+    reps = []
     with tempfile.TemporaryDirectory(prefix="disttrain-ft-") as tmp:
-        runs = {name: Path(tmp) / name for name in ("plain", "restart", "ft", "ft_kill")}
-        for name, run in runs.items():
-            print(f"[fault_tolerance bench] {name}", file=sys.stderr, flush=True)
-            kill_here = kill if name in ("restart", "ft_kill") else None
-            walls[name], logs[name] = _run(run, args.steps, args.every,
-                                           name.startswith("ft"), kill_here)
-        ft0, ft_killed = runs["ft"] / "replica-0", runs["ft_kill"] / "replica-1"
-        survivor = runs["ft_kill"] / "replica-0"
-        overhead = _step_time(ft0) / _step_time(runs["plain"])
-        summary = json.loads((ft0 / "summary.json").read_text())
-        killed_summary = json.loads((ft_killed / "summary.json").read_text())
-        survivor_summary = json.loads((survivor / "summary.json").read_text())
-        restart_lost = walls["restart"] - walls["plain"]
-        ft_lost = walls["ft_kill"] - walls["ft"]
-        print(json.dumps({
-            "bench": "fault_tolerance", "steps": args.steps, "checkpoint_every": args.every,
-            "kill_after_step": kill,
-            "plain_step_s": round(_step_time(runs["plain"]), 4),
-            "ft_step_s": round(_step_time(ft0), 4),
-            "overhead": round(overhead, 3), "target_overhead": TARGET_OVERHEAD,
-            "ft_quorum_s_per_step": round(summary["ft_quorum_s_per_step"], 5),
-            "ft_commit_s_per_step": round(summary["ft_commit_s_per_step"], 5),
-            "restart_steps_lost": _steps_redone(logs["restart"], kill),
-            "ft_steps_lost": _steps_logged_twice(survivor),
-            "restart_wall_lost_s": round(restart_lost, 1),
-            "ft_wall_lost_s": round(ft_lost, 1),
-            "wall_ratio": round(ft_lost / restart_lost, 3) if restart_lost > 0 else None,
-            "target_wall_ratio": TARGET_WALL_RATIO,
-            "ft_healed_at": killed_summary["ft_healed_at"],
-            "ft_short_steps": len(survivor_summary["ft_short_steps"]),
-            "ft_missing_s": round(sum(r["step_time_s"] for r in _records(survivor)
-                                      if r["step"] in survivor_summary["ft_short_steps"]), 1),
-            "walls_s": {k: round(v, 1) for k, v in walls.items()},
-            "machine": f"{os.cpu_count()} cpu cores"}))
+        for i, kill in enumerate(kills):
+            rep = Path(tmp) / f"rep{i}"
+            rep.mkdir()
+            reps.append(_repetition(rep, args, kill))
+            loads.append(_load())
+    restart = [r["restart_lost"] for r in reps]
+    ft = [r["ft_lost"] for r in reps]
+    ratio = statistics.median(ft) / statistics.median(restart)
+    print(json.dumps({
+        "bench": "fault_tolerance", "reps": args.reps, "steps": args.steps,
+        "checkpoint_every": args.every, "kill_after_step": kills,
+        "kill_range": [args.every + 1, 2 * args.every - 1],
+        "sample_cost_s": args.sample_cost, "step_cost_s": args.sample_cost * 16,
+        "restart_wall_lost_s": _spread(restart), "ft_wall_lost_s": _spread(ft),
+        "wall_ratio": round(ratio, 3),
+        "wall_ratio_per_rep": [round(f / r, 3) if r > 0 else None
+                               for f, r in zip(ft, restart, strict=True)],
+        "target_wall_ratio": TARGET_WALL_RATIO, "wall_met": ratio <= TARGET_WALL_RATIO,
+        "restart_steps_lost": [r["restart_steps_lost"] for r in reps],
+        "ft_steps_lost": [r["ft_steps_lost"] for r in reps],
+        "ft_healed_at": [r["ft_healed_at"] for r in reps],
+        "ft_short_steps": [r["ft_short_steps"] for r in reps],
+        "ft_missing_s": [round(r["ft_missing_s"], 1) for r in reps],
+        "overhead": _spread([r["overhead"] for r in reps]),
+        "target_overhead": TARGET_OVERHEAD,
+        "plain_step_s": round(statistics.median(r["plain_step_s"] for r in reps), 4),
+        "ft_quorum_s_per_step": round(statistics.median(r["quorum_s"] for r in reps), 5),
+        "ft_commit_s_per_step": round(statistics.median(r["commit_s"] for r in reps), 5),
+        "walls_s": [{k: round(v, 1) for k, v in r["walls"].items()} for r in reps],
+        "load_1min": loads, "machine": f"{os.cpu_count()} cpu cores"}))
 
 
 if __name__ == "__main__":

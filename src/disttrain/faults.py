@@ -11,7 +11,10 @@ run clean: a restart from a checkpoint measured against fault tolerance).
 
 ``DISTTRAIN_SLOW=RANK:FACTOR`` makes a rank sleep, after its backward passes, for
 ``FACTOR - 1`` times its compute time: a worker ``FACTOR`` times slower, for straggler
-and load balancing tests.
+and load balancing tests. ``DISTTRAIN_SAMPLE_COST=SECONDS`` makes every rank sleep, at
+the same point, ``SECONDS`` per sample it trained in the step: a step cost that scales
+with a rank's share of the batch without taking this machine's cores (what a device
+does), for benchmarks whose figure is wall time.
 """
 
 from __future__ import annotations
@@ -48,9 +51,13 @@ def maybe_fail(stage: str, rank: int, step: int | None = None) -> None:
 
 
 SLOW_ENV = "DISTTRAIN_SLOW"
+SAMPLE_COST_ENV = "DISTTRAIN_SAMPLE_COST"
 
 
-def maybe_slow_down(rank: int, compute_s: float) -> None:
+def maybe_slow_down(rank: int, compute_s: float, samples: int = 0) -> None:
+    per_sample = os.environ.get(SAMPLE_COST_ENV)
+    if per_sample:
+        time.sleep(float(per_sample) * samples)
     spec = os.environ.get(SLOW_ENV)
     if not spec:
         return

@@ -8,13 +8,12 @@ import os
 import shutil
 import sys
 import textwrap
-import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config.describe import config_keys_help
-from ..errors import EXIT_USAGE, ConfigError, TrainingStopped, UserError
+from ..errors import ConfigError, UserError
 from ..names import METRICS_FILE, SUMMARY_FILE
 from .launch_flags import add_launch_options, launch_options
 
@@ -198,33 +197,13 @@ def _prepare_data(config: Config) -> None:
 def _train_worker(config: Config, ns: argparse.Namespace) -> int:
     """One worker of ``disttrain train``. Under ``--max-restarts``, an attempt after one
     that stopped on purpose (a divergence, a failed save, refused input: the same would
-    happen again) stops at once with its exit code."""
+    happen again) stops at once with its exit code (:func:`~disttrain.train.rundir.
+    stops_once`, around the data's preparation too)."""
     from ..train import train_default
-    from ..train.rundir import earlier_stop, forget_stop, record_stop
+    from ..train.rundir import stops_once
 
-    run_dir = Path(ns.run_dir) if ns.run_dir else None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > attempt
-    main = os.environ.get("RANK", "0") == "0"
-    if run_dir is not None and attempt > 0:
-        code = earlier_stop(run_dir)
-        if code is not None:
-            stop = TrainingStopped(f"not restarting (restart {attempt}): an earlier "
-                                   f"attempt stopped on purpose (exit {code}, said above) "
-                                   "and would again")
-            stop.exit_code = code
-            if not main:  # rank 0 says it: leaving first could get it stopped unheard;
-                time.sleep(60.0)  # the agent stops this worker as soon as rank 0 exits
-            raise stop
-    elif run_dir is not None and main:
-        forget_stop(run_dir)
-    try:
+    with stops_once(Path(ns.run_dir) if ns.run_dir else None):
         train_default(config, run_dir=ns.run_dir, progress=not ns.quiet)
-    except (TrainingStopped, UserError) as exc:
-        code = exc.exit_code if isinstance(exc, TrainingStopped) else EXIT_USAGE
-        if run_dir is not None and main and restartable and run_dir.is_dir():
-            record_stop(run_dir, code, str(exc))
-        raise
     return 0
 
 

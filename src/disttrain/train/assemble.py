@@ -10,7 +10,7 @@ soon as it exists, so an error at any point closes what was built.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +39,7 @@ from ..monitor.watchdog import HangWatchdog, default_store
 from ..names import METRICS_FILE, NONFINITE_STOP
 from ..parallel.compose import Groups, compose
 from ..parallel.ft.check import FT_REPLICA
-from ..parallel.ft.replicas import build_replica_groups
+from ..parallel.ft.replicas import ReplicaGroups, build_replica_groups
 from ..parallel.interfaces import TensorSource
 from ..parallel.pieces import fill, local_boxes
 from ..parallel.topology import Topology, build_topology
@@ -152,13 +152,18 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
     start_step = _resume(checkpoints, cursor, model, reporter, run_dir, runtime)
     train = config.train
     sync = model.parallel.sync
-    replicas = None
+    facts = StepFacts()
+    join_replicas: Callable[[], ReplicaGroups] | None = None
     if config.parallel.fault_tolerance == FT_REPLICA:
-        replicas = build_replica_groups(
-            config, module=model.parallel.module, optimizer=model.optimizer, cursor=cursor,
-            ledger=mesh.ledger, world=world, group_rank=runtime.rank, group_size=runtime.world_size,
-            device=runtime.device, start_step=start_step)
-        closing.callback(replicas.close)
+        def join() -> ReplicaGroups:
+            replicas = build_replica_groups(
+                config, module=model.parallel.module, optimizer=model.optimizer,
+                cursor=cursor, losses=facts.recent_losses, ledger=mesh.ledger, world=world,
+                group_rank=runtime.rank, group_size=runtime.world_size,
+                device=runtime.device, start_step=start_step)
+            closing.callback(replicas.close)
+            return replicas
+        join_replicas = join
     return Run(
         config=config, plan=plan, runtime=runtime, world=world, model=model, cursor=cursor,
         load=loader.load, loss=BatchLoss(loss_fn, model.parallel.token_loss),
@@ -173,7 +178,7 @@ def assemble_run(inputs: RunInputs, runtime: Runtime, mesh: Mesh, directory: Run
         evaluation=EvalData(dataset=inputs.eval_dataset, collate=inputs.collate_fn,
                             call_kwargs=inputs.spec.call_kwargs),
         run_dir=run_dir, start_step=start_step, tally=CommTally(mesh.ledger),
-        facts=StepFacts(), replicas=replicas)
+        facts=facts, join_replicas=join_replicas)
 
 
 def _num_samples(dataset: Dataset) -> int:

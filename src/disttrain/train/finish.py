@@ -79,7 +79,7 @@ def _summary(run: Run, result: LoopResult) -> dict[str, Any]:
     summary[DEVICE_NAME] = device_name(run.runtime.device)
     summary |= run.parallel.sync.metrics()
     if run.replicas is not None:  # the steps that ran short, retried, the heal
-        summary |= run.replicas.metrics()
+        summary |= run.replicas.summary_figures()
     return summary
 
 

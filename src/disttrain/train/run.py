@@ -9,8 +9,9 @@ loop (parameter servers) is driven by :func:`run_own_loop`.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +53,24 @@ class LoopResult:
     wall_time: float
 
 
+# the final train loss: the mean of the losses of this many last steps
+RECENT_LOSSES = 10
+
+
 @dataclass
 class StepFacts:
     """What the host knows of the steps so far: the figures of the last step it read
     (one step late, or at a step where it acts), the steps skipped as non-finite, the
-    activation bytes measured on the first pass."""
+    activation bytes measured on the first pass, the losses of the last
+    :data:`RECENT_LOSSES` steps read (a replica group healed from a peer takes the
+    peer's)."""
 
     grad_norm: float = 0.0
     loss_scale: float = 1.0
     nonfinite_skipped: int = 0
     activation_bytes: int | None = None
+    recent_losses: deque[float] = field(
+        default_factory=lambda: deque[float](maxlen=RECENT_LOSSES))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +148,12 @@ class Run:
     start_step: int
     tally: CommTally
     facts: StepFacts
-    # parallel.fault_tolerance = replica: the quorum each step runs under (None: off)
+    # parallel.fault_tolerance = replica: joins the replica groups (None: off); called
+    # by the loop before its first step, after the initial evaluation, so a (re)started
+    # group heartbeats to the lighthouse only once it can step: a quorum never waits
+    # for a group still evaluating
+    join_replicas: Callable[[], ReplicaGroups] | None = None
+    # the quorum each step runs under, from join_replicas (None: off, or not joined yet)
     replicas: ReplicaGroups | None = None
 
     @property
@@ -212,7 +226,7 @@ class Run:
             comm_bytes_per_step=per_step, comm_wire_bytes_per_step=wire_per_step,
         ).with_figures({**self.parallel.sync.metrics(),
                         **self.parallel.grads.comm_stats(),  # bytes sent, compression
-                        **(self.replicas.metrics() if self.replicas is not None else {})})
+                        **(self.replicas.record_figures() if self.replicas is not None else {})})
         ranks = self.reporter.log(record, self.model.flops_per_token)
         self.cursor.splitter.update([r[RANK_SAMPLES] for r in ranks],
                                     [r[RANK_COMPUTE_S] + r[RANK_DATA_S] for r in ranks],

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,7 +69,8 @@ def train_step(run: Run, step: int) -> StepInFlight:
                 measure=run.facts.activation_bytes is None)
             if measured is not None:
                 run.facts.activation_bytes = measured
-            maybe_slow_down(run.runtime.rank, time.perf_counter() - t0 - stats.data_s)
+            maybe_slow_down(run.runtime.rank, time.perf_counter() - t0 - stats.data_s,
+                            stats.samples)
             if handle is not None:
                 handle.wait()
             if replicas is not None:  # the terms of every replica group present
@@ -194,8 +194,7 @@ class StepInFlight:
     committed: bool = True  # False: a replica failed inside it; taken again
 
 
-def learn(run: Run, flight: StepInFlight, totals: StatsWindow, recent: deque[float]
-          ) -> None:
+def learn(run: Run, flight: StepInFlight, totals: StatsWindow) -> None:
     """What the host does with a step's figures once they arrived: the non-finite
     policy (stop, naming the step, or count the skip), the loss and its terms into the
     windows, the progress line and the callbacks' per-step record."""
@@ -213,7 +212,7 @@ def learn(run: Run, flight: StepInFlight, totals: StatsWindow, recent: deque[flo
     totals.add(stats)
     # a rank that sat the step out has no loss; a skipped nan step none
     if stats.terms and math.isfinite(stats.loss):
-        recent.append(stats.loss)
+        run.facts.recent_losses.append(stats.loss)
     if run.loss.terms_are_samples:
         run.reporter.bar.unit = "samples"
     run.reporter.telemetry.window.add(stats)
@@ -251,7 +250,9 @@ def run_steps(run: Run) -> LoopResult:
     last_eval = run.evaluate(run.start_step)
     initial_eval = last_eval
     run.announce(initial_eval)
-    totals, recent = StatsWindow(), deque[float](maxlen=10)
+    if run.join_replicas is not None:  # fault tolerance: heartbeats start now
+        run.replicas = run.join_replicas()
+    totals = StatsWindow()
     every_eval = eval_interval(train.eval_every, train.steps, train.log_every)
     pending: StepInFlight | None = None
     with run.signals.catching():
@@ -263,7 +264,7 @@ def run_steps(run: Run) -> LoopResult:
                     break
             flight = run.tally.during(lambda step=step: train_step(run, step))
             if pending is not None:  # read while this step runs on the device
-                learn(run, pending, totals, recent)
+                learn(run, pending, totals)
                 pending = None
             if not flight.committed:  # nothing to learn: the step is taken again
                 flight.copy.read()
@@ -275,7 +276,7 @@ def run_steps(run: Run) -> LoopResult:
             log_now = done % train.log_every == 0 or last or evaluate_now
             stopping = not last and run.cadence.signalled(done)
             if log_now or evaluate_now or stopping or run.checkpoints.due(done):
-                learn(run, pending, totals, recent)  # the host acts on this step now
+                learn(run, pending, totals)  # the host acts on this step now
                 pending = None
             evaluating = 0.0
             if evaluate_now:
@@ -293,6 +294,8 @@ def run_steps(run: Run) -> LoopResult:
                 run.cadence.stop(done, run.cursor.position)
         if run.replicas is not None and step >= train.steps:  # fault tolerance: the
             run.replicas.finish()  # groups missing at the end rejoin before any leaves
+    # a replica group healed at the last step trained none: its window is the peer's
+    recent = run.facts.recent_losses
     final_loss = sum(recent) / len(recent) if recent else float("nan")
     return LoopResult(initial_eval, last_eval, totals, final_loss,
                       time.perf_counter() - start)

@@ -50,6 +50,7 @@ from .checkpointing import RunCheckpoints
 from .finish import finish_run
 from .outputs import RunDirectory
 from .run import Run, run_own_loop
+from .rundir import stops_once
 from .runtime import Runtime, init_runtime, shutdown, world_size_from_env
 from .step import run_steps, worker_gradients
 
@@ -201,21 +202,24 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train for ``train.steps`` steps; return the run summary (also written to
         ``summary.json`` in the run directory)."""
-        p = self.config.parallel
-        runtime = init_runtime(self.config.train.device, p.backend, p.timeout_s)
-        self._runtime = runtime
-        mesh = None
-        try:
-            with ExitStack() as closing:
-                mesh = build_mesh(self.inputs, runtime)
-                finished = finished_summary(self.inputs, mesh, self.directory.path)
-                if finished is not None:
-                    return finished
-                self._run = run = assemble_run(self.inputs, runtime, mesh, self.directory,
-                                               self, closing)
-                return self._fit(run)
-        finally:
-            shutdown(runtime, mesh.ledger if mesh is not None else None)
+        # under torchrun's restarts: a stop on purpose (a divergence, a replica group
+        # left behind, ...) is recorded, and the next attempt stops at once
+        with stops_once(self.directory.path):
+            p = self.config.parallel
+            runtime = init_runtime(self.config.train.device, p.backend, p.timeout_s)
+            self._runtime = runtime
+            mesh = None
+            try:
+                with ExitStack() as closing:
+                    mesh = build_mesh(self.inputs, runtime)
+                    finished = finished_summary(self.inputs, mesh, self.directory.path)
+                    if finished is not None:
+                        return finished
+                    self._run = run = assemble_run(self.inputs, runtime, mesh,
+                                                   self.directory, self, closing)
+                    return self._fit(run)
+            finally:
+                shutdown(runtime, mesh.ledger if mesh is not None else None)
 
     def _fit(self, run: Run) -> dict[str, Any]:
         run.reporter.train_start()

@@ -33,6 +33,7 @@ import json
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -98,15 +99,19 @@ def config_fingerprint(config_values: dict[str, Any], group_size: int) -> int:
 class RecoverableState:
     """What a (re)joining group receives from a healthy peer, for this group rank:
     ``module``'s tensors (this rank's pieces), the optimizer state, the sample position
-    (``position``, read and written through the cursor) and the random state."""
+    (``position``, read and written through the cursor), the random state, and the
+    losses of the peer's last steps (``losses``, the window the final train loss is the
+    mean of: a group healed at the last step trained none of its own)."""
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
     cursor: Any  # train.cursor.DataCursor (parallel/ imports nothing from train/)
+    losses: deque[float]
 
     def state_dict(self) -> dict[str, Any]:
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "position": self.cursor.position, "rng": torch.get_rng_state()}
+                "position": self.cursor.position, "rng": torch.get_rng_state(),
+                "losses": list(self.losses)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -114,6 +119,8 @@ class RecoverableState:
         self.optimizer.load_state_dict(state["optimizer"])
         self.cursor.position = int(state["position"])
         torch.set_rng_state(state["rng"])
+        self.losses.clear()
+        self.losses.extend(float(v) for v in state["losses"])
 
 
 class ReplicaGroups:
@@ -164,6 +171,7 @@ class ReplicaGroups:
         self.quorum_s = self.commit_s = 0.0
         self.rounds = 0
         self.short_steps: list[int] = []  # 1-based steps some replica sat out
+        self.short_recorded = 0  # how many of them a metrics record already named
         self.retried = 0  # steps taken again after a failed reduction
         self.healed_at: int | None = None
 
@@ -295,11 +303,23 @@ class ReplicaGroups:
             self.short_steps.append(done)
         return ok
 
-    def metrics(self) -> dict[str, Any]:
-        """Fields for metrics records and the summary."""
+    def record_figures(self) -> dict[str, Any]:
+        """Fields for a metrics record: the replicas present, the steps that ran short
+        since the previous record (only when there were any: each short step is named
+        in one record), the counters and the round trips' host time."""
+        new = self.short_steps[self.short_recorded:]
+        self.short_recorded = len(self.short_steps)
+        return {**self._figures(), **({"ft_short_steps": new} if new else {})}
+
+    def summary_figures(self) -> dict[str, Any]:
+        """Fields for the summary: every step that ran short, and the rest as in a
+        record."""
+        return {**self._figures(), "ft_short_steps": list(self.short_steps)}
+
+    def _figures(self) -> dict[str, Any]:
         rounds = max(self.rounds, 1)  # quorum_s: one fewer (the first is left out)
-        return {"ft_replicas": self.count, "ft_short_steps": list(self.short_steps),
-                "ft_retried_steps": self.retried, "ft_healed_at": self.healed_at,
+        return {"ft_replicas": self.count, "ft_retried_steps": self.retried,
+                "ft_healed_at": self.healed_at,
                 "ft_quorum_s_per_step": self.quorum_s / max(rounds - 1, 1),
                 "ft_commit_s_per_step": self.commit_s / rounds}
 
@@ -356,12 +376,16 @@ def attempt_store(world: Any, group_rank: int) -> tuple[Any, tuple[str, int]]:
 
 
 def build_replica_groups(config: Any, *, module: nn.Module, optimizer: torch.optim.Optimizer,
-                         cursor: Any, ledger: CollectiveLedger, world: Any, group_rank: int,
-                         group_size: int, device: torch.device, start_step: int
-                         ) -> ReplicaGroups:
+                         cursor: Any, losses: deque[float], ledger: CollectiveLedger,
+                         world: Any, group_rank: int, group_size: int,
+                         device: torch.device, start_step: int) -> ReplicaGroups:
     """This rank's :class:`ReplicaGroups` for ``config`` (a :class:`~disttrain.Config`
     with ``parallel.fault_tolerance = "replica"``); the lighthouse is
-    ``parallel.lighthouse``, else ``TORCHFT_LIGHTHOUSE`` (set by the launcher)."""
+    ``parallel.lighthouse``, else ``TORCHFT_LIGHTHOUSE`` (set by the launcher).
+
+    torchft's Manager starts heartbeating to the lighthouse here (group rank 0): call
+    it when the group is ready to step, not before a long evaluation, or every quorum
+    of the others waits for this group (up to the lighthouse's join timeout)."""
     p = config.parallel
     lighthouse = p.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
     if not lighthouse:
@@ -372,7 +396,7 @@ def build_replica_groups(config: Any, *, module: nn.Module, optimizer: torch.opt
     server, store = attempt_store(world, group_rank)
     values = dataclasses.asdict(config)
     return ReplicaGroups(
-        state=RecoverableState(module, optimizer, cursor), ledger=ledger,
+        state=RecoverableState(module, optimizer, cursor, losses), ledger=ledger,
         lighthouse=lighthouse, replica_group=replica_group_from_env(),
         group_rank=group_rank, group_size=group_size,
         fingerprint=config_fingerprint(values, group_size), start_step=start_step,

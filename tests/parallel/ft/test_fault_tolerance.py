@@ -24,7 +24,11 @@ from disttrain.run_checks import resolve
 torchft = pytest.importorskip("torchft", reason="needs torchft (pip install 'disttrain[ft]')")
 
 WORKER = Path(__file__).with_name("ft_worker.py")
-HEARTBEAT_S = 5.0  # the lighthouse's heartbeat and join timeouts (parallel.ft_heartbeat_s)
+# the lighthouse's heartbeat and join timeouts (parallel.ft_heartbeat_s): the survivors
+# wait this long for a killed group before stepping without it, but a quorum also waits
+# only this long for a live group that lags (a loaded machine): shorter risks a
+# survivor left out of a quorum and healed, which the kill tests refuse
+HEARTBEAT_S = 5.0
 FT_KEYS = {"global_batch": 12, "fault_tolerance": "replica", "replicas": 3, "log_every": 2,
            "warmup_steps": 0}
 
@@ -115,6 +119,13 @@ KILL_AT = 3  # replica group 1 is SIGKILLed right after committing this step
 
 
 @pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same global batch of 12 on one process (3 micro-batches of 4)."""
+    return fit_tiny(STEPS, str(tmp_path_factory.mktemp("one")), mask=True, global_batch=12,
+                    grad_accum=3, log_every=2, warmup_steps=0)
+
+
+@pytest.fixture(scope="module")
 def no_failure(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The final weights of three groups stepping STEPS without a failure (checked
     bitwise equal across the groups and against one process)."""
@@ -129,19 +140,28 @@ def no_failure(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tens
 
 
 @pytest.mark.timeout(300)
-def test_three_groups_agree_and_match_one_process(no_failure: dict[str, torch.Tensor],
-                                                  tmp_path: Path) -> None:
-    # the same global batch of 12 on one process (3 micro-batches of 4): only the
-    # order of the gradient sums differs, a few float32 ulps per step
-    reference = fit_tiny(STEPS, str(tmp_path / "one"), mask=True, global_batch=12,
-                         grad_accum=3, log_every=2, warmup_steps=0)
+def test_three_groups_agree_and_match_one_process(
+        no_failure: dict[str, torch.Tensor], one_process: dict[str, torch.Tensor]) -> None:
+    # only the order of the gradient sums differs, a few float32 ulps per step
     for name, value in no_failure.items():
-        torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(value, one_process[name], rtol=1e-4, atol=1e-5)
+
+
+def _records(run: Path, group: int) -> list[dict]:
+    lines = (run / f"replica-{group}" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def _logged_steps(run: Path, group: int) -> list[int]:
-    lines = (run / f"replica-{group}" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["step"] for line in lines]
+    return [r["step"] for r in _records(run, group)]
+
+
+def _check_short_steps_named_once(run: Path, group: int, summary: dict) -> None:
+    """Each step that ran short is named in one record, the one that logged it (every
+    step is logged here), and the summary lists them all."""
+    named = [(r["step"], r.get("ft_short_steps", [])) for r in _records(run, group)]
+    assert all(short in ([], [step]) for step, short in named), named
+    assert [s for _, short in named for s in short] == summary["ft_short_steps"]
 
 
 @pytest.mark.timeout(300)
@@ -156,7 +176,9 @@ def test_killed_group_rejoins_and_survivors_lose_no_step(
     failure: the missing group's share is redistributed, so every step trains the same
     global batch of 12 and the update is the same mean; only the order of the sums
     differs (2 shares instead of 3 for the short steps), a few float32 ulps per step:
-    the same tolerance as three groups against one process."""
+    the same tolerance as three groups against one process. The final train loss
+    (the last steps' mean, the loss totals every group shares) is the survivors' on
+    the healed group too, whether it healed mid-run or at the last step."""
     run = tmp_path / "ft"
     fault = {"DISTTRAIN_FAULT": f"train.step:{KILL_AT}", "DISTTRAIN_FAULT_REPLICA": "1"}
     assert _launch(run, {**FT_KEYS, "steps": STEPS, "log_every": 1}, fault) == 0
@@ -170,6 +192,8 @@ def test_killed_group_rejoins_and_survivors_lose_no_step(
     for i in (0, 2):
         assert _logged_steps(run, i) == list(range(1, STEPS + 1))
         assert summaries[i]["ft_healed_at"] is None
+        _check_short_steps_named_once(run, i, summaries[i])
+        assert summaries[1]["final_train_loss"] == summaries[i]["final_train_loss"]
         # short only after the kill (none at all when group 1 was back in the next
         # quorum: a fast restart heals at KILL_AT before the others step without it)
         assert all(s > KILL_AT for s in summaries[i]["ft_short_steps"])
@@ -178,7 +202,8 @@ def test_killed_group_rejoins_and_survivors_lose_no_step(
 
 
 @pytest.mark.timeout(400)
-def test_two_tp_groups_survive_a_kill(tmp_path: Path) -> None:
+def test_two_tp_groups_survive_a_kill(one_process: dict[str, torch.Tensor],
+                                      tmp_path: Path) -> None:
     """2 replica groups of tp 2 (4 ranks); both ranks of group 1 SIGKILLed after step
     KILL_AT. Group 0 steps on alone (the whole batch, its tp pair's pieces reduced with
     no one), group 1 restarts and heals from it rank by rank (each tp rank from the same
@@ -191,13 +216,12 @@ def test_two_tp_groups_survive_a_kill(tmp_path: Path) -> None:
     assert _launch(run, keys, fault) == 0
     groups = _weights(run, 2)
     assert all(torch.equal(groups[0][k], groups[1][k]) for k in groups[0])
-    reference = fit_tiny(STEPS, str(tmp_path / "one"), mask=True, global_batch=12,
-                         grad_accum=3, log_every=2, warmup_steps=0)
     for name, value in groups[0].items():
-        torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(value, one_process[name], rtol=1e-4, atol=1e-5)
     assert _logged_steps(run, 0) == list(range(1, STEPS + 1))
     survivor = json.loads((run / "replica-0" / "summary.json").read_text())
     killed = json.loads((run / "replica-1" / "summary.json").read_text())
     assert survivor["ft_healed_at"] is None
     assert all(s > KILL_AT for s in survivor["ft_short_steps"])
+    _check_short_steps_named_once(run, 0, survivor)
     assert KILL_AT <= killed["ft_healed_at"] <= STEPS

@@ -122,3 +122,22 @@ def full_state(parallel: Parallelized) -> dict[str, torch.Tensor] | None:
             out = full.setdefault(name, torch.empty(shape, dtype=t.dtype))
             out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
     return full
+
+
+def _train_default_rank(run_dir: str, overrides: list[str]) -> None:
+    from disttrain.train import train_default
+
+    train_default(load_config(overrides=overrides), run_dir=run_dir, progress=False)
+
+
+def reference_of_cli_run(run_dir, argv: list[str], nproc: int, cache: str) -> None:
+    """The uninterrupted run of ``disttrain train --nproc NPROC ARGV --run-dir RUN_DIR``
+    (its ``--set`` overrides; the cache ``cache``) as its workers train it, each calling
+    ``train_default``, in ``nproc`` forked ranks: the reference of a run that is
+    interrupted, without the launcher's and each worker's import of torch (~4 s of CPU
+    a process)."""
+    from disttrain.testing import run_distributed
+
+    overrides = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
+    run_distributed(_train_default_rank, nproc, args=(str(run_dir), overrides),
+                    timeout=240, env={"DISTTRAIN_CACHE": str(cache)})

@@ -127,12 +127,27 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+# Modules nearly every rank imports on first use, imported once in a parent that forks
+# its ranks so that each rank inherits them instead of importing them again: the first
+# torch.optim.Optimizer imports torch._dynamo (sympy with it: ~1.5 s of CPU per rank on
+# 2 cores), rank 0's TensorBoard writer torch.utils.tensorboard (~0.3 s). Neither
+# starts a thread on import, so forking after them stays safe.
+_FORK_PRELOAD = ("torch._dynamo", "torch.utils.tensorboard")
+
+
+def _preload_for_fork() -> None:
+    for name in _FORK_PRELOAD:
+        with contextlib.suppress(ImportError):  # tensorboard is an optional extra
+            importlib.import_module(name)
+
+
 def _start(procs: list, forked: bool) -> None:
     """Start the ranks. Forked ones inherit the parent's objects: frozen first
     (``gc.freeze``), so a rank's garbage collector never finalises the parent's garbage
     (a thread pool, a logger's client, whose finalisers hang or abort in a forked
     process); the parent unfreezes its own once they are started."""
     if forked:  # (the parent's garbage too: frozen, a rank never finalises it)
+        _preload_for_fork()
         gc.freeze()
     try:
         for p in procs:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import reference_of_cli_run
 
 pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
 
@@ -62,9 +63,7 @@ def _wait_for(predicate, timeout: float) -> None:
 def test_sigkill_one_worker_restarts_and_matches_uninterrupted(tmp_path):
     env = _env(tmp_path / "cache")
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = subprocess.run([DISTTRAIN, "train", *ARGS, "--run-dir", str(ref_dir)], env=env,
-                         capture_output=True, text=True, timeout=240)
-    assert ref.returncode == 0, ref.stderr[-2000:]
+    reference_of_cli_run(ref_dir, ARGS, 2, env["DISTTRAIN_CACHE"])
 
     proc = subprocess.Popen([DISTTRAIN, "train", *ARGS, "--max-restarts", "2",
                              "--run-dir", str(run_dir)], env=env, text=True,

@@ -41,6 +41,30 @@ def run_cli(args, env, timeout=180, cwd=None):
                           timeout=timeout, cwd=cwd)
 
 
+@pytest.fixture
+def cli_in_process(cache_env, monkeypatch, capsys):
+    """``disttrain ARGS`` as a call of the console script's ``main`` in this process
+    (what the script runs, without importing torch again: ~2-4 s of CPU a call), in the
+    given directory with the module's cache: returns (exit code, stdout, stderr)."""
+    from disttrain.cli import main
+
+    monkeypatch.setenv("DISTTRAIN_CACHE", cache_env["DISTTRAIN_CACHE"])
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(args: list[str], cwd: Path) -> tuple[int, str, str]:
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        try:
+            code = main(args)
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
 BAD = [
     (["train", "--set", "train.stpes=5"], "train.stpes"),
     (["train", "--set", "train.steps=many"], "train.steps"),
@@ -77,14 +101,30 @@ BAD = [
 ]
 
 
+def _assert_one_line_exit_2(code: int, stderr: str, named: str, cwd: Path) -> None:
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert named in lines[0] and "Traceback" not in stderr
+    assert not (cwd / "runs").exists(), "nothing is started on bad input"
+
+
 @pytest.mark.parametrize("args,named", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
-def test_bad_input_exits_2_with_one_line(args, named, cache_env, tmp_path):
+def test_bad_input_exits_2_with_one_line(args, named, cli_in_process, tmp_path):
+    code, _, err = cli_in_process(args, tmp_path)
+    _assert_one_line_exit_2(code, err, named, tmp_path)
+
+
+# The same through the installed command, as its own process: the exit code the shell
+# sees, and a stderr of one line even with what importing torch (and transformers, for
+# the second) may print. One plain case and one that loads a transformers model.
+IN_A_PROCESS = [case for case in BAD if case[1] in ("train.stpes", "parallel.sequence_parallel")]
+
+
+@pytest.mark.parametrize("args,named", IN_A_PROCESS, ids=["plain", "transformers"])
+def test_bad_input_from_the_installed_command(args, named, cache_env, tmp_path):
     proc = run_cli(args, cache_env, timeout=60, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert named in lines[0] and "Traceback" not in proc.stderr
-    assert not (tmp_path / "runs").exists(), "nothing is started on bad input"
+    _assert_one_line_exit_2(proc.returncode, proc.stderr, named, tmp_path)
 
 
 def test_a_transformers_model_trains_from_the_command_line(cache_env, tmp_path):
@@ -103,20 +143,18 @@ def test_a_transformers_model_trains_from_the_command_line(cache_env, tmp_path):
     assert summary["model_flops_per_s"] > 0  # FLOPs per token from the model's shapes
 
 
-def test_a_model_without_a_tensor_plan_is_refused_before_launch(cache_env, tmp_path):
+def test_a_model_without_a_tensor_plan_is_refused_before_launch(cli_in_process, tmp_path):
     """An OPT config (attention out_proj, MLP fc1 / fc2: neither known block shape)
     with tp=2: exit 2, one line naming parallel.tp and what to pass, no worker."""
     transformers = pytest.importorskip("transformers")
     transformers.OPTConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
                            ffn_dim=64, num_attention_heads=2, max_position_embeddings=32,
                            word_embed_proj_dim=32).save_pretrained(tmp_path / "opt")
-    proc = run_cli(["train", "--nproc", "2", "--set",
-                    f"model.hf_config={tmp_path / 'opt' / 'config.json'}",
-                    "--set", "parallel.tp=2"], cache_env, timeout=60, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "parallel.tp" in lines[0] and "plan" in lines[0], lines
-    assert not (tmp_path / "runs").exists()
+    code, _, err = cli_in_process(["train", "--nproc", "2", "--set",
+                                   f"model.hf_config={tmp_path / 'opt' / 'config.json'}",
+                                   "--set", "parallel.tp=2"], tmp_path)
+    _assert_one_line_exit_2(code, err, "parallel.tp", tmp_path)
+    assert "plan" in err
 
 
 def test_gpt2_trained_with_tensor_parallelism_exports_for_from_pretrained(cache_env,
@@ -156,15 +194,15 @@ def test_without_transformers_the_setting_names_the_extra(monkeypatch):
     assert info.value.field == "model.name" and "pip install -e '.[hf]'" in str(info.value)
 
 
-def test_train_help_documents_every_option(cache_env):
-    proc = run_cli(["train", "--help"], cache_env, timeout=60)
-    assert proc.returncode == 0
+def test_train_help_documents_every_option(cli_in_process, tmp_path):
+    code, out, _ = cli_in_process(["train", "--help"], tmp_path)
+    assert code == 0
     for flag in ("--nproc", "--set", "--run-dir", "--nnodes", "--node-rank",
                  "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--quiet", "CONFIG"):
-        assert flag in proc.stdout, flag
+        assert flag in out, flag
     for section, cls in SECTIONS.items():
         for f in fields(cls):
-            assert f"{section}.{config_key(f)}" in proc.stdout, config_key(f)
+            assert f"{section}.{config_key(f)}" in out, config_key(f)
 
 
 def _check_run_dir(run_dir: Path, world_size: int, steps: int) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import reference_of_cli_run
 
 pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
 
@@ -79,8 +80,8 @@ def test_sigint_with_on_signal_exit_stops_at_once_with_130_and_saves_nothing(tmp
 def test_sigterm_saves_the_current_step_exits_143_and_resumes_exactly(tmp_path):
     env = _setup(tmp_path)
     reference = tmp_path / "reference"
-    code, err = _finish(_train(reference, env))
-    assert code == 0, err[-3000:]
+    reference_of_cli_run(reference, [*TINY, "--set", f"data.path={tmp_path / 'text'}"], 2,
+                         env["DISTTRAIN_CACHE"])
 
     run_dir = tmp_path / "run"
     proc = _train(run_dir, env)

@@ -1,7 +1,7 @@
 """Hybrid dp x pp x tp layouts through the Trainer: each follows the single-process run.
 
 Every layout of the issue, with each pipeline schedule that applies, trains the tiny GPT
-(4 blocks) for 10 steps and must end with the final weights of the one-process run on
+(4 blocks) for 6 steps and must end with the final weights of the one-process run on
 the same global batch (fp32, atol 1e-4); the layouts with dp = 2 also run under ZeRO-1,
 (2, 1, 2) under ZeRO-2 and 3 (also with sequence parallelism), (2, 2, 1) under ZeRO-2
 and 3 with every schedule, and (2, 2, 2) under ZeRO-2 and 3 with 1F1B.
@@ -12,9 +12,13 @@ one rank unsharded.
 
 atol 1e-4: the layouts sum the same terms in other orders (micro-batches, tp shards,
 reduce-scatter vs all-reduce), so fp32 rounding differs by ~1e-7 per step; AdamW's
-normalised steps of lr 3e-3 keep that far below 1e-4 over 10 steps, while a wrong
+normalised steps of lr 3e-3 keep that far below 1e-4 over 6 steps, while a wrong
 gradient (a missing micro-batch, a tied weight not summed, a shard reduced twice)
-moves weights by 1e-3 or more.
+moves weights by 1e-3 or more in one step.
+
+6 steps: 2 of warmup, then 4 at full lr, with a metrics step (and the checkpoint the
+resume tests load) half-way; every step costs the 21 layouts of world 4 about 1.5 s on
+2 cores, and a step beyond those checks nothing the earlier ones did not.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from disttrain.testing import run_distributed
 
 pytestmark = pytest.mark.slow  # spawns worlds or trains: not in the quick check
 
-STEPS = 10
+STEPS = 6
+HALF = STEPS // 2  # the metrics step and the resume tests' checkpoint
 MODEL = {**TINY_MODEL, "n_layer": 4, "n_head": 4}
 # (dp, pp, tp) -> schedules to run (None: no pipeline)
 LAYOUTS = {
@@ -53,7 +58,7 @@ def _config(layout: tuple[int, int, int] = (1, 1, 1), schedule: str | None = Non
     dp, pp, tp = layout
     extra = extra or {}
     train = {**_tiny_train(), "steps": steps, "grad_accum": 4, "schedule": "constant",
-             "warmup_steps": 2, "log_every": 5, **extra.get("train", {})}
+             "warmup_steps": 2, "log_every": HALF, **extra.get("train", {})}
     parallel = {"dp": dp, "pp": pp, "tp": tp, "zero": zero, **extra.get("parallel", {})}
     if schedule:
         parallel["pp_schedule"] = schedule
@@ -139,14 +144,14 @@ def test_every_layout_follows_the_single_process_run(world, reference, tmp_path)
 
 
 def _resume_at(run_dir: str, layout: tuple[int, int, int]) -> None:
-    _fit(run_dir, layout=layout, schedule="1f1b", checkpoint={"every": 5, "async": False})
+    _fit(run_dir, layout=layout, schedule="1f1b", checkpoint={"every": HALF, "async": False})
 
 
 def test_checkpoint_from_dp2_pp2_resumes_at_tp4_and_one_rank(reference, tmp_path):
     saved = tmp_path / "saved"
     run_distributed(_fit, 4, args=(str(saved),), timeout=180,
-                    kwargs={"layout": (2, 2, 1), "schedule": "1f1b", "steps": 5,
-                            "checkpoint": {"every": 5, "async": False}})
+                    kwargs={"layout": (2, 2, 1), "schedule": "1f1b", "steps": HALF,
+                            "checkpoint": {"every": HALF, "async": False}})
     for world, layout in ((4, (1, 1, 4)), (1, (1, 1, 1))):
         run_dir = tmp_path / f"resumed-{world}"
         shutil.copytree(saved, run_dir)
@@ -155,7 +160,7 @@ def test_checkpoint_from_dp2_pp2_resumes_at_tp4_and_one_rank(reference, tmp_path
 
 
 def _resume_zero(run_dir: str, layout: tuple[int, int, int], zero: int) -> None:
-    _fit(run_dir, layout=layout, zero=zero, checkpoint={"every": 5, "async": False})
+    _fit(run_dir, layout=layout, zero=zero, checkpoint={"every": HALF, "async": False})
 
 
 def test_zero3_checkpoint_from_dp2_pp2_resumes_in_any_layout_and_stage(reference, tmp_path):
@@ -164,7 +169,7 @@ def test_zero3_checkpoint_from_dp2_pp2_resumes_in_any_layout_and_stage(reference
     saved = tmp_path / "saved"
     run_distributed(_fit, 4, args=(str(saved),), timeout=180,
                     kwargs={"layout": (2, 2, 1), "schedule": "1f1b", "zero": 3,
-                            "steps": 5, "checkpoint": {"every": 5, "async": False}})
+                            "steps": HALF, "checkpoint": {"every": HALF, "async": False}})
     for world, layout, zero in ((4, (1, 1, 4), 0), (2, (2, 1, 1), 1), (1, (1, 1, 1), 0)):
         run_dir = tmp_path / f"resumed-{world}-z{zero}"
         shutil.copytree(saved, run_dir)

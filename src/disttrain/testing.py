@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import random
 import socket
 import time
 import traceback
@@ -45,10 +46,33 @@ class DistributedTestError(AssertionError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free when asked (for a rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free when asked (for a rendezvous), drawn at
+    random below the kernel's ephemeral range: a port the kernel hands out (to another
+    process's ``bind(0)``, or a Gloo connection) cannot take it before rank 0 binds it,
+    and two test processes asking at once (pytest-xdist workers) draw the same one once
+    in ~10,000 draws; where no such port is free, one the kernel picks."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(max(1024, low - 10_000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 START_METHOD_ENV = "DISTTRAIN_TEST_START_METHOD"

@@ -17,10 +17,23 @@ from disttrain.comm import CollectiveLedger, Communicator
 from disttrain.config.schema import ModelConfig
 from disttrain.models import GPT, num_params, token_loss
 from disttrain.parallel.activation import CheckpointedBlock, apply_activation_checkpointing
-from disttrain.parallel.fused_loss import fuse_output_head, linear_cross_entropy, replace_submodule
+from disttrain.parallel.fused_loss import (
+    HiddenStatesHead,
+    fuse_output_head,
+    linear_cross_entropy,
+    replace_submodule,
+)
 from disttrain.parallel.tensor.functions import copy_to_tp_region
-from disttrain.plan import MemoryEstimate, estimate_gpt, gpt_activation_bytes, model_state_bytes
-from disttrain.plan.memory import fused_loss_bytes
+from disttrain.plan import (
+    MemoryEstimate,
+    ModelShape,
+    Options,
+    PlannedLayout,
+    estimate_gpt,
+    gpt_activation_bytes,
+    model_state_bytes,
+)
+from disttrain.plan.memory import fused_loss_bytes, loss_transient_bytes
 from disttrain.targets import IGNORE_INDEX
 from disttrain.testing import run_distributed
 
@@ -320,16 +333,44 @@ def test_fused_loss_kept_and_transient_match_the_allocator(precision, shape):
     _check_fused_loss_alone(precision, kept, transient, shape)
 
 
-def _measure_at_tp2() -> list[tuple[str, tuple[int, int, int, int], int, int]]:
+# the last stage under sequence parallelism: [b, T / 2, d] hidden states gathered along T
+SP_SHAPE = ModelShape(layers=1, hidden=32, heads=1, seq=64, vocab=512)
+SP_BATCH = 3
+
+
+def _sp_transient(comm: Communicator) -> tuple[int, int]:
+    """(the allocator's peak above what stays, during the stand-in's gather and the
+    fused loss's forward; the bytes of the split hidden states it is given, which
+    nothing saves)."""
+    torch.manual_seed(comm.rank)
+    s, d, rows = SP_SHAPE.seq, SP_SHAPE.hidden, SP_SHAPE.vocab // comm.size
+    hidden = torch.randn(SP_BATCH, s // comm.size, d, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(rows, d))
+    targets = torch.randint(0, SP_SHAPE.vocab, (SP_BATCH, s))
+    head = HiddenStatesHead(weight, None, comm, sequence_parallel=True)
+    _, peak, end = _allocated_peak(
+        lambda: linear_cross_entropy(head(hidden), weight, targets, comm=comm)[0])
+    return peak - end, hidden.untyped_storage().nbytes()
+
+
+def _measure_at_tp2() -> tuple[list[tuple[str, tuple[int, int, int, int], int, int]],
+                               tuple[int, int]]:
     comm = Communicator(None, CollectiveLedger(), name="tp")
-    return [(precision, shape, *_fused_loss_measured(shape[0], shape[1], shape[2],
-                                                     precision, shape[3], comm))
-            for precision in ("fp32", "bf16") for shape in FUSED_SHAPES]
+    return ([(precision, shape, *_fused_loss_measured(shape[0], shape[1], shape[2],
+                                                      precision, shape[3], comm))
+             for precision in ("fp32", "bf16") for shape in FUSED_SHAPES],
+            _sp_transient(comm))
 
 
 def test_fused_loss_at_tp2_prices_this_ranks_vocabulary_rows():
     """Each of 2 ranks holds rows = V / 2 of the weight: its own weight gradient and the
-    whole hidden-state gradient are kept, its chunks are [c, V / 2]."""
-    for rank_results in run_distributed(_measure_at_tp2, 2, timeout=120):
-        for precision, shape, kept, transient in rank_results:
-            _check_fused_loss_alone(precision, kept, transient, shape)
+    whole hidden-state gradient are kept, its chunks are [c, V / 2]; under sequence
+    parallelism the last stage's transient also holds its [b T / 2, d] input and the
+    gathered [b T, d] (fp32: exact up to the chunk's per-token vectors, 1%)."""
+    predicted = loss_transient_bytes(SP_SHAPE, PlannedLayout(tp=2, sp=1, mbs=SP_BATCH),
+                                     Options(precision="fp32"), 2, True)
+    for alone, (transient, given) in run_distributed(_measure_at_tp2, 2, timeout=120):
+        for precision, shape, kept, chunk in alone:
+            _check_fused_loss_alone(precision, kept, chunk, shape)
+        assert abs(transient + given - predicted) <= 0.01 * predicted, (
+            transient, given, predicted)

@@ -234,3 +234,30 @@ def test_framework_time_adds_on_a_cpu_and_hides_behind_a_gpus_kernels():
     without = estimate(big, replace(gpu, layer_overhead_s=0.0), lay8, 8,
                        Options()).step_time_s
     assert with_host == without
+
+
+def test_plan_states_the_loss_it_assumed_and_the_fused_loss_holds_less(capsys, tmp_path):
+    """--fused-loss off prices the full logits; left out, --config's train.fused_loss
+    decides (on by default); the table's first line and each JSON row say which, and an
+    emitted config keeps it. At vocabulary 50,257 the logits of 8 x 2048 tokens (3 GiB in
+    fp32) are far more than the fused loss's gradients and chunk."""
+    model = "layers=4,hidden=1024,heads=16,seq=2048,vocab=50257"
+    args = ["--model", model, "--cluster", "gpu=a100-80gb,gpus_per_node=1",
+            "--global-batch", "8", "--layout", "mbs=8"]
+    code, out, _ = _plan(capsys, *args)
+    assert code == 0 and "fused linear + cross-entropy" in out.splitlines()[0]
+    rows = {}
+    for flag in ("on", "off"):
+        code, out, _ = _plan(capsys, *args, "--json", "--fused-loss", flag)
+        rows[flag] = json.loads(out)[0]
+        assert code == 0 and rows[flag]["fused_loss"] == (flag == "on")
+    saved = (rows["off"]["memory_breakdown_gib"]["activations"]
+             - rows["on"]["memory_breakdown_gib"]["activations"])
+    assert saved > 2.0, rows  # of the 3 GiB of fp32 logits [8 x 2048, 50257]
+    config = tmp_path / "off.toml"
+    config.write_text("[train]\nfused_loss = false\n")
+    code, out, _ = _plan(capsys, *args, "--config", str(config), "--emit-config",
+                         str(tmp_path / "best.toml"))
+    assert code == 0 and "loss on the full logits" in out.splitlines()[0]
+    from disttrain.config import load_config
+    assert load_config(tmp_path / "best.toml").train.fused_loss is False

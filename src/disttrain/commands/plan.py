@@ -40,6 +40,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--accounting", choices=ACCOUNTING, default="disttrain",
                       help="model-state bytes: disttrain (fp32 params/grads/Adam, 16 B per "
                       "param) or mixed (the ZeRO paper's 2+2+12)")
+    plan.add_argument("--fused-loss", choices=("on", "off"), default=None,
+                      help="price the fused linear + cross-entropy (on: two gradients and "
+                      "one chunk of logits) or the full logits (off); default: "
+                      "train.fused_loss of --config, else on")
     plan.add_argument("--layout", metavar="K=V,...", default=None,
                       help="estimate this layout only: tp,pp,dp,mbs,v,zero,recompute,sp "
                       "(gpipe=1: the GPipe schedule instead of 1F1B)")

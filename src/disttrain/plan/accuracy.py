@@ -10,8 +10,9 @@ of the logged step times after the first record, whose window holds the first st
 one-off costs. An error is predicted / measured - 1.
 
 A run measures its activations as what autograd saves during forward passes: under
-full recomputation the layer rebuilt during a backward is not among them, so the
-compared prediction leaves it out (the notes give it).
+full recomputation the layer rebuilt during a backward is not among them, nor the
+fused loss's chunk during a forward, so the compared prediction leaves them out (the
+notes give them). The fused loss is assumed as the run's ``train.fused_loss`` says.
 """
 
 from __future__ import annotations
@@ -236,13 +237,18 @@ def compare(run: RunRecord, mesh: Layout, est: Estimate, global_batch: int,
         ranks.append({"rank": rank, "stage": stage,
                       "model_states": _pair(mem.model_states,
                                             sum(measured[k] for k in MODEL_STATE_PARTS)),
-                      "activations": _pair(mem.activations - mem.rebuilt,
+                      "activations": _pair(mem.activations - mem.transient,
                                            measured[ACTIVATIONS])})
     rebuilt = max(m.rebuilt for m in est.stages if m is not None)
     if rebuilt:
         notes.append(f"full recomputation: the prediction also holds one layer rebuilt "
                      f"during its backward ({_bytes(rebuilt)}), which the run's "
                      "saved-tensor meter does not see; left out of the comparison")
+    chunk = max(m.loss_transient for m in est.stages if m is not None)
+    if chunk:
+        notes.append(f"fused loss: the prediction also holds its chunk during the last "
+                     f"stage's forward ({_bytes(chunk)}), which the run's saved-tensor "
+                     "meter does not see; left out of the comparison")
     steps = run.step_times[1:] if len(run.step_times) > 1 else run.step_times
     time = _pair(est.step_time_s, statistics.median(steps) if steps else None)
     planned = est.layout
@@ -312,7 +318,8 @@ def validate_run(run_dir: Path, cluster_text: str | None = None) -> dict[str, An
         notes.append("the run's pipeline cut is not known here (transformers cannot "
                      "build its model): layers assumed evenly split")
     options = Options(precision=cfg.train.precision, accounting="disttrain",
-                      bucket_mb=cfg.parallel.bucket_mb, log_every=cfg.train.log_every)
+                      bucket_mb=cfg.parallel.bucket_mb, log_every=cfg.train.log_every,
+                      fused_loss=cfg.train.fused_loss)
     est = estimate(run_shape(run), cluster, planned, global_batch, options, all_stages=True,
                    chunk_sizes=chunks)
     return compare(run, mesh, est, global_batch, cluster, notes)

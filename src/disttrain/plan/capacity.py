@@ -7,7 +7,9 @@ and compared with what one local rank can have: on CPU the host's available memo
 total memory. The estimate is a lower bound (pipeline and tensor parallelism are
 assumed to split everything evenly, a split of each sequence its activations, and
 transient buffers are left out), so a refusal
-is certain and a job that passes may still be tight.
+is certain and a job that passes may still be tight. The loss is priced as it will run:
+with the fused linear + cross-entropy (``train.fused_loss``) its two gradients and one
+chunk's logits, without it the full [tokens, vocabulary] fp32 logits.
 
 Model states are checked before activations: they are a closed formula, while the
 activation estimate walks the blocks, so an absurd ``model.n_layer`` is refused before
@@ -16,6 +18,7 @@ anything proportional to it is computed.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +29,7 @@ from ..config.schema import Config, ModelConfig
 from ..dimensions import Role
 from ..errors import ConfigError, UserError
 from ..models import num_params
+from ..models.hf.recognise import LOGIT_CHANGES
 from ..shape import ModelShape, hf_shape
 from .memory import gpt_activation_bytes, model_state_bytes
 
@@ -66,17 +70,19 @@ def check_batch_fits(config: Config, plan: RunPlan, local_ranks: int,
     micro-batch) exceed ``memory`` per rank, naming the batch setting to lower."""
     memory = memory or rank_memory(config, local_ranks)
     t, micro = config.train, plan.batch.micro_batch
-    model = _estimated_model(config)
+    model, fused = _estimated_model(config), _fused_loss(config)
     activations = 0 if model is None else gpt_activation_bytes(
         model, micro_batch=micro, precision="fp32" if t.precision == "fp32" else "bf16",
         activation_checkpointing=t.activation_checkpointing,
-        every_k=t.activation_checkpointing_k) // _activation_split(plan.layout)
+        every_k=t.activation_checkpointing_k, fused_loss=fused) // _activation_split(plan.layout)
     need = _state_bytes(config, plan.layout) + activations
     if need > memory.bytes:
+        loss = "the fused loss's" if fused else "the full logits'"
+        turn_on = "" if fused or t.fused_loss else ", or set train.fused_loss=true"
         _refuse(*_batch_field(config, micro), need, memory, "model states and the "
-                f"activations of a micro-batch of {micro} x {config.model.seq_len} tokens",
-                "lower train.global_batch or raise train.grad_accum (smaller "
-                "micro-batches), or lower model.seq_len")
+                f"activations of a micro-batch of {micro} x {config.model.seq_len} tokens "
+                f"({loss} included)", "lower train.global_batch or raise train.grad_accum "
+                f"(smaller micro-batches), or lower model.seq_len{turn_on}")
 
 
 def rank_memory(config: Config, local_ranks: int) -> RankMemory:
@@ -155,6 +161,24 @@ def _estimated_model(config: Config) -> ModelConfig | None:
         return None
     return replace(config.model, n_layer=shape.layers, d_model=shape.hidden,
                    n_head=shape.heads, vocab_size=shape.vocab)
+
+
+def _fused_loss(config: Config) -> bool:
+    """Whether the loss will be the fused linear + cross-entropy, as far as the config
+    tells before a model exists: ``train.fused_loss``, and a transformers config that
+    sets none of the keys that change the head's output into the logits
+    (:data:`~disttrain.models.hf.recognise.LOGIT_CHANGES`). A forward found changing
+    them only when run (a family checked by its probe) is priced fused."""
+    if not config.train.fused_loss:
+        return False
+    if not config.model.hf_config:
+        return True
+    try:
+        keys = json.loads(Path(config.model.hf_config).read_text())
+    except (OSError, ValueError):
+        return True  # unreadable: _hf_shape gives None and no activations are priced
+    return not (isinstance(keys, dict) and any(keys.get(k) is not None
+                                                for k in LOGIT_CHANGES))
 
 
 def _largest_dimension(config: Config) -> tuple[str, int | str]:

@@ -66,6 +66,24 @@ def parse_layout(text: str, n_devices: int) -> PlannedLayout:
     return PlannedLayout(**values)
 
 
+def fused_loss_choice(ns: argparse.Namespace) -> bool:
+    """``--fused-loss on|off``; left out, ``train.fused_loss`` of ``--config`` (its
+    default where there is none)."""
+    if ns.fused_loss is not None:
+        return bool(ns.fused_loss == "on")
+    if ns.config:
+        from ..config import load_config
+
+        return load_config(Path(ns.config)).train.fused_loss
+    return Options().fused_loss
+
+
+def loss_words(options: Options) -> str:
+    """What the estimate assumed of the loss, for the table's first line."""
+    return ("fused linear + cross-entropy" if options.fused_loss
+            else "loss on the full logits")
+
+
 def _shape(ns: argparse.Namespace) -> ModelShape:
     if not ns.model:
         raise UserError("plan needs --model (layers=..,hidden=..,heads=..,seq=..,vocab=.., "
@@ -84,7 +102,8 @@ def choose_layout(ns: argparse.Namespace) -> int:
     shape, cluster = _shape(ns), parse_cluster(ns.cluster or DEFAULT_CLUSTER)
     if ns.global_batch is None:
         raise UserError("plan needs --global-batch B (sequences per optimizer step)")
-    options = Options(precision=ns.precision, accounting=ns.accounting)
+    options = Options(precision=ns.precision, accounting=ns.accounting,
+                      fused_loss=fused_loss_choice(ns))
     recompute = tuple(x.strip() for x in ns.recompute.split(",") if x.strip())
     bad = [r for r in recompute if r not in RECOMPUTE]
     if bad or not recompute:
@@ -103,7 +122,7 @@ def choose_layout(ns: argparse.Namespace) -> int:
             raise UserError(_nothing_fits(shape, cluster, result))
     shown = result.rows[:max(ns.top, 1)]
     if ns.json:
-        print(json.dumps([_json_row(e, result) for e in shown]))
+        print(json.dumps([_json_row(e, result, options) for e in shown]))
     else:
         print(_table(shape, cluster, ns.global_batch, options, shown, result))
     if ns.explain:
@@ -111,7 +130,7 @@ def choose_layout(ns: argparse.Namespace) -> int:
     if ns.emit_config:
         from .emit import write_config
 
-        path = write_config(Path(ns.emit_config), shape, ns, result.rows[0])
+        path = write_config(Path(ns.emit_config), shape, ns, result.rows[0], options)
         print(f"wrote {path}", file=sys.stderr if ns.json else sys.stdout)
     if ns.trace:
         from .trace import write_trace
@@ -130,10 +149,11 @@ def _nothing_fits(shape: ModelShape, cluster: Cluster, result: SearchResult) -> 
             "lower the micro-batch or the sequence, or use a larger device")
 
 
-def _json_row(e: Estimate, result: SearchResult) -> dict:
+def _json_row(e: Estimate, result: SearchResult, options: Options) -> dict:
     row = e.row()
     row["rejected"] = result.rejections()
     row["considered"] = result.considered
+    row["fused_loss"] = options.fused_loss
     return row
 
 
@@ -142,7 +162,8 @@ def _table(shape: ModelShape, cluster: Cluster, global_batch: int, options: Opti
     head = (f"{shape.name}: {shape.num_params() / 1e9:.3f}B parameters, {shape.layers} "
             f"layers, hidden {shape.hidden}, seq {shape.seq}; {cluster.n_devices} x "
             f"{cluster.name} ({cluster.source}); global batch {global_batch}, "
-            f"{options.precision}, {options.accounting} accounting")
+            f"{options.precision}, {options.accounting} accounting, "
+            f"{loss_words(options)}")
     keys = [k for k, _ in PlannedLayout().items(shown=True)]
     cols = (*keys, "step_s", "TF/s/gpu", "MFU", "tokens/s", "mem_GiB", "bottleneck")
     lines = [head, "  ".join(f"{c:>9}" for c in cols)]

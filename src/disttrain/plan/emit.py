@@ -17,13 +17,16 @@ from ..errors import UserError
 from ..parallel.dimensions import behaviour
 from ..shape import ModelShape
 from .estimate import Estimate
+from .options import Options
 
 # disttrain's activation_checkpointing for each planner recompute mode
 _CHECKPOINTING = {"none": "none", "full": "full"}
 
 
-def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate) -> dict:
-    """The config sections of ``best`` (nested dicts)."""
+def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate,
+                  options: Options | None = None) -> dict:
+    """The config sections of ``best`` (nested dicts); ``train.fused_loss=false`` where
+    ``options`` priced the loss on the full logits."""
     planned = best.layout
     if planned.recompute not in _CHECKPOINTING:
         raise UserError(f"--emit-config: disttrain has no {planned.recompute!r} recomputation "
@@ -47,6 +50,8 @@ def config_values(shape: ModelShape, ns: argparse.Namespace, best: Estimate) -> 
     train = {"global_batch": ns.global_batch, "micro_batch": planned.mbs, "grad_accum": m,
              "precision": ns.precision,
              "activation_checkpointing": _CHECKPOINTING[planned.recompute]}
+    if options is not None and not options.fused_loss:
+        train["fused_loss"] = False
     return {"model": model, "train": train, "parallel": parallel}
 
 
@@ -66,12 +71,13 @@ def to_toml(values: dict) -> str:
 
 
 def write_config(path: Path, shape: ModelShape, ns: argparse.Namespace,
-                 best: Estimate) -> Path:
-    """Write ``best`` as TOML at ``path`` after validating it for its world size."""
+                 best: Estimate, options: Options | None = None) -> Path:
+    """Write ``best`` (estimated with ``options``) as TOML at ``path`` after validating
+    it for its world size."""
     from ..config import load_config
     from ..run_checks import resolve
 
-    values = config_values(shape, ns, best)
+    values = config_values(shape, ns, best, options)
     config = load_config(values=values)
     resolve(config, best.layout.ranks)
     try:

@@ -24,7 +24,9 @@ them, the gradients are reduced over them).
   mix of chunks (the cut's ``peak_held``); autocast's cast weights once per layer of
   the stage (every micro-batch in flight shares them); with ``full`` recomputation,
   one layer rebuilt in full during its backward (``StageMemory.rebuilt``, part of
-  ``activations``);
+  ``activations``); with the fused loss (``Options.fused_loss``), on the last stage
+  its chunk's transient during a forward (``StageMemory.loss_transient``, part of
+  ``activations``; the larger of the two counts, as they never coexist);
 - communication buffers (gradient buckets; ZeRO-3's gathered layer, twice for the
   prefetch; a token split's messages, its pricing's ``buffer_bytes``) and the
   cluster's reserved memory.
@@ -45,7 +47,13 @@ from ..parallel.dimensions import shard_pricing, stage_pricing, token_pricing
 from ..shape import ModelShape, key_value_values, rank_params, token_part
 from .cluster import Cluster
 from .layout import PlannedLayout, figure
-from .memory import end_activations, layer_activation_bytes, layer_cast_bytes, model_state_bytes
+from .memory import (
+    end_activations,
+    layer_activation_bytes,
+    layer_cast_bytes,
+    loss_transient_bytes,
+    model_state_bytes,
+)
 from .options import DEFAULT_OPTIONS, Options
 from .steptime import StepTime, holds_ends, step_time
 
@@ -56,7 +64,9 @@ _GIB = 2**30
 class StageMemory:
     """Bytes on one tp rank of a pipeline stage. ``rebuilt``: the part of
     ``activations`` that exists only during a backward (the layer a full recomputation
-    rebuilds), which a meter of what the forward saves does not see."""
+    rebuilds), ``loss_transient``: what the fused loss holds only during its forward
+    (:func:`~.memory.loss_transient_bytes`); a meter of what the forward saves sees
+    neither, and ``activations`` holds the larger (:attr:`transient`)."""
 
     params: float = 0.0
     grads: float = 0.0
@@ -65,6 +75,13 @@ class StageMemory:
     communication: float = 0.0
     other: float = 0.0
     rebuilt: float = 0.0
+    loss_transient: float = 0.0
+
+    @property
+    def transient(self) -> float:
+        """The part of ``activations`` that no saved tensor holds: a rebuilt layer
+        (in a backward) or the fused loss's chunk (in a forward), whichever is larger."""
+        return max(self.rebuilt, self.loss_transient)
 
     @property
     def model_states(self) -> float:
@@ -199,6 +216,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
     which = (list(range(cut.stages)) if all_stages
              else cut.stages_to_estimate(sizes, counts))
     embedding, head, head_once = end_activations(shape, planned, o, shards, sp)
+    loss_transient = loss_transient_bytes(shape, planned, o, shards, sp)
     ring = token_pricing().buffer_bytes(planned, key_value_values(shape, planned.mbs, shards),
                                         o.act_bytes)
     n_chunks = cut.n_chunks
@@ -213,11 +231,12 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
                      for c in cut.local_chunks(stage))
         buckets = min(o.bucket_mb * 2**20, states.grads) * 2 if replicas > 1 else 0
         gathered = 2 * layer_bytes if planned.zero >= 3 and replicas > 1 else 0
+        transient = loss_transient if last else 0.0
         stages[stage] = StageMemory(
             params=states.params, grads=states.grads, optimizer=states.optimizer,
-            activations=(cut.peak_held(m, stage, held)
-                         + cast * counts[stage] + rebuilt + (head_once if last else 0)),
-            rebuilt=rebuilt, communication=buckets + gathered + ring,
+            activations=(cut.peak_held(m, stage, held) + cast * counts[stage]
+                         + max(rebuilt, transient) + (head_once if last else 0)),
+            rebuilt=rebuilt, loss_transient=transient, communication=buckets + gathered + ring,
             other=cluster.reserved_gib * _GIB)
     worst = max(stages, key=lambda st: stages[st].total)
     time = StepTime() if memory_only else step_time(planned, whole, cluster, o, global_batch,

@@ -18,10 +18,13 @@ comparison with systems that keep fp16 weights: params 2, grads 2, optimizer 4 (
 master weights) + the state above, so AdamW is 2Ψ + 2Ψ + 12Ψ at stage 0, 2Ψ + 2Ψ +
 12Ψ/N at 1, 2Ψ + 14Ψ/N at 2 and 16Ψ/N at 3.
 
-Activations: see :func:`gpt_activation_bytes`. Left out everywhere: transient buffers
-(gradient buckets, ZeRO-3's gathered parameters, autocast's cache of cast weights
-during the forward, the gradient of the logits at the start of backward), allocator
-fragmentation and the CUDA context.
+Activations: see :func:`gpt_activation_bytes`. With the fused linear + cross-entropy
+(``train.fused_loss``, :func:`fused_loss_bytes`) the loss's chunk is the one transient
+counted: it exists at the end of the forward, on top of everything kept. Left out
+everywhere else: transient buffers (gradient buckets, ZeRO-3's gathered parameters,
+autocast's cache of cast weights during the forward, without the fused loss the logits
+before their fp32 cast and their gradient at the start of backward), kernels' own
+workspaces, allocator fragmentation and the CUDA context.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from ..config.schema import ModelConfig
 from ..models import num_params as gpt_num_params
+from ..parallel.fused_loss.functions import default_chunk_tokens
 from ..shape import ModelShape, gpt_shape
 from .costs import ACT_BYTES
 from .layout import PlannedLayout
@@ -43,6 +47,10 @@ _STATE_BYTES = {"adamw": 8, "sgd": 4, "onebit_adam": 8}
 _ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _CHECKPOINTING = ("none", "full", "every_k")
 _FP32, _INT64 = 4, 8
+# per token of a fused-loss chunk, its small vectors (the CPU path's _chunk_loss): the
+# counted and here masks 1 + 1, local ids and the clamped column 8 + 8, row max 4,
+# target logit 4, the [2, c] sums 8, the per-token loss 4
+_CHUNK_TOKEN_BYTES = 38
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,36 +175,95 @@ def end_activations(shape: ModelShape, planned: PlannedLayout, o: Options, shard
                      sp: bool) -> tuple[float, float, float]:
     """Per micro-batch, the embedding's activations (first chunk) and the final norm's,
     the head's and the loss's (last chunk); and what the last stage keeps once per
-    step (autocast's cast of the head weight)."""
+    step (autocast's cast of the head weight, without the fused loss). The fused
+    loss's transient: :func:`loss_transient_bytes`."""
     s, b, h, a = shape.seq, planned.mbs, shape.hidden, o.act_bytes
     split = shards if sp else 1
     embedding = 8 * s * b + (s * b * h / split if shape.dropout else 0)  # ids, mask
     if o.accounting == "disttrain":
-        return _disttrain_ends(shape, planned, a, embedding, shards, sp)
+        return _disttrain_ends(shape, planned, o, embedding, shards, sp)
+    if o.fused_loss:  # final norm's input; the loss's gradients
+        kept, _ = fused_loss_bytes(s * b, shape.vocab / shards, h, compute=a, hidden_bytes=a)
+        return embedding, a * s * b * h / split + kept, 0.0
     head = (2 * a * s * b * h / split  # final norm's input, head's input
             + 4 * s * b * shape.vocab / shards)  # fp32 logits for the loss
     return embedding, head, 0.0
 
 
-def _disttrain_ends(shape: ModelShape, planned: PlannedLayout, a: int, embedding: float,
+def _disttrain_ends(shape: ModelShape, planned: PlannedLayout, o: Options, embedding: float,
                     shards: int, sp: bool) -> tuple[float, float, float]:
     """:func:`end_activations` of disttrain's own embedding, head and loss: beyond
     the token ids, the position ids [s] (a learned table) and the
     vocabulary-parallel lookup's mask of ids outside the shard (sharded); the final
-    norm's fp32 input and statistics, the head's input (whole under sp, as for the
-    layers), the loss's fp32 softmax [sb, V / shards] and targets (sharded: local ids
-    and two masks); the cast head weight (16-bit)."""
-    s, b, h = shape.seq, planned.mbs, shape.hidden
+    norm's fp32 input and statistics; then, with the fused loss, its two gradients
+    (:func:`fused_loss_bytes`, the hidden states' in fp32: the norm's output), else the
+    head's input (whole under sp, as for the layers), the loss's fp32 softmax
+    [sb, V / shards] and targets (sharded: local ids and two masks) and the cast head
+    weight (16-bit)."""
+    s, b, h, a = shape.seq, planned.mbs, shape.hidden, o.act_bytes
     split = shards if sp else 1
     embedding += (8 * s if shape.positions else 0) + (s * b if shards > 1 else 0)
-    head = ((4 * h + 2 * 4) * s * b / split + a * s * b * h
-            + 4 * s * b * shape.vocab / shards + 8 * s * b + (2 * s * b if shards > 1 else 0))
+    norm = (4 * h + 2 * 4) * s * b / split
+    if o.fused_loss:
+        kept, _ = fused_loss_bytes(s * b, shape.vocab / shards, h, compute=a)
+        return embedding, norm + kept, 0.0
+    head = (norm + a * s * b * h + 4 * s * b * shape.vocab / shards + 8 * s * b
+            + (2 * s * b if shards > 1 else 0))
     return embedding, head, a * shape.vocab * h / shards if a < 4 else 0.0
 
 
+def loss_transient_bytes(shape: ModelShape, planned: PlannedLayout, o: Options, shards: int,
+                         sp: bool) -> float:
+    """What the last stage holds only while the fused loss's forward runs, on top of
+    what it keeps (0 without the fused loss, whose transients are left out): the
+    hidden states it is given (the final norm's output [sb / shards under sp, d], and
+    under sp their all-gathered copy [sb, d]), and :func:`fused_loss_bytes`' transient
+    over this rank's V / shards rows of the vocabulary."""
+    if not o.fused_loss:
+        return 0.0
+    s, b, h, a = shape.seq, planned.mbs, shape.hidden, o.act_bytes
+    hidden_bytes = _FP32 if o.accounting == "disttrain" else a
+    given = hidden_bytes * s * b * h * ((1 / shards + 1) if sp and shards > 1 else 1)
+    _, transient = fused_loss_bytes(s * b, shape.vocab / shards, h, compute=a,
+                                    hidden_bytes=hidden_bytes)
+    return given + transient
+
+
+def fused_loss_bytes(tokens: int, rows: float, hidden: int, *, compute: int,
+                     hidden_bytes: int = _FP32, chunk: int | None = None
+                     ) -> tuple[float, float]:
+    """(kept, transient) bytes of one fused linear + cross-entropy
+    (:func:`disttrain.parallel.fused_loss.linear_cross_entropy`) over N = ``tokens``
+    hidden states [N, d] of ``hidden_bytes`` each and this rank's ``rows`` of the head's
+    vocabulary (its weight [V / tp, d], fp32), matmuls in ``compute`` bytes,
+    ``chunk`` tokens at a time (default: the loss's own, at most
+    ``CHUNK_LOGIT_BYTES`` of fp32 logits).
+
+    kept, from forward to backward: d loss / d hidden [N, d] in the hidden states'
+    dtype and d loss / d W [V / tp, d] in fp32 (no logits, no targets).
+
+    transient, the peak of its forward on top of those, on the CPU path: with 16-bit
+    matmuls the cast copies of the hidden states [N, d] (where their dtype differs) and
+    of the weight [V / tp, d]; then per chunk of c tokens its logits z [c, V / tp]
+    (fp32: reworked in place), or in 16 bits z, its fp32 copy and the 16-bit
+    gradient, then z, that gradient and the larger of the hidden states' gradient
+    product [c, d] and the weight's [V / tp, d] (with its fp32 copy for the fp32 sum);
+    and the chunk's per-token vectors. The CUDA path keeps no fp32 copy (less)."""
+    n, r, d, a = tokens, rows, hidden, compute
+    c = chunk or default_chunk_tokens(n, max(1, round(r)))
+    kept = hidden_bytes * n * d + _FP32 * r * d
+    if a == _FP32:
+        return kept, _FP32 * c * r + _CHUNK_TOKEN_BYTES * c
+    casts = (a * n * d if a != hidden_bytes else 0) + a * r * d
+    logits = 2 * a * c * r + max(_FP32 * c * r, a * c * d, (a + _FP32) * r * d)
+    return kept, casts + logits + _CHUNK_TOKEN_BYTES * c
+
+
 def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str = "fp32",
-                         activation_checkpointing: str = "none", every_k: int = 2) -> int:
-    """Peak bytes autograd keeps for backward in one micro-batch of GPT(model).
+                         activation_checkpointing: str = "none", every_k: int = 2,
+                         fused_loss: bool = True) -> int:
+    """Peak bytes autograd keeps for backward in one micro-batch of GPT(model), and,
+    with ``fused_loss`` (``train.fused_loss``), the fused loss's transient on top.
 
     b = micro_batch, T = seq_len, d = d_model, h = n_head, V = vocab_size, and a = 4
     (fp32) or 2 (bf16/fp16 autocast), read off ``models/gpt.py``:
@@ -209,10 +276,15 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
                 h·bT·4     SDPA's logsumexp
                 12·d²·a    autocast only: the four weight matrices' cast copies
     embedding   8·(bT + T) token ids and positions
-    head        bTd·4 + 2·bT·4 + bTd·a   final layer norm (input, statistics, output)
+    head        bTd·4 + 2·bT·4   final layer norm (input, statistics)
+      unfused   bTd·a      its output (the head's input)
                 V·d·a      autocast only: the tied head weight's cast copy
                 bTV·4      log-softmax output (the loss casts logits to fp32)
                 8·bT       targets
+      fused     bTd·4 + Vd·4   the gradients of the hidden states and of the head
+                           weight, computed in forward (:func:`fused_loss_bytes`)
+                + transient: the norm's output bTd·4 and one chunk's logits and
+                           arithmetic (:func:`fused_loss_bytes`)
 
     A checkpointed block (``full``: all; ``every_k``: blocks 0, k, 2k, ...) keeps only
     its input, bTd·4. The peak is the larger of the end of the forward (everything
@@ -236,7 +308,7 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
     checkpointed = -(-n // step) if step else 0
     embedding = _INT64 * (b * t + t)
     end_of_forward = (embedding + checkpointed * kept_input + (n - checkpointed) * block
-                      + _head_bytes(model, b, precision))
+                      + _head_bytes(model, b, precision, fused_loss))
     if not checkpointed:
         return round(end_of_forward)
     last = (checkpointed - 1) * step  # recomputing it holds the most: all before it kept
@@ -246,7 +318,8 @@ def gpt_activation_bytes(model: ModelConfig, *, micro_batch: int, precision: str
 
 def estimate_gpt(model: ModelConfig, *, micro_batch: int, replicas: int, zero: int,
                  precision: str = "fp32", optimizer: str = "adamw", momentum: bool = True,
-                 activation_checkpointing: str = "none", every_k: int = 2) -> MemoryEstimate:
+                 activation_checkpointing: str = "none", every_k: int = 2,
+                 fused_loss: bool = True) -> MemoryEstimate:
     """Per-rank memory of training GPT(model): disttrain's fp32 model states (see
     :func:`model_state_bytes`) and one micro-batch's peak activations (gradient
     accumulation adds none; ``replicas``: the ranks ZeRO shards over). Activations do
@@ -255,7 +328,8 @@ def estimate_gpt(model: ModelConfig, *, micro_batch: int, replicas: int, zero: i
                                optimizer=optimizer, momentum=momentum)
     return replace(states, activations=gpt_activation_bytes(
         model, micro_batch=micro_batch, precision=precision,
-        activation_checkpointing=activation_checkpointing, every_k=every_k))
+        activation_checkpointing=activation_checkpointing, every_k=every_k,
+        fused_loss=fused_loss))
 
 
 def _block_bytes(model: ModelConfig, b: int, precision: str) -> float:
@@ -265,13 +339,13 @@ def _block_bytes(model: ModelConfig, b: int, precision: str) -> float:
                                   accounting="disttrain")
 
 
-def _head_bytes(model: ModelConfig, b: int, precision: str) -> float:
-    """The head of GPT(model): :func:`end_activations`' last-chunk bytes and its
-    once-per-step cast weight."""
-    options = Options(precision=precision, accounting="disttrain")
-    _, head, once = end_activations(_no_dropout(model), PlannedLayout(mbs=b), options, 1,
-                                    False)
-    return head + once
+def _head_bytes(model: ModelConfig, b: int, precision: str, fused_loss: bool) -> float:
+    """The head of GPT(model): :func:`end_activations`' last-chunk bytes, its
+    once-per-step cast weight and the fused loss's transient."""
+    options = Options(precision=precision, accounting="disttrain", fused_loss=fused_loss)
+    shape, planned = _no_dropout(model), PlannedLayout(mbs=b)
+    _, head, once = end_activations(shape, planned, options, 1, False)
+    return head + once + loss_transient_bytes(shape, planned, options, 1, False)
 
 
 def _no_dropout(model: ModelConfig) -> ModelShape:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.schema import TrainConfig
 from .costs import ACT_BYTES
 
 ACCOUNTING = ("disttrain", "mixed")
@@ -21,7 +22,11 @@ class Options:
     pipelined with the layer's matmuls (Megatron-LM's ``--tp-comm-overlap``), so only
     what exceeds a pass's matmul time shows; ``param_gather_overlap``, ZeRO-1/2's
     all-gather of the updated parameters behind the next step's first forward
-    (``--overlap-param-gather``)."""
+    (``--overlap-param-gather``). ``fused_loss``: the loss is disttrain's fused linear +
+    cross-entropy (``train.fused_loss``, on by default), which keeps two gradients
+    instead of the [tokens, V] logits (:func:`~.memory.fused_loss_bytes`); off, the
+    full fp32 logits are priced (``train.fused_loss=false``, a ``loss_fn`` of one's own,
+    a model whose head the fused loss cannot stand in for)."""
 
     precision: str = "bf16"
     accounting: str = "disttrain"
@@ -29,6 +34,7 @@ class Options:
     log_every: int = 10  # steps between logged records (telemetry is gathered on those)
     layer_comm_overlap: bool = False
     param_gather_overlap: bool = False
+    fused_loss: bool = TrainConfig.fused_loss  # the config's default
 
     @property
     def act_bytes(self) -> int:

@@ -64,7 +64,7 @@ MEGATRON_2021_HELD = (("cp", 1), ("sp", 0), ("zb", 0))
 # the README's "Communication optimizations": --overlap-grad-reduce (disttrain's
 # buckets do as much), --overlap-param-gather, --tp-comm-overlap
 MEGATRON_OVERLAPS = Options(accounting="mixed", layer_comm_overlap=True,
-                            param_gather_overlap=True)
+                            param_gather_overlap=True, fused_loss=False)
 
 # size, heads, hidden, layers, tp, pp, dp, GPUs, global batch, TFLOP/s per GPU
 _MEGATRON_H100 = (

@@ -76,7 +76,7 @@ def hf_spec(model: nn.Module, *, fields: dict[str, str] | None = None) -> ModelS
 # the logits (Gemma 2/3's soft cap, Cohere's and Granite's scales, Falcon-H1's
 # multiplier); the fused loss computes the head's output, so it stays off for them.
 # Other families' forwards are checked by running them (fused_loss.head_refusal).
-_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling",
                   "lm_head_multiplier")
 
 
@@ -89,7 +89,7 @@ def _head_fields(config: Any, head: nn.Module | None, names: dict[int, str]
     path = names[id(head)]
     if type(head) is not nn.Linear:
         return None, f"its output head {path!r} is a {type(head).__name__}, not an nn.Linear"
-    for key in _LOGIT_CHANGES:
+    for key in LOGIT_CHANGES:
         value = getattr(config, key, None)
         if value is not None:
             return None, (f"its config sets {key}={value!r}, which changes the head's "

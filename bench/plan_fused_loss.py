@@ -23,7 +23,7 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from cpu_memory import peak_and_held  # noqa: E402 - bench/ is not a package
 
 from disttrain.parallel.fused_loss import default_chunk_tokens, linear_cross_entropy
 from disttrain.plan.memory import fused_loss_bytes
@@ -39,22 +39,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def peak_and_left(run: object) -> tuple[int, int]:
-    """(peak bytes the CPU allocator held above the start while ``run()`` ran, bytes
-    still held above the start when it returned)."""
-    assert callable(run)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        kept = run()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    now = peak = 0
-    for _, nbytes in records:
-        now += nbytes
-        peak = max(peak, now)
-    del kept
-    return peak, now
-
-
 def measure(args: argparse.Namespace, precision: str) -> dict:
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.d_model, generator=g).requires_grad_()
@@ -65,7 +49,8 @@ def measure(args: argparse.Namespace, precision: str) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             return linear_cross_entropy(hidden, weight, targets)[0]
 
-    peak, left = peak_and_left(forward)
+    peak, left, loss = peak_and_held(forward)
+    del loss
     kept, transient = fused_loss_bytes(args.tokens, args.vocab, args.d_model,
                                        compute=4 if precision == "fp32" else 2)
     return {"measured_kept_mib": round(left / _MIB, 1),

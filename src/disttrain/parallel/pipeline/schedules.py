@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ...names import (
     SCHEDULE_1F1B,
@@ -67,52 +66,11 @@ from ...names import (
     SCHEDULE_ZBV,
     SCHEDULES,
 )
+from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, chunk_rank
+from .simulate import simulate
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SPLIT_SCHEDULES = (SCHEDULE_ZB1, SCHEDULE_ZBV)  # backward split into B and W
 V_SCHEDULES = (SCHEDULE_ZBV,)  # chunks placed in a V
-
-
-@dataclass(frozen=True)
-class Action:
-    """One forward, backward (or input-gradient) or weight-gradient pass of one chunk on
-    one micro-batch."""
-
-    kind: str  # FORWARD, BACKWARD or WEIGHT
-    chunk: int  # global chunk index, 0 .. pp*v - 1
-    micro: int  # micro-batch index, 0 .. m - 1
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.chunk}.{self.micro}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """``actions[r]``: pp rank r's actions, in the order it runs them; ``split``: the
-    backward is split into B (input gradient) and W (weight gradients); ``vshape``:
-    chunks placed in a V (see the module docstring)."""
-
-    name: str
-    pp: int
-    m: int
-    v: int
-    actions: tuple[tuple[Action, ...], ...]
-    split: bool = False
-    vshape: bool = False
-
-    @property
-    def n_chunks(self) -> int:
-        return self.pp * self.v
-
-    def rank_of(self, chunk: int) -> int:
-        return chunk_rank(chunk, self.pp, self.vshape)
-
-
-def chunk_rank(chunk: int, pp: int, vshape: bool) -> int:
-    """The pp rank of global chunk ``chunk``: ``chunk % pp``, or in a V every other
-    group of ``pp`` chunks runs back up (``pp - 1 - chunk % pp``)."""
-    group, offset = divmod(chunk, pp)
-    return pp - 1 - offset if vshape and group % 2 else offset
 
 
 def validate_schedule(name: str, pp: int, m: int, v: int, n_layer: int) -> None:
@@ -242,8 +200,6 @@ def _zero_bubble(name: str, pp: int, m: int, v: int
     greedy, span = _greedy_zero_bubble(name, pp, m, v)
     if name != SCHEDULE_ZBV:
         return greedy, span
-    # simulate imports this module: imported here, when a V is first built
-    from .simulate import simulate
 
     def spans(actions: tuple[tuple[Action, ...], ...]) -> tuple[float, ...]:
         schedule = Schedule(name=name, pp=pp, m=m, v=v, actions=actions, split=True,

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
 
 class ScheduleDeadlock(RuntimeError):

@@ -208,6 +208,8 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targets: to
         return loss
     if grads.bias is not None:
         grads.bias.add_(g.sum(0, dtype=torch.float32))
+    if grads.hidden is None and grads.weight is None:
+        return loss
     g = g.to(how.compute_dtype)  # the chunk's d loss / d logits [c, rows]
     if grads.hidden is not None:
         _into(grads.hidden[rows], g, w)

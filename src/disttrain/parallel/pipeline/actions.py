@@ -24,8 +24,24 @@ class Action:
         return f"{self.kind}{self.chunk}.{self.micro}"
 
 
+class ChunkPlacement:
+    """Where the ``pp * v`` chunks of a pipeline live, for a dataclass with fields
+    ``pp``, ``v`` and ``vshape``: chunk ``c`` on rank :func:`chunk_rank`."""
+
+    pp: int
+    v: int
+    vshape: bool
+
+    @property
+    def n_chunks(self) -> int:
+        return self.pp * self.v
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk_rank(chunk, self.pp, self.vshape)
+
+
 @dataclass(frozen=True, kw_only=True)
-class Schedule:
+class Schedule(ChunkPlacement):
     """``actions[r]``: pp rank r's actions, in the order it runs them; ``split``: the
     backward is split into B (input gradient) and W (weight gradients); ``vshape``:
     chunks placed in a V (see the module docstring)."""
@@ -37,13 +53,6 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     split: bool = False
     vshape: bool = False
-
-    @property
-    def n_chunks(self) -> int:
-        return self.pp * self.v
-
-    def rank_of(self, chunk: int) -> int:
-        return chunk_rank(chunk, self.pp, self.vshape)
 
 
 def chunk_rank(chunk: int, pp: int, vshape: bool) -> int:

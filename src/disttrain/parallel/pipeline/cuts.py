@@ -1,6 +1,6 @@
 """Where a model is cut into pipeline chunks: the blocks (``spec.blocks``) split into
 ``n = pp * v`` contiguous chunks, balanced by the blocks' parameter counts; chunk ``c``
-on pp rank ``c % pp`` (in a V, :func:`~.schedules.chunk_rank`)."""
+on pp rank ``c % pp`` (in a V, :func:`~.actions.chunk_rank`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...spec import ModelSpec
-from .schedules import chunk_rank
+from .actions import ChunkPlacement
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +21,7 @@ class StageCosts:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StagePlan:
+class StagePlan(ChunkPlacement):
     """Chunk ``c`` holds blocks ``bounds[c] : bounds[c + 1]`` and lives on rank
     ``rank_of(c)`` (c % pp, or in a V when ``vshape``)."""
 
@@ -29,13 +29,6 @@ class StagePlan:
     v: int
     bounds: tuple[int, ...]
     vshape: bool = False
-
-    @property
-    def n_chunks(self) -> int:
-        return self.pp * self.v
-
-    def rank_of(self, chunk: int) -> int:
-        return chunk_rank(chunk, self.pp, self.vshape)
 
     def chunks_of(self, rank: int) -> list[int]:
         """Global chunk indices on pp rank ``rank``, in local order."""

@@ -18,7 +18,9 @@ phases, ``end`` the whole run's. Figures are each rank's peak above its RSS afte
 ``import torch, disttrain``, as a multiple of the whole model's fp32 bytes (the largest
 over ranks). For ZeRO-3 the floor the run is held to: the sharded state (16 bytes per
 parameter / world: 4 / world of the fp32 model), two blocks gathered (the running one
-and the prefetched one), and the process (what the start holds beyond its shard).
+and the prefetched one), the process (what the start holds beyond its shard) and one
+micro-batch's activations (the run's own saved-tensor meter); ``floor_run`` is their
+sum, what a step holds at its peak before any transient.
 ``--trace-phases`` prints rank 0's phase changes.
 
 The ranks start as the command line's workers do: spawned (a fresh interpreter), with
@@ -156,15 +158,19 @@ def _body(args: argparse.Namespace, layout: tuple[int, int, int, int], meta: boo
         model = GPT(cfg.model)
     fp32 = 4 * sum(p.numel() for p in model.parameters())
     block = 4 * max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    run_dir = f"{root}/{'meta' if meta else 'whole'}-{dp}x{pp}x{tp}-z{zero}"
     Trainer(model, Tokens(), token_loss, cfg, eval_dataset=Tokens(),
-            collate_fn=collate_token_batch,
-            run_dir=f"{root}/{'meta' if meta else 'whole'}-{dp}x{pp}x{tp}-z{zero}",
+            collate_fn=collate_token_batch, run_dir=run_dir,
             progress=False, callbacks=[Mark()]).fit()
+    # the run's own meter of a micro-batch's saved activations (the largest rank's)
+    with open(f"{run_dir}/summary.json") as f:
+        activations = max(m["activations"] for m in json.load(f)["memory_bytes_per_rank"])
     phases.enter("done")
     marks["step"] = max(phases.peaks.get(k, 0) for k in STEP_PHASES)
     marks["end"] = max(phases.peaks.values())  # the whole run's (the phases' largest)
-    out = {k: (v - base) / fp32 for k, v in marks.items()} | {"fp32_bytes": fp32,
-                                                              "block_x_model": block / fp32}
+    out = {k: (v - base) / fp32 for k, v in marks.items()} | {
+        "fp32_bytes": fp32, "block_x_model": block / fp32,
+        "activations_x_model": activations / fp32}
     return out | {f"phase_{k}": (v - base) / fp32 for k, v in phases.peaks.items()}
 
 
@@ -208,8 +214,14 @@ def main() -> None:
                     state, gathered = 4 / layout[0], 2 * ranks[0]["block_x_model"]
                     out[f"{key}_floor_state_x_model"] = round(state, 3)
                     out[f"{key}_floor_gathered_x_model"] = round(gathered, 3)
-                    out[f"{key}_process_x_model"] = round(  # what the start holds beyond
-                        max(r["start"] for r in ranks) - 1 / layout[0], 3)  # its shard
+                    process = max(r["start"] for r in ranks) - 1 / layout[0]
+                    activations = max(r["activations_x_model"] for r in ranks)
+                    out[f"{key}_process_x_model"] = round(process, 3)  # beyond the shard
+                    out[f"{key}_activations_x_model"] = round(activations, 3)
+                    # what a step must hold at once, with nothing transient: the target
+                    # lies below it when it is above 0.75
+                    out[f"{key}_floor_run_x_model"] = round(
+                        state + gathered + process + activations, 3)
                 for phase in sorted(k for k in ranks[0] if k.startswith("phase_")):
                     out[f"{key}_{phase}_x_model"] = round(max(r.get(phase, 0) for r in ranks), 3)
     print(json.dumps(out))

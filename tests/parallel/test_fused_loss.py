@@ -117,6 +117,38 @@ def test_loss_and_every_gradient_equal_cross_entropy_on_full_logits(chunk, smoot
     assert not h.grad[2].any(), "an ignored row got a gradient"
 
 
+def test_compiled_kernels_compile_twice_at_most_whatever_the_token_count(monkeypatch):
+    """The fused path's two functions compiled (inductor's C++ backend standing in for
+    Triton): one step after another with a different token count each (chat data
+    unpacked) and chunks that leave a shorter last one, each function compiles at most
+    twice (the first shape static, then the rows symbolic), not once per count (static
+    shapes: 2 per function per count, past dynamo's recompile limit), and every step's
+    loss and gradients equal the full logits'."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(fused_functions, "KERNEL_DEVICES", KERNELS_HERE)
+    monkeypatch.setattr(fused_functions, "COMPILE_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(fused_functions, "_COMPILED", {})
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(V, D, generator=g) / D ** 0.5
+    for n in (12, 7, 19, 5, 16, 11):
+        hidden = torch.randn(n, D, generator=g)
+        targets = torch.randint(0, V, (n,), generator=g)
+        targets[0] = IGNORE_INDEX
+        ref_loss, ref_h, ref_w, _ = _reference(hidden.unsqueeze(0), weight, None,
+                                               targets.unsqueeze(0), IGNORE_INDEX, 0.1)
+        h, w = _leaves(hidden, weight)
+        loss, _ = linear_cross_entropy(h, w, targets, label_smoothing=0.1, chunk_tokens=8)
+        (SCALE * loss).backward()
+        _close(loss.detach(), ref_loss, f"{n} tokens: loss")
+        _close(h.grad, ref_h.squeeze(0), f"{n} tokens: hidden grad")
+        _close(w.grad, ref_w, f"{n} tokens: weight grad")
+    graphs = counters["stats"]["unique_graphs"]
+    assert 2 <= graphs <= 4, f"{graphs} graphs for 2 functions over 5 row counts (8, 4, 7, 3, 5)"
+    torch._dynamo.reset()
+
+
 def test_without_bias_and_a_frozen_weight_only_the_hidden_gradient_is_computed(path):
     hidden, weight, _, targets = _inputs(2, IGNORE_INDEX, bias=False)
     ref_loss, ref_h, _, _ = _reference(hidden, weight, None, targets, IGNORE_INDEX, 0.0)

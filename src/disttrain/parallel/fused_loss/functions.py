@@ -280,26 +280,37 @@ matmul's dtype). On the others the chunk's fp32 logits are reworked in place by
 :func:`_chunk_loss` (eager, no compiler needed). Both compute the same values; tests add
 "cpu" here to run the fused path's arithmetic eagerly on the CPU."""
 
-_COMPILED: dict[str, Any] = {}
+COMPILE_DEVICES: tuple[str, ...] = ("cuda",)
+"""Devices where :func:`_kernel` compiles the fused path's two functions (CUDA, whose
+kernels Triton generates); tests add "cpu" (inductor's C++ backend) to count how often
+they compile."""
+
+_COMPILED: dict[tuple[str, str], Any] = {}
 
 
 def _kernel(fn: Any, device: torch.device) -> Any:
-    """``fn`` compiled once by inductor (static shapes: a full chunk and the last one)
-    where the device is CUDA and inductor can generate its kernels (Triton installed,
-    dynamo supported), else ``fn`` itself, run eagerly (the same values, with a few
-    chunk-sized temporaries)."""
-    if device.type != "cuda" or not _can_compile():
+    """``fn`` compiled by inductor where the device is in :data:`COMPILE_DEVICES` and
+    inductor can generate its kernels (dynamo supported; on CUDA, Triton installed), else
+    ``fn`` itself, run eagerly (the same values, with a few chunk-sized temporaries).
+    The first chunk's shape compiles with static sizes; the first other row count (the
+    last chunk, or another step's token count: chat data unpacked) compiles once more
+    with the rows symbolic (dynamo's automatic dynamic shapes), which then serves every
+    row count, so a run compiles each function at most twice, never once per length."""
+    if device.type not in COMPILE_DEVICES or not _can_compile(device.type):
         return fn
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _COMPILED[fn.__name__]
+    key = (fn.__name__, device.type)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[key]
 
 
 @functools.cache
-def _can_compile() -> bool:
+def _can_compile(kind: str) -> bool:
     import torch._dynamo
 
-    return importlib.util.find_spec("triton") is not None and torch._dynamo.is_dynamo_supported()
+    if not torch._dynamo.is_dynamo_supported():
+        return False
+    return kind != "cuda" or importlib.util.find_spec("triton") is not None
 
 
 def _exp_sums(z: torch.Tensor, row_max: torch.Tensor, with_sum: bool) -> torch.Tensor:

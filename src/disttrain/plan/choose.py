@@ -15,7 +15,7 @@ from typing import Any
 from ..dimensions import Role, derived_dimension, joined, plan_order
 from ..errors import UserError
 from ..shape import ModelShape, parse_model
-from .cluster import Cluster, parse_cluster
+from .cluster import Cluster, parse_cluster, preset_check
 from .estimate import Estimate, estimate
 from .layout import OPTIONS, RECOMPUTE, PlannedLayout, figure
 from .options import Options
@@ -179,6 +179,9 @@ def _table(shape: ModelShape, cluster: Cluster, global_batch: int, options: Opti
         if result.rejected.get("does not fit in memory"):
             lines.append(f"  (does not fit: over by {result.least_overflow_gib:.1f} to "
                          f"{result.worst_overflow_gib:.1f} GiB)")
+    check = preset_check(cluster)
+    if check is not None:
+        lines.append(f"note: {check}")
     return "\n".join(lines)
 
 

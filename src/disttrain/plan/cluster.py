@@ -267,6 +267,31 @@ PRESETS: dict[str, Cluster] = {
 PRESETS["h100"] = replace(PRESETS["h100-80gb"], name="h100")
 PRESETS["a100"] = replace(PRESETS["a100-80gb"], name="a100")
 
+# How each preset's predictions compared with published runs (bench/plan.py's tables,
+# the figures and sources in bench/README.md, `plan.py`): printed under the planner's
+# table, so that a predicted throughput is read as what it is
+_PRESET_CHECKS = {
+    "a100": ("predicted throughput 3% above published A100 runs' at the median "
+             "(Megatron-LM 2021, 10 rows, worst 7%) and 12% above (llm-foundry, 41 rows, "
+             "worst 45%)"),
+    "h100": ("predicted throughput 42-85% above published H100 runs' at the median "
+             "(Megatron-LM, llm-foundry, torchtitan; its matmuls match a measured sweep, "
+             "what a sustained run loses beyond them is not modelled): rank layouts by "
+             "it, do not budget by it; 'disttrain plan calibrate' measures a machine you "
+             "have"),
+}
+
+
+def preset_check(cluster: Cluster) -> str | None:
+    """How the predictions of ``cluster``'s preset family compared with published runs
+    (None: a calibrated cluster, or a preset no published table checks); the H200
+    shares the H100's compute figures."""
+    if cluster.source != "preset":
+        return None
+    family = "h100" if cluster.name.startswith(("h100", "h200")) else cluster.name[:4]
+    text = _PRESET_CHECKS.get(family)
+    return None if text is None else f"{cluster.name} preset: {text}"
+
 
 # a GPU's name as torch.cuda.get_device_name gives it -> its preset; first match wins
 _DEVICE_PRESETS = ((r"\bH200\b", "h200"), (r"\bH100\b", "h100-80gb"),

@@ -7,7 +7,9 @@ of ``bench/gpu_mfu.py``, same model and shape, each profiled over a few steps.
 For each side: wall time per step, the GPU's busy time per step (the union of its
 kernels' intervals, from torch.profiler's trace), so the fraction of the step the GPU
 idles; the host-device synchronisations per step (calls that wait for the GPU); and the
-host operations that took the most time. A diagnostic for a GPU session, not a
+host operations that took the most time; the device time by kind of work (matmul,
+attention, memory-bound, optimizer: each aten operator's own device time) beside the
+planner's split of the same step on this GPU's preset. A diagnostic for a GPU session, not a
 benchmark: the profiler's own overhead inflates host time. Prints a table, then one
 JSON line.
 """
@@ -19,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -113,13 +116,68 @@ def profile_plain(cfg: ModelConfig, data, args) -> profile:  # noqa: ANN001
     return prof
 
 
-def summarise(name: str, prof: profile, steps: int, tokens: int) -> dict:
+# the planner's kinds of work (StepTime.split), and the operators whose device time is
+# each: the rest of the step's kernels (casts, copies, norms, activations, adds, the
+# loss's passes) is memory-bound work
+KINDS = ("matmul", "attention", "memory_bound", "optimizer")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+
+
+def _kind(op: str) -> str:
+    if op in MATMUL_OPS:
+        return "matmul"
+    if "attention" in op:  # cuDNN's, flash's, the memory-efficient kernels'
+        return "attention"
+    if "adam" in op or "foreach" in op:  # fused / foreach AdamW, clipping's norms
+        return "optimizer"
+    return "memory_bound"
+
+
+def device_split(prof: profile, steps: int, device: str) -> dict[str, float]:
+    """Milliseconds per step by kind of work: each operator's own device time (on the
+    CPU dry run, its own host time), summed by :func:`_kind`."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for avg in prof.key_averages():
+        if device == "cuda":
+            own = getattr(avg, "self_device_time_total", None)
+            own = avg.self_cuda_time_total if own is None else own
+        else:
+            own = avg.self_cpu_time_total
+        if own and avg.key.startswith(("aten::", "triton_")):  # inductor's: fused
+            out[_kind(avg.key)] += own / 1e3 / steps             # elementwise work
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def planner_split(cfg: ModelConfig, micro_batch: int, device: str) -> dict[str, float]:
+    """The planner's milliseconds per step by kind of work for the same model and
+    micro-batch on one device: the preset of this GPU (on the CPU dry run, the h100
+    preset, to run the code)."""
+    from disttrain.plan import ModelShape, Options
+    from disttrain.plan.cluster import PRESETS, preset_for_device
+    from disttrain.plan.estimate import estimate
+    from disttrain.plan.layout import PlannedLayout
+
+    name = preset_for_device(torch.cuda.get_device_name()) if device == "cuda" else "h100"
+    if name is None:
+        return {}
+    shape = ModelShape(name="gpt", layers=cfg.n_layer, hidden=cfg.d_model,
+                       heads=cfg.n_head, seq=cfg.seq_len, vocab=cfg.vocab_size)
+    cluster = replace(PRESETS[name], gpus_per_node=1)
+    est = estimate(shape, cluster, PlannedLayout(mbs=micro_batch), micro_batch,
+                   Options(precision="bf16"))
+    return {"preset": name, **{k: round(1e3 * est.split.get(k, 0.0), 2)
+                               for k in (*KINDS, "overhead")},
+            "step_ms": round(1e3 * est.step_time_s, 2)}
+
+
+def summarise(name: str, prof: profile, steps: int, tokens: int, device: str) -> dict:
     busy, span, syncs = busy_seconds(prof)
     row = {"side": name, "step_ms": round(1e3 * span / steps, 2),
            "gpu_busy_ms": round(1e3 * busy / steps, 2),
            "gpu_idle_fraction": round(1 - busy / span, 4) if span else None,
            "syncs_per_step": round(syncs / steps, 1),
-           "tokens_per_s": round(tokens * steps / span, 1) if span else None}
+           "tokens_per_s": round(tokens * steps / span, 1) if span else None,
+           "kinds_ms": device_split(prof, steps, device)}
     print(f"--- {name}: top host operations over {steps} traced steps")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
                                     max_name_column_width=60))
@@ -149,7 +207,7 @@ def main() -> None:
     for name, fn in (("disttrain", profile_disttrain), ("plain", profile_plain)):
         t0 = time.perf_counter()
         prof = fn(cfg, data, args)
-        rows.append(summarise(name, prof, args.steps, tokens) | {
+        rows.append(summarise(name, prof, args.steps, tokens, args.device) | {
             "run_s": round(time.perf_counter() - t0, 1)})
         if args.trace_dir:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
@@ -161,8 +219,14 @@ def main() -> None:
         print(f"{r['side']:10} {r['step_ms']:8.2f} {r['gpu_busy_ms']:9.2f} "
               f"{r['gpu_idle_fraction'] or 0:6.3f} {r['syncs_per_step']:6.1f} "
               f"{r['tokens_per_s'] or 0:10.0f}")
+    planned = planner_split(cfg, args.micro_batch, args.device)
+    print(f"{'kind (ms/step)':16}" + "".join(f"{r['side']:>11}" for r in rows)
+          + f"{'planner':>11}")
+    for kind in KINDS:
+        print(f"{kind:16}" + "".join(f"{r['kinds_ms'][kind]:11.2f}" for r in rows)
+              + f"{planned.get(kind, float('nan')):11.2f}")
     print(json.dumps({"check": "gpu_profile", "compile": args.compile,
-                      "micro_batch": args.micro_batch, "rows": rows}))
+                      "micro_batch": args.micro_batch, "rows": rows, "planner": planned}))
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def step_time(planned: PlannedLayout, shape: ModelShape, cluster: Cluster, o: Op
     end = share * cluster.microbatch_overhead_s / 2
     ends_fwd = (comm.first_forward + end / 3, comm.last_forward + end / 3)
     ends_bwd = (end * 2 / 3, comm.last_backward + end * 2 / 3)
-    head_w = head_work(shape, cluster, planned.mbs, o.precision, shards)
+    head_w = head_work(shape, cluster, planned.mbs, o.precision, shards, o.fused_loss)
     head = share * head_w.device
     chunk_forward_s, chunk_backward_s = cut.chunk_times(
         sizes, layer_fwd + layer_comm[0] + ring.forward,

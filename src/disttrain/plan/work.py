@@ -146,19 +146,29 @@ def unfused_attention(shape: ModelShape, cluster: Cluster, shards: int, b: int,
     return Work(attention=mm.matmul + memory - launch, launch=mm.launch + launch)
 
 
-def head_work(shape: ModelShape, cluster: Cluster, b: int, precision: str, shards: int = 1
-              ) -> Work:
+def head_work(shape: ModelShape, cluster: Cluster, b: int, precision: str, shards: int = 1,
+              fused: bool = False) -> Work:
     """Kernels of the head and loss, forward and backward, for a micro-batch of ``b``
     on one of ``shards`` tensor shards: the logits' matmul, its input and weight
-    gradients, and the loss over the [tokens, vocab / shards] logits: three passes over
-    them in fp32 (softmax's
-    forward, its gradient), and with 16-bit activations the logits' cast up and their
-    gradient's cast down."""
+    gradients, and the loss's passes over the [tokens, vocab / shards] logits.
+
+    On the full logits: three passes in fp32 (softmax's forward, its gradient), and with
+    16-bit activations the logits' cast up and their gradient's cast down. With the fused
+    loss (``fused``, :mod:`disttrain.parallel.fused_loss`), chunk by chunk: on a GPU
+    (``async_dispatch``) its compiled kernels, three passes over the logits in the
+    matmul's dtype (the row max, the sums of exps, the gradient read and written); on a
+    CPU its in-place path over fp32 logits, six passes (max; shift, exp, divide, mask,
+    each read and written; a sum), with 16-bit activations the cast up and down too."""
     tokens, v, h = b * shape.seq, shape.vocab / shards, shape.hidden
     a = ACT_BYTES[precision]
     work = _matmuls(cluster, [(tokens, v, h), (tokens, h, v), (h, v, tokens)], precision)
-    per_logit = 3 * 4 + (2 * (a + 4) if a < 4 else 0)
-    passes = 3 + (2 if a < 4 else 0)
+    casts = 2 * (a + 4) if a < 4 else 0
+    if fused and cluster.async_dispatch:
+        per_logit, passes = 4 * a, 3
+    elif fused:
+        per_logit, passes = 10 * 4 + casts, 6 + (2 if a < 4 else 0)
+    else:
+        per_logit, passes = 3 * 4 + casts, 3 + (2 if a < 4 else 0)
     loss = elementwise_time(cluster, per_logit * tokens * v, passes)
     overheads = passes * cluster.elementwise_overhead_s
     return work + Work(memory=loss - overheads, launch=overheads)

@@ -2,7 +2,8 @@
 disttrain's Trainer, beside the same model trained by a plain PyTorch loop.
 
     python bench/gpu_mfu.py [--micro-batch 16 [32 ...]] [--fused-loss off [on]]
-                            [--steps 30] [--warmup 10] [--vocab 50304] [--compile]
+                            [--steps 15] [--warmup 5] [--log-every 5] [--repeats 2]
+                            [--vocab 50304] [--compile]
 
 The model is ``disttrain.models.GPT`` with 12 layers, d_model 768, 12 heads, seq_len
 1024 and a vocabulary of 50,304 (GPT-2's 50,257 rounded up to a multiple of 128, as
@@ -35,8 +36,12 @@ head included, plus the attention scores and weighted sums, as
 ``torch.cuda.max_memory_allocated`` over its whole run (model, optimizer state, steps),
 the peak statistics reset before it.
 
-One process measures every ``--micro-batch`` x ``--fused-loss`` pair, the plain loop
-once per micro-batch, and prints one JSON line per pair. Targets (issue 38), in the
+One process measures every ``--micro-batch`` x ``--fused-loss`` pair and prints one JSON
+line per pair. Runs alternate, ``--repeats`` times per micro-batch: the plain loop, then
+disttrain in each fused-loss mode, then the plain loop again, ..., so that a drift of
+the card (clocks, temperature) falls on both sides of every pair; each side's tokens/s is
+the median over its runs, the pair's ratio the ratio of those medians, and every
+repetition's own ratio is printed beside (``disttrain_vs_plain_runs``). Targets (issue 38), in the
 line's ``targets``: with the plain loop's loss (fused off), disttrain's tokens/s >= 1.00
 of the plain loop's, eager and compiled; with the fused loss, >= 1.10 of it, its GPU
 memory peak <= 0.80 of the plain loop's, and (compiled) MFU >= 0.40. With no CUDA device
@@ -52,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -213,9 +219,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batch", type=int, nargs="+", default=[16],
                    help="samples per step, one or more (16)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps after warmup (30)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed first steps (10)")
-    p.add_argument("--log-every", type=int, default=10, help="steps per timed window (10)")
+    p.add_argument("--steps", type=int, default=15,
+                   help="timed steps after warmup, per run (15)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed first steps, per run (5)")
+    p.add_argument("--log-every", type=int, default=5, help="steps per timed window (5)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each side, alternated plain, disttrain, plain, ... (2)")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (50304)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (1024)")
     p.add_argument("--n-layer", type=int, default=12, help="blocks (12)")
@@ -228,7 +237,10 @@ def parse_args() -> argparse.Namespace:
                    "loss, whole logits)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default); cpu only to dry-run this script at a tiny shape")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: needs at least 1 run of each side; use 2")
+    return args
 
 
 def main() -> None:
@@ -244,19 +256,41 @@ def main() -> None:
     for micro_batch in args.micro_batch:
         data = RandomWindows((args.warmup + args.steps) * micro_batch, cfg.seq_len,
                              cfg.vocab_size)
-        _reset_peak()
-        plain, plain_peak = run_plain(cfg, data, args, micro_batch)
-        for fused in args.fused_loss:
+        plain: list[tuple[float, float | None]] = []
+        ours: dict[bool, list[dict]] = {fused == "on": [] for fused in args.fused_loss}
+        # plain, disttrain (each fused mode), plain, disttrain, ...: every pair alternates
+        for _ in range(args.repeats):
             _reset_peak()
-            ours = run_disttrain(cfg, data, args, micro_batch, fused == "on")
-            print(json.dumps(_line(cfg, args, micro_batch, fused == "on", ours, plain,
-                                   plain_peak)), flush=True)
+            plain.append(run_plain(cfg, data, args, micro_batch))
+            for fused, runs in ours.items():
+                _reset_peak()
+                runs.append(run_disttrain(cfg, data, args, micro_batch, fused))
+        for fused, runs in ours.items():
+            print(json.dumps(_line(cfg, args, micro_batch, fused, runs, plain)), flush=True)
+
+
+def _medians(runs: list[dict], plain: list[tuple[float, float | None]]
+             ) -> tuple[dict, float, float | None]:
+    """disttrain's runs as one (median tokens/s and record MFU, largest memory peak),
+    the plain loop's median tokens/s and its largest memory peak."""
+    ours = runs[0] | {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                      "record_mfu": statistics.median(r["record_mfu"] for r in runs),
+                      "memory_peak_mib": _largest(r["memory_peak_mib"] for r in runs)}
+    return (ours, statistics.median(rate for rate, _ in plain),
+            _largest(peak for _, peak in plain))
+
+
+def _largest(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _line(cfg: ModelConfig, args: argparse.Namespace, micro_batch: int, fused: bool,
-          ours: dict, plain: float, plain_peak: float | None) -> dict:
-    """One pair's JSON line: both sides' figures, their ratios, the targets and whether
-    each was met."""
+          runs: list[dict], plain_runs: list[tuple[float, float | None]]) -> dict:
+    """One pair's JSON line: both sides' figures (medians over the repetitions), their
+    ratio (of the medians; each repetition's beside), the targets and whether each was
+    met."""
+    ours, plain, plain_peak = _medians(runs, plain_runs)
     per_token = flops_per_token(cfg)
     peak = ours["peak_tflops"] * 1e12  # the plain loop is held to the Trainer's peak
     plain_mfu = model_flops_utilisation(plain, per_token, peak, 1)
@@ -293,7 +327,11 @@ def _line(cfg: ModelConfig, args: argparse.Namespace, micro_batch: int, fused: b
         "disttrain_memory_peak_mib": ours["memory_peak_mib"],
         "plain_tokens_per_s": round(plain, 1), "plain_mfu": round(plain_mfu, 4),
         "plain_memory_peak_mib": plain_peak,
-        "disttrain_vs_plain": round(ratio, 4),
+        "disttrain_vs_plain": round(ratio, 4), "repeats": len(runs),
+        "disttrain_tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in runs],
+        "plain_tokens_per_s_runs": [round(rate, 1) for rate, _ in plain_runs],
+        "disttrain_vs_plain_runs": [round(r["tokens_per_s"] / rate, 4)
+                                    for r, (rate, _) in zip(runs, plain_runs, strict=True)],
         "memory_vs_plain": None if memory is None else round(memory, 4),
         "targets": targets, "targets_met": all(t["met"] for t in targets.values())}
 

@@ -6,8 +6,15 @@
 #   env      device, driver, torch, CUDA and NCCL versions
 #   set      (below)
 #   mfu      bench/gpu_mfu.py at micro-batch 16 and 32 with the fused loss off and on,
-#            eager (mfu_eager) and compiled (mfu_compile): one JSON line per pair, each
+#            eager (mfu_eager) and compiled (mfu_compile), each side run twice,
+#            alternated (plain, disttrain, plain, disttrain), 15 timed steps a run: one
+#            JSON line per pair (the ratio of the medians, each repetition's beside),
 #            with issue 38's targets and whether they were met
+#   calibrate  disttrain plan calibrate --device cuda --nproc 1 (matmuls in bf16, fp16
+#            and fp32, fused attention, a memory copy) into cluster_gpu.json, then
+#            bench/gpu_calibrate.py: each measured rate over what the planner's preset
+#            for this GPU predicts, and a bf16 sweep of the forward and backward
+#            matmuls of 1-20B models' linear layers, as one JSON line
 #   jobs     the default job, 50 steps, world 1 (NCCL), then the same with
 #            model.name=llama in bf16: each run's summary as one JSON line
 #   set      the GPU test set (pytest -m gpu tests/gpu): the one-rank cases, and every
@@ -22,8 +29,8 @@
 #
 # The whole check stays within $GPU_CHECK_BUDGET_S seconds (480): each section's limit is
 # cut to what is left, and a section with under 20 s left is reported as skipped. The
-# sections run in the order of what they prove: env, set, mfu_eager, mfu_compile, jobs,
-# pretrained, profile.
+# sections run in the order of what they prove: env, set, mfu_eager, mfu_compile,
+# calibrate, jobs, pretrained, profile.
 # Logs and JSON go under $OUT when it is set, else under ./gpu_check_out (one flat
 # folder: results.jsonl with every JSON line, summary.txt, and a .log per section,
 # trimmed to its first 40 and last 200 lines: the raw output committed under
@@ -36,8 +43,9 @@
 #
 # The dry run (DISTTRAIN_GPU_SET_ON_CPU=1) runs the same sections on the CPU with Gloo
 # at smaller sizes (the set's fp16 cases skip, the shared-GPU cases stage CPU tensors
-# under DISTTRAIN_HOST_STAGING=1, the MFU bench at a tiny shape): it shows that the
-# script starts and finishes, not that CUDA works.
+# under DISTTRAIN_HOST_STAGING=1, the MFU bench at a tiny shape, calibrate --quick on the
+# CPU and the sweep at tiny shapes): it shows that the script starts and finishes, not
+# that CUDA works.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -49,18 +57,24 @@ rm -f "$DEST"/*.log
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-ONLY="${GPU_CHECK_ONLY:-env mfu jobs set profile pretrained}"
+ONLY="${GPU_CHECK_ONLY:-env mfu calibrate jobs set profile pretrained}"
 DRY="${DISTTRAIN_GPU_SET_ON_CPU:-0}"
 if [ "$DRY" = 1 ]; then
     MFU_SHAPE=(--device cpu --micro-batch 2 --seq-len 64 --n-layer 2 --d-model 64
-               --n-head 2 --vocab 512 --steps 4 --warmup 2 --log-every 2)
+               --n-head 2 --vocab 512 --steps 4 --warmup 2 --log-every 2 --repeats 2)
+    CAL_DEVICE=cpu
+    CAL_QUICK=--quick
     JOB_STEPS=8
     PROFILE_ARGS=(--device cpu --steps 2)
     PRETRAINED_ARGS=(--device cpu --layers 2 --width 128)
 else
     PRETRAINED_ARGS=()
     PROFILE_ARGS=(--steps 6)
-    MFU_SHAPE=(--micro-batch 16 32 --steps 30 --warmup 10 --log-every 10)
+    # 2 x (plain + 2 disttrain) runs of 5 + 15 steps: the 120 steps per micro-batch of
+    # one unrepeated run of 10 + 30 steps each
+    MFU_SHAPE=(--micro-batch 16 32 --steps 15 --warmup 5 --log-every 5 --repeats 2)
+    CAL_DEVICE=cuda
+    CAL_QUICK=
     JOB_STEPS=50
 fi
 # pytest-xdist, where installed, runs the set's cases side by side on the one GPU (each
@@ -145,8 +159,18 @@ jobs() {
         --set train.precision=bf16
 }
 
-export -f env_report job jobs
-export JOB_STEPS
+# calibrate: this GPU as a cluster file, then its figures against the planner's preset
+# (the full calibration: 24 matmul shapes, 4 attention shapes; the dry run's --quick: 10
+# and 2, in 5 s on 2 CPU cores)
+calibrate() {
+    # $CAL_QUICK unquoted: empty, or the one flag --quick
+    "$PY" -m disttrain plan calibrate --device "$CAL_DEVICE" --nproc 1 \
+        --out "$DEST/cluster_gpu.json" $CAL_QUICK || return
+    "$PY" bench/gpu_calibrate.py "$DEST/cluster_gpu.json" --device "$CAL_DEVICE"
+}
+
+export -f env_report job jobs calibrate
+export JOB_STEPS CAL_DEVICE CAL_QUICK
 export DEST PY
 run env 60 env_report
 json_lines env
@@ -155,6 +179,8 @@ run mfu_eager 100 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}" --fused-loss off on
 json_lines mfu_eager
 run mfu_compile 150 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}" --fused-loss off on --compile
 json_lines mfu_compile
+run calibrate 60 calibrate
+json_lines calibrate
 run jobs 90 jobs
 json_lines jobs
 run pretrained 60 "$PY" scripts/gpu_pretrained.py "${PRETRAINED_ARGS[@]}"

@@ -19,7 +19,8 @@ this script also times, in bf16, the three matmuls of each linear layer of 1-20B
 in {3h (fused QKV), 4h (MLP up)}: forward [t, h] x [h, o], input gradient [t, o] x
 [o, h] and weight gradient [o, t] x [t, h], as autograd runs a ``Linear``; each the
 median of 10 calls after 3 warm-up calls, timed with CUDA events
-(:func:`disttrain.plan.measure.median_time`). A ratio below 1 is
+(:func:`disttrain.plan.measure.median_time`); ``sweep_fit``: the matmul efficiency
+(and launch overhead) with which the preset matches the sweep best. A ratio below 1 is
 where the planner is optimistic. ``--device cpu`` times tiny shapes instead: only the dry
 run of ``scripts/gpu_check.sh``. Without CUDA (and without ``--device cpu``) it prints
 one line on stderr and exits 2.
@@ -39,6 +40,7 @@ import torch
 
 from disttrain.plan.cluster import PRESETS, Cluster, preset_for_device
 from disttrain.plan.costs import ACT_BYTES, attention_time, matmul_time
+from disttrain.plan.fit import MatmulPoint, fit_matmul
 from disttrain.plan.measure import Effort, time_matmul
 
 # (tokens, hidden) of the sweep; output widths are 3h and 4h of each hidden
@@ -90,16 +92,35 @@ def sweep_shapes(device: str) -> list[tuple[str, int, int, int, tuple[int, int, 
     return shapes
 
 
-def sweep_rows(preset: Cluster, device: torch.device) -> list[dict[str, Any]]:
-    """Times every :func:`sweep_shapes` matmul in bf16 on ``device``; one row each."""
+def time_sweep(device: torch.device) -> list[tuple[dict[str, Any], MatmulPoint]]:
+    """Times every :func:`sweep_shapes` matmul in bf16 on ``device``: (what it is,
+    its point) each."""
+    return [({"pass": name, "tokens": t, "hidden": h, "out": o},
+             time_matmul(device, "bf16", shape, SWEEP_EFFORT))
+            for name, t, h, o, shape in sweep_shapes(device.type)]
+
+
+def sweep_rows(preset: Cluster, timed: list[tuple[dict[str, Any], MatmulPoint]]
+               ) -> list[dict[str, Any]]:
+    """One row per swept matmul: its shape, measured and predicted TFLOP/s, ratio."""
     rows = []
-    for name, t, h, o, shape in sweep_shapes(device.type):
-        point = time_matmul(device, "bf16", shape, SWEEP_EFFORT)
-        m, k, n = shape
-        predicted = matmul_time(preset, m, n, k, "bf16", ACT_BYTES["bf16"])
-        rows.append(_rate_row({"pass": name, "tokens": t, "hidden": h, "out": o, "m": m,
-                               "k": k, "n": n}, 2 * m * k * n, point.seconds, predicted))
+    for key, p in timed:
+        predicted = matmul_time(preset, p.m, p.n, p.k, p.precision, ACT_BYTES[p.precision])
+        rows.append(_rate_row(key | {"m": p.m, "k": p.k, "n": p.n}, p.flops, p.seconds,
+                              predicted))
     return rows
+
+
+def sweep_fit(preset: Cluster, points: list[MatmulPoint]) -> dict[str, Any]:
+    """The ``matmul_efficiency`` and ``kernel_overhead_s`` with which the preset (its
+    peaks, tiles and memory kept) matches the sweep best
+    (:func:`disttrain.plan.fit.fit_matmul`): what the planner would need to price
+    these shapes as this GPU runs them."""
+    fit = fit_matmul(preset, points)
+    return {"matmul_efficiency": _sig(fit.efficiency),
+            "preset_matmul_efficiency": _sig(preset.matmul_efficiency),
+            "kernel_overhead_s": _sig(fit.overhead_s),
+            "rms_rel_error": _sig(math.sqrt(statistics.fmean(e * e for e in fit.rel_errors)))}
 
 
 def _rate_row(key: dict[str, Any], flops: float, measured_s: float,
@@ -145,7 +166,8 @@ def main() -> None:
     measured = json.loads(args.cluster.read_text())["measured"]
     matmuls = matmul_rows(preset, measured["matmul"]["points"])
     attention = attention_rows(preset, measured["attention"])
-    sweep = sweep_rows(preset, device)
+    timed = time_sweep(device)
+    sweep = sweep_rows(preset, timed)
     print(json.dumps({
         "bench": "gpu_calibrate", "gpu": gpu, "torch": torch.__version__, "preset": name,
         "calibrated": measured["device"], "quick": measured["quick"],
@@ -153,6 +175,7 @@ def main() -> None:
                  "optimistic)",
         "matmul_summary": ratio_summary(matmuls, "precision"),
         "sweep_summary": ratio_summary(sweep, "pass") | ratio_summary(sweep),
+        "sweep_fit": sweep_fit(preset, [p for _, p in timed]),
         "attention_summary": ratio_summary(attention),
         "memory": memory_row(preset, measured["memory"]),
         "matmul": matmuls, "sweep": sweep, "attention": attention}))

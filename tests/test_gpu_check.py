@@ -66,5 +66,6 @@ def _check_calibrate(out: Path, lines: list[dict]) -> None:
     assert len(report["sweep"]) == 24 and report["preset"] == "h100-80gb"
     rows = report["matmul"] + report["attention"] + report["sweep"]
     assert all(r["ratio"] > 0 and r["measured_tflops"] > 0 for r in rows)
+    assert 0 < report["sweep_fit"]["matmul_efficiency"] <= 1
     assert report["memory"]["measured_gbps"] == pytest.approx(measured["memory"]["gbps"],
                                                               rel=1e-3)

@@ -30,7 +30,8 @@
 # The whole check stays within $GPU_CHECK_BUDGET_S seconds (480): each section's limit is
 # cut to what is left, and a section with under 20 s left is reported as skipped. The
 # sections run in the order of what they prove: env, set, mfu_eager, mfu_compile,
-# calibrate, jobs, pretrained, profile.
+# calibrate, profile (the planner's split beside the device's), jobs, pretrained (both
+# seen on an H200 already: the first to be cut when the budget runs out).
 # Logs and JSON go under $OUT when it is set, else under ./gpu_check_out (one flat
 # folder: results.jsonl with every JSON line, summary.txt, and a .log per section,
 # trimmed to its first 40 and last 200 lines: the raw output committed under
@@ -181,12 +182,12 @@ run mfu_compile 150 "$PY" bench/gpu_mfu.py "${MFU_SHAPE[@]}" --fused-loss off on
 json_lines mfu_compile
 run calibrate 60 calibrate
 json_lines calibrate
+run profile 60 "$PY" scripts/gpu_profile.py "${PROFILE_ARGS[@]}"
+json_lines profile
 run jobs 90 jobs
 json_lines jobs
 run pretrained 60 "$PY" scripts/gpu_pretrained.py "${PRETRAINED_ARGS[@]}"
 json_lines pretrained
-run profile 60 "$PY" scripts/gpu_profile.py "${PROFILE_ARGS[@]}"
-json_lines profile
 
 # each log trimmed to its first 40 and last 200 lines (JSON lines are in results.jsonl)
 for log in "$DEST"/*.log; do

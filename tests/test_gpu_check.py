@@ -29,7 +29,7 @@ def test_gpu_check_dry_run_writes_its_summary_and_json(tmp_path):
     summary = (tmp_path / "summary.txt").read_text().split("\n")
     assert [line.split()[:2] for line in summary if line] == [
         ["env", "ok"], ["mfu_eager", "ok"], ["mfu_compile", "ok"], ["calibrate", "ok"],
-        ["pretrained", "ok"], ["profile", "ok"]]
+        ["profile", "ok"], ["pretrained", "ok"]]
     lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().split("\n")
              if line]
     assert lines[0]["check"] == "env" and lines[0]["cuda_available"] is False
@@ -51,6 +51,12 @@ def test_gpu_check_dry_run_writes_its_summary_and_json(tmp_path):
         assert d["disttrain_vs_plain"] == pytest.approx(sum(ours) / sum(plain), rel=1e-3,
                                                         abs=1e-4)
     _check_calibrate(tmp_path, lines)
+    (profiled,) = [d for d in lines if d.get("check") == "gpu_profile"]
+    kinds = ("matmul", "attention", "memory_bound", "optimizer")
+    assert [r["side"] for r in profiled["rows"]] == ["disttrain", "plain"]
+    for r in profiled["rows"]:  # each side's time by kind; the matmuls take some
+        assert set(r["kinds_ms"]) == set(kinds) and r["kinds_ms"]["matmul"] > 0
+    assert profiled["planner"]["preset"] == "h100" and profiled["planner"]["step_ms"] > 0
     loaded = [d for d in lines if d.get("check") == "pretrained"]
     assert len(loaded) == 1 and loaded[0]["loss_difference"] < 1e-4
     assert summary[-1] == "" and "=== summary" in done.stdout

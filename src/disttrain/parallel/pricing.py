@@ -93,6 +93,12 @@ class DimensionPricing(Protocol):
         """The values of its search key ``name`` to try at ``degree``."""
         ...
 
+    def options_problem(self, layout: LayoutFacts) -> str | None:
+        """The first of its rules on its degree and search keys alone, whatever the model
+        (a combination no schedule takes), or None. :meth:`problem` asks it, and the
+        search does not generate the layouts it rejects."""
+        ...
+
     def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
         """The first of its rules ``layout`` breaks for this model and cluster (a short

@@ -116,7 +116,9 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
     """Every choice of degrees whose product is the cluster's size (each dimension's
     candidates), of each dimension's search keys, of the micro-batch (powers of two),
     the ZeRO stage (among ``zero``) and the recomputation (among ``recompute``); the
-    keys vary in label order, the last fastest."""
+    keys vary in label order, the last fastest. A combination of options that a
+    dimension's ``options_problem`` rejects (interleaving without a cut, a zero-bubble
+    schedule at a v it does not run) is never built: no model or batch makes it valid."""
     limits = _limits(cluster, max_v)
     mbs_options = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_mbs]
     owners = {o.name: d for d in DIMENSIONS for o in d.plan_options}
@@ -132,9 +134,43 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
                   behaviour(owners[k]).pricing.option_values(k, degrees[owners[k].key],
                                                              limits)
                   for k in keys]
-        for c in itertools.product(*values):
+        for c in _taken(keys, values, [k not in planner for k in keys], held):
             yield PlannedLayout.of(held, tuple(int(c[i]) for i in option_at),
                                    int(c[mbs_at]), int(c[zero_at]), str(c[recompute_at]))
+
+
+def _taken(keys: list[str], values: list[Sequence[int | str]], is_option: list[bool],
+           held: tuple[int, ...]) -> Iterator[tuple[int | str, ...]]:
+    """The product of ``values`` (one sequence per key, the last fastest, in that order)
+    less the combinations of options that a dimension's ``options_problem`` rejects at
+    the degrees ``held``: those are never built. The accepted options form a tree over
+    the runs of consecutive option keys, walked with the planner's keys between."""
+    runs = [list(run) for _, run in itertools.groupby(range(len(keys)),
+                                                      key=is_option.__getitem__)]
+    option_keys = [k for k, o in zip(keys, is_option, strict=True) if o]
+    tree: dict = {}
+    for combo in itertools.product(*(v for v, o in zip(values, is_option, strict=True)
+                                     if o)):
+        chosen = dict(zip(option_keys, combo, strict=True))
+        probe = PlannedLayout.of(held, tuple(int(chosen[o.name]) for o in OPTIONS), 1, 0,
+                                 RECOMPUTE[0])
+        if any(p.options_problem(probe) for p in _pricings()):
+            continue
+        node, at = tree, 0
+        for run in runs:
+            if is_option[run[0]]:
+                node, at = node.setdefault(combo[at:at + len(run)], {}), at + len(run)
+
+    def walk(r: int, node: dict, prefix: tuple) -> Iterator[tuple]:
+        if r == len(runs):
+            yield prefix
+            return
+        run = runs[r]
+        parts = (node.items() if is_option[run[0]] else
+                 ((part, node) for part in itertools.product(*(values[i] for i in run))))
+        for part, child in parts:
+            yield from walk(r + 1, child, prefix + part)
+    return walk(0, tree, ())
 
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,

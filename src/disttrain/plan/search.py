@@ -21,7 +21,7 @@ from ..parallel.dimensions import behaviour
 from ..parallel.pricing import DimensionPricing, SearchLimits
 from ..shape import ModelShape
 from .cluster import Cluster
-from .estimate import Estimate, estimate, memory_floor
+from .estimate import Estimate, estimate, memory_floor, with_step_time
 from .layout import OPTIONS, RECOMPUTE, PlannedLayout
 from .options import DEFAULT_OPTIONS, Options
 
@@ -52,6 +52,15 @@ def layout_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
     batch (a short reason, used to count rejections), or None: the device count, each
     dimension's own rules, ZeRO's replicas, the batch's split, each dimension's rules on
     the micro-batches, the recomputation."""
+    return (_degrees_problem(shape, cluster, planned)
+            or _run_problem(planned, global_batch))
+
+
+def _degrees_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout
+                     ) -> str | None:
+    """The rules :func:`layout_problem` asks first, which read only the degrees and
+    options (the search asks them once for every micro-batch, ZeRO stage and
+    recomputation): the device count, each dimension's own rules."""
     n = cluster.n_devices
     if planned.ranks != n:
         return f"{joined(plan_order())} != {n} devices"
@@ -60,6 +69,12 @@ def layout_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
         problem = pricing.problem(shape, planned, limits)
         if problem:
             return problem
+    return None
+
+
+def _run_problem(planned: PlannedLayout, global_batch: int) -> str | None:
+    """The rules :func:`layout_problem` asks next: ZeRO's replicas, the batch's split,
+    each dimension's rules on the micro-batches, the recomputation."""
     if planned.zero and planned.replicas == 1:
         return f"ZeRO needs {joined(with_role(Role.REPLICAS))} > 1"
     if global_batch % (planned.role(Role.SAMPLES) * planned.mbs):
@@ -189,12 +204,16 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
     least = None
     budget = cluster.memory_gib * _GIB
     floors: dict[tuple, float] = {}  # memory_floor by what it depends on
+    by_degrees: dict[tuple, str | None] = {}  # _degrees_problem by what it depends on
     for planned in candidates(shape, cluster, global_batch, recompute=recompute,
                           zero=zero):
         if held and any(_value(planned, key) != value for key, value in held):
             continue
         result.considered += 1
-        problem = layout_problem(shape, cluster, planned, global_batch)
+        rules = (planned.degrees, planned.options)
+        if rules not in by_degrees:
+            by_degrees[rules] = _degrees_problem(shape, cluster, planned)
+        problem = by_degrees[rules] or _run_problem(planned, global_batch)
         if problem:
             result.rejected[problem] += 1
             continue
@@ -216,7 +235,7 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
             result.worst_overflow_gib = max(result.worst_overflow_gib, over)
             result.rejected["does not fit in memory"] += 1
             continue
-        kept.append(estimate(shape, cluster, planned, global_batch, options))
+        kept.append(with_step_time(est, shape, cluster, global_batch, options))
     kept.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
     result.rows = kept[:top] if top > 0 else kept
     result.least_overflow_gib = least or 0.0

@@ -277,12 +277,13 @@ def memory_floor(shape: ModelShape, cluster: Cluster, layout: PlannedLayout,
     micro-batch and recomputation of the same degrees, options and ZeRO stage."""
     cut = stage_pricing().cut(layout)
     shape = _held(shape, layout.token_split)
-    counts = list(cut.stage_layers(cut.chunk_layers(shape.layers)))
+    counts = cut.stage_layers(cut.chunk_layers(shape.layers))
+    # stages alike in layers and ends hold alike: each kind priced once
+    kinds = {(layers, st == 0, st == cut.stages - 1) for st, layers in enumerate(counts)}
     states = max(model_state_bytes(
-        rank_params(shape, layout.shards, layers, st == 0, st == cut.stages - 1,
-                    cut.stages),
+        rank_params(shape, layout.shards, layers, first, last, cut.stages),
         replicas=layout.replicas, zero=layout.zero, master_copy=options.master_copy).total
-        for st, layers in enumerate(counts))
+        for layers, first, last in kinds)
     return states + cluster.reserved_gib * _GIB
 
 

@@ -93,10 +93,18 @@ class DimensionPricing(Protocol):
         """The values of its search key ``name`` to try at ``degree``."""
         ...
 
+    def options_problem(self, layout: LayoutFacts) -> str | None:
+        """The first of its rules on its degree and search keys alone, whatever the model
+        (a combination no schedule takes), or None. :meth:`problem` asks it, and the
+        search does not generate the layouts it rejects."""
+        ...
+
     def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
         """The first of its rules ``layout`` breaks for this model and cluster (a short
-        reason: rejections are counted by it), or None."""
+        reason: rejections are counted by it), or None. It reads the layout's degrees
+        and options only (the micro-batches: :meth:`batch_problem`): the search asks it
+        once for every micro-batch, ZeRO stage and recomputation."""
         ...
 
     def batch_problem(self, layout: LayoutFacts, micro_batches: int) -> str | None:

@@ -40,6 +40,7 @@ reports TFLOP/s; MFU counts model FLOPs only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from ..dimensions import Role
@@ -55,7 +56,7 @@ from .memory import (
     model_state_bytes,
 )
 from .options import DEFAULT_OPTIONS, Options
-from .steptime import StepTime, holds_ends, step_time
+from .steptime import holds_ends, step_time
 
 _GIB = 2**30
 
@@ -239,19 +240,32 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: PlannedLayout, global_
             rebuilt=rebuilt, loss_transient=transient, communication=buckets + gathered + ring,
             other=cluster.reserved_gib * _GIB)
     worst = max(stages, key=lambda st: stages[st].total)
-    time = StepTime() if memory_only else step_time(planned, whole, cluster, o, global_batch,
-                                                    sizes, counts)
-    tokens, model_flops, hardware_flops = ((0, 0.0, 0.0) if memory_only
-                                           else _flops(whole, planned, global_batch))
-    return Estimate(layout=planned, stages=[stages.get(st) for st in range(cut.stages)],
-                    worst_stage=worst, n_devices=planned.ranks,
-                    peak_flops=cluster.peak_flops(o.precision),
-                    fits=stages[worst].total <= cluster.memory_gib * _GIB,
-                    step_time_s=time.step_time_s, times=time.times, split=time.split,
-                    chunk_forward_s=time.chunk_forward_s,
-                    chunk_backward_s=time.chunk_backward_s,
-                    p2p_message_s=time.p2p_message_s, tokens=tokens,
-                    model_flops=model_flops, hardware_flops=hardware_flops)
+    memory = Estimate(layout=planned, stages=[stages.get(st) for st in range(cut.stages)],
+                      worst_stage=worst, n_devices=planned.ranks,
+                      peak_flops=cluster.peak_flops(o.precision),
+                      fits=stages[worst].total <= cluster.memory_gib * _GIB)
+    if memory_only:
+        return memory
+    return with_step_time(memory, whole, cluster, global_batch, o, chunk_sizes=chunk_sizes)
+
+
+def with_step_time(memory: Estimate, shape: ModelShape, cluster: Cluster, global_batch: int,
+                   options: Options = DEFAULT_OPTIONS, *,
+                   chunk_sizes: tuple[int, ...] | None = None) -> Estimate:
+    """``memory`` (an estimate with ``memory_only``, of the same model, cluster, batch,
+    options and chunks) with its step time, FLOPs and tokens: :func:`estimate`'s
+    result, without estimating the memory again (the search times only what fits)."""
+    planned = memory.layout
+    cut = stage_pricing().cut(planned)
+    sizes = chunk_sizes or cut.chunk_layers(shape.layers)
+    time = step_time(planned, shape, cluster, options, global_batch, sizes,
+                     list(cut.stage_layers(sizes)))
+    tokens, model_flops, hardware_flops = _flops(shape, planned, global_batch)
+    return replace(memory, step_time_s=time.step_time_s, times=time.times, split=time.split,
+                   chunk_forward_s=time.chunk_forward_s,
+                   chunk_backward_s=time.chunk_backward_s,
+                   p2p_message_s=time.p2p_message_s, tokens=tokens,
+                   model_flops=model_flops, hardware_flops=hardware_flops)
 
 
 def memory_floor(shape: ModelShape, cluster: Cluster, layout: PlannedLayout,
@@ -263,15 +277,17 @@ def memory_floor(shape: ModelShape, cluster: Cluster, layout: PlannedLayout,
     micro-batch and recomputation of the same degrees, options and ZeRO stage."""
     cut = stage_pricing().cut(layout)
     shape = _held(shape, layout.token_split)
-    counts = list(cut.stage_layers(cut.chunk_layers(shape.layers)))
+    counts = cut.stage_layers(cut.chunk_layers(shape.layers))
+    # stages alike in layers and ends hold alike: each kind priced once
+    kinds = {(layers, st == 0, st == cut.stages - 1) for st, layers in enumerate(counts)}
     states = max(model_state_bytes(
-        rank_params(shape, layout.shards, layers, st == 0, st == cut.stages - 1,
-                    cut.stages),
+        rank_params(shape, layout.shards, layers, first, last, cut.stages),
         replicas=layout.replicas, zero=layout.zero, master_copy=options.master_copy).total
-        for st, layers in enumerate(counts))
+        for layers, first, last in kinds)
     return states + cluster.reserved_gib * _GIB
 
 
+@functools.lru_cache(maxsize=256)  # a search asks it per layout: not a new shape each time
 def _held(shape: ModelShape, token_split: int) -> ModelShape:
     """What one rank's activations are of: ``shape`` at its part of each sample's
     tokens; split, its attention keeps no scores whatever the model's kernel (each

@@ -21,7 +21,7 @@ from ..parallel.dimensions import behaviour
 from ..parallel.pricing import DimensionPricing, SearchLimits
 from ..shape import ModelShape
 from .cluster import Cluster
-from .estimate import Estimate, estimate, memory_floor
+from .estimate import Estimate, estimate, memory_floor, with_step_time
 from .layout import OPTIONS, RECOMPUTE, PlannedLayout
 from .options import DEFAULT_OPTIONS, Options
 
@@ -52,6 +52,15 @@ def layout_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
     batch (a short reason, used to count rejections), or None: the device count, each
     dimension's own rules, ZeRO's replicas, the batch's split, each dimension's rules on
     the micro-batches, the recomputation."""
+    return (_degrees_problem(shape, cluster, planned)
+            or _run_problem(planned, global_batch))
+
+
+def _degrees_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout
+                     ) -> str | None:
+    """The rules :func:`layout_problem` asks first, which read only the degrees and
+    options (the search asks them once for every micro-batch, ZeRO stage and
+    recomputation): the device count, each dimension's own rules."""
     n = cluster.n_devices
     if planned.ranks != n:
         return f"{joined(plan_order())} != {n} devices"
@@ -60,6 +69,12 @@ def layout_problem(shape: ModelShape, cluster: Cluster, planned: PlannedLayout,
         problem = pricing.problem(shape, planned, limits)
         if problem:
             return problem
+    return None
+
+
+def _run_problem(planned: PlannedLayout, global_batch: int) -> str | None:
+    """The rules :func:`layout_problem` asks next: ZeRO's replicas, the batch's split,
+    each dimension's rules on the micro-batches, the recomputation."""
     if planned.zero and planned.replicas == 1:
         return f"ZeRO needs {joined(with_role(Role.REPLICAS))} > 1"
     if global_batch % (planned.role(Role.SAMPLES) * planned.mbs):
@@ -116,7 +131,9 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
     """Every choice of degrees whose product is the cluster's size (each dimension's
     candidates), of each dimension's search keys, of the micro-batch (powers of two),
     the ZeRO stage (among ``zero``) and the recomputation (among ``recompute``); the
-    keys vary in label order, the last fastest."""
+    keys vary in label order, the last fastest. A combination of options that a
+    dimension's ``options_problem`` rejects (interleaving without a cut, a zero-bubble
+    schedule at a v it does not run) is never built: no model or batch makes it valid."""
     limits = _limits(cluster, max_v)
     mbs_options = [b for b in (1, 2, 4, 8, 16, 32) if b <= max_mbs]
     owners = {o.name: d for d in DIMENSIONS for o in d.plan_options}
@@ -132,9 +149,43 @@ def candidates(shape: ModelShape, cluster: Cluster, global_batch: int, *,
                   behaviour(owners[k]).pricing.option_values(k, degrees[owners[k].key],
                                                              limits)
                   for k in keys]
-        for c in itertools.product(*values):
+        for c in _taken(keys, values, [k not in planner for k in keys], held):
             yield PlannedLayout.of(held, tuple(int(c[i]) for i in option_at),
                                    int(c[mbs_at]), int(c[zero_at]), str(c[recompute_at]))
+
+
+def _taken(keys: list[str], values: list[Sequence[int | str]], is_option: list[bool],
+           held: tuple[int, ...]) -> Iterator[tuple[int | str, ...]]:
+    """The product of ``values`` (one sequence per key, the last fastest, in that order)
+    less the combinations of options that a dimension's ``options_problem`` rejects at
+    the degrees ``held``: those are never built. The accepted options form a tree over
+    the runs of consecutive option keys, walked with the planner's keys between."""
+    runs = [list(run) for _, run in itertools.groupby(range(len(keys)),
+                                                      key=is_option.__getitem__)]
+    option_keys = [k for k, o in zip(keys, is_option, strict=True) if o]
+    tree: dict = {}
+    for combo in itertools.product(*(v for v, o in zip(values, is_option, strict=True)
+                                     if o)):
+        chosen = dict(zip(option_keys, combo, strict=True))
+        probe = PlannedLayout.of(held, tuple(int(chosen[o.name]) for o in OPTIONS), 1, 0,
+                                 RECOMPUTE[0])
+        if any(p.options_problem(probe) for p in _pricings()):
+            continue
+        node, at = tree, 0
+        for run in runs:
+            if is_option[run[0]]:
+                node, at = node.setdefault(combo[at:at + len(run)], {}), at + len(run)
+
+    def walk(r: int, node: dict, prefix: tuple) -> Iterator[tuple]:
+        if r == len(runs):
+            yield prefix
+            return
+        run = runs[r]
+        parts = (node.items() if is_option[run[0]] else
+                 ((part, node) for part in itertools.product(*(values[i] for i in run))))
+        for part, child in parts:
+            yield from walk(r + 1, child, prefix + part)
+    return walk(0, tree, ())
 
 
 def search(shape: ModelShape, cluster: Cluster, global_batch: int,
@@ -153,12 +204,16 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
     least = None
     budget = cluster.memory_gib * _GIB
     floors: dict[tuple, float] = {}  # memory_floor by what it depends on
+    by_degrees: dict[tuple, str | None] = {}  # _degrees_problem by what it depends on
     for planned in candidates(shape, cluster, global_batch, recompute=recompute,
                           zero=zero):
         if held and any(_value(planned, key) != value for key, value in held):
             continue
         result.considered += 1
-        problem = layout_problem(shape, cluster, planned, global_batch)
+        rules = (planned.degrees, planned.options)
+        if rules not in by_degrees:
+            by_degrees[rules] = _degrees_problem(shape, cluster, planned)
+        problem = by_degrees[rules] or _run_problem(planned, global_batch)
         if problem:
             result.rejected[problem] += 1
             continue
@@ -180,7 +235,7 @@ def search(shape: ModelShape, cluster: Cluster, global_batch: int,
             result.worst_overflow_gib = max(result.worst_overflow_gib, over)
             result.rejected["does not fit in memory"] += 1
             continue
-        kept.append(estimate(shape, cluster, planned, global_batch, options))
+        kept.append(with_step_time(est, shape, cluster, global_batch, options))
     kept.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
     result.rows = kept[:top] if top > 0 else kept
     result.least_overflow_gib = least or 0.0

@@ -23,6 +23,9 @@ class DataPricing:
     def option_values(self, name: str, degree: int, limits: SearchLimits) -> Sequence[int]:
         raise KeyError(f"dp has no search key {name!r}")
 
+    def options_problem(self, layout: LayoutFacts) -> str | None:
+        return None  # no search keys
+
     def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
         return None

@@ -282,12 +282,10 @@ class PipelinePricing:
             return (0, *ZERO_BUBBLE) if degree > 1 else (0,)
         return (0,)  # gpipe: set by hand (--layout), never searched
 
-    def problem(self, shape: ShapeFacts, planned: LayoutFacts, limits: SearchLimits
-                ) -> str | None:
+    def options_problem(self, planned: LayoutFacts) -> str | None:
+        """Interleaving, GPipe and the zero-bubble schedules each take some (pp, v)."""
         pp, v, gpipe = planned.degree(ENTRY.key), planned.option("v"), planned.option("gpipe")
         zb = planned.option("zb")
-        if pp * v > shape.layers:
-            return "pp x v exceeds the layers"
         if v > 1 and pp == 1:
             return "interleaving needs pp > 1"
         if gpipe and (pp == 1 or v > 1):
@@ -295,6 +293,12 @@ class PipelinePricing:
         if zb and (pp == 1 or gpipe or zb not in ZERO_BUBBLE or v != zb):
             return "zero bubble needs pp > 1, no gpipe, and v = 1 (zb1) or 2 (zbv)"
         return None
+
+    def problem(self, shape: ShapeFacts, planned: LayoutFacts, limits: SearchLimits
+                ) -> str | None:
+        if planned.degree(ENTRY.key) * planned.option("v") > shape.layers:
+            return "pp x v exceeds the layers"
+        return self.options_problem(planned)
 
     def batch_problem(self, planned: LayoutFacts, micro_batches: int) -> str | None:
         pp = planned.degree(ENTRY.key)

@@ -52,13 +52,19 @@ def check_schedule(schedule: Schedule) -> None:
 
 def dependencies(action: Action, n_chunks: int) -> tuple[Action, ...]:
     """The actions whose results ``action`` consumes (messages or local activations)."""
-    c, i = action.chunk, action.micro
-    if action.kind == FORWARD:
-        return (Action(FORWARD, c - 1, i),) if c > 0 else ()
-    if action.kind == WEIGHT:
-        return (Action(BACKWARD, c, i),)
-    upstream = Action(BACKWARD, c + 1, i) if c < n_chunks - 1 else None
-    return (Action(FORWARD, c, i),) + ((upstream,) if upstream else ())
+    return tuple(Action(kind, c, action.micro)
+                 for kind, c in _needs(action.kind, action.chunk, n_chunks))
+
+
+def _needs(kind: str, c: int, n_chunks: int) -> tuple[tuple[str, int], ...]:
+    """(kind, chunk) of the actions on the same micro-batch that an action of ``kind``
+    on chunk ``c`` consumes: the previous chunk's forward; its own B; its own forward
+    and the next chunk's backward."""
+    if kind == FORWARD:
+        return ((FORWARD, c - 1),) if c > 0 else ()
+    if kind == WEIGHT:
+        return ((BACKWARD, c),)
+    return ((FORWARD, c), (BACKWARD, c + 1)) if c < n_chunks - 1 else ((FORWARD, c),)
 
 
 def simulate(schedule: Schedule, *, forward_time: float | Sequence[float] = 1.0,
@@ -77,7 +83,9 @@ def simulate(schedule: Schedule, *, forward_time: float | Sequence[float] = 1.0,
         backward = tuple(b - w for b, w in zip(backward, weight, strict=True))
     costs = {FORWARD: _per_chunk(forward_time, n, "forward_time"),
              BACKWARD: backward, WEIGHT: weight}
-    done: dict[Action, float] = {}
+    done: dict[tuple[str, int, int], float] = {}  # end of each (kind, chunk, micro) run
+    needs = {(kind, c): _needs(kind, c, n) for kind in costs for c in range(n)}
+    rank_of = [schedule.rank_of(c) for c in range(n)]
     pos, free = [0] * schedule.pp, [0.0] * schedule.pp
     out: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
     remaining = sum(map(len, schedule.actions))
@@ -86,14 +94,17 @@ def simulate(schedule: Schedule, *, forward_time: float | Sequence[float] = 1.0,
         for rank, actions in enumerate(schedule.actions):
             while pos[rank] < len(actions):
                 action = actions[pos[rank]]
-                deps = dependencies(action, schedule.n_chunks)
-                if any(d not in done for d in deps):
+                start, ready = free[rank], True
+                for kind, c in needs[action.kind, action.chunk]:
+                    end = done.get((kind, c, action.micro))
+                    if end is None:
+                        ready = False
+                        break
+                    start = max(start, end + message_time if rank_of[c] != rank else end)
+                if not ready:
                     break
-                start = max([free[rank]] + [
-                    done[d] + (message_time if schedule.rank_of(d.chunk) != rank else 0.0)
-                    for d in deps])
                 cost = costs[action.kind][action.chunk]
-                done[action] = free[rank] = start + cost
+                done[action.kind, action.chunk, action.micro] = free[rank] = start + cost
                 out[rank].append(TimedAction(action, rank, start, start + cost))
                 pos[rank] += 1
                 moved += 1
@@ -121,12 +132,14 @@ def bubble_fractions(timeline: list[list[TimedAction]]) -> list[float]:
     return [1 - sum(t.end - t.start for t in actions) / span for actions in timeline]
 
 
-def _stuck(schedule: Schedule, pos: list[int], done: dict[Action, float]) -> str:
+def _stuck(schedule: Schedule, pos: list[int], done: dict[tuple[str, int, int], float]
+           ) -> str:
     lines = []
     for rank, actions in enumerate(schedule.actions):
         if pos[rank] < len(actions):
             action = actions[pos[rank]]
-            waits = [str(d) for d in dependencies(action, schedule.n_chunks) if d not in done]
+            waits = [str(d) for d in dependencies(action, schedule.n_chunks)
+                     if (d.kind, d.chunk, d.micro) not in done]
             lines.append(f"rank {rank} at {action} waits for {', '.join(waits)}")
     return f"{schedule.name} pp={schedule.pp} m={schedule.m} v={schedule.v} deadlocks: " \
         + "; ".join(lines)

@@ -27,6 +27,11 @@ class TensorPricing:
     def option_values(self, name: str, degree: int, limits: SearchLimits) -> Sequence[int]:
         return (0, 1) if degree > 1 else (0,)  # sp
 
+    def options_problem(self, layout: LayoutFacts) -> str | None:
+        if layout.option("sp") and layout.degree(ENTRY.key) == 1:
+            return "sp needs tp > 1"
+        return None
+
     def problem(self, shape: ShapeFacts, layout: LayoutFacts, limits: SearchLimits
                 ) -> str | None:
         tp, sp = layout.degree(ENTRY.key), layout.option("sp")
@@ -40,8 +45,9 @@ class TensorPricing:
             return "tp does not divide the vocabulary"
         if tp > limits.gpus_per_node:
             return "tp spans nodes"
-        if sp and tp == 1:
-            return "sp needs tp > 1"
+        problem = self.options_problem(layout)
+        if problem:
+            return problem
         if sp and shape.seq % tp:
             return "tp does not divide the sequence (sp)"
         return None

@@ -329,18 +329,29 @@ def measure_links(opts: CalibrateOptions) -> tuple[dict[str, Any], dict[str, Any
 def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
                ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """``{op: [latency_s, gbps]}`` of each collective, fitted to the medians of its
-    calls (each call the slowest rank's), and the medians."""
+    calls (each call the slowest rank's: :func:`_call_medians`), the medians and the
+    calls."""
     fits, notes = {}, {}
     for op in GROUP_LINK_OPS:
         medians = _call_medians(op, len(sizes), per_rank)
         fit = fit_line(sizes, medians)
         fits[op] = [fit.latency_s, fit.gbps]
-        notes[op] = {"seconds": medians, "fit_rel_errors": fit.rel_errors}
+        notes[op] = {"seconds": medians, "fit_rel_errors": fit.rel_errors,
+                     "calls": [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank),
+                                                           strict=True)]
+                               for i in range(len(sizes))]}
     return fits, notes
 
 
 def _call_medians(op: str, n_sizes: int, per_rank: list[dict[str, list[list[float]]]]
                   ) -> list[float]:
+    """Per size, the median over calls of the slowest rank's time. On a CPU whose ranks
+    share the cores the calls are bimodal (2 ranks on 2 cores: half under 0.3 ms, a
+    quarter 3-4 ms, a rank waiting a scheduler tick for its peer), so the median (0.27
+    ms there) is below what a step pays per call (about 0.8 ms in a dp 2 step's
+    profile); their mean is nearer on average but, over 120 calls, moved 3x between
+    two calibrations (bench/README.md, `plan.py`): the median stays, the calls are kept
+    in the notes. On a GPU each call is a batch's mean."""
     return [statistics.median(max(ranks) for ranks in zip(*(r[op][i] for r in per_rank),
                                                              strict=True))
             for i in range(n_sizes)]

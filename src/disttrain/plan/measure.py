@@ -320,8 +320,8 @@ def _timed_calls(call: Callable[[], object], device: torch.device, effort: Effor
     """Seconds per call, after a barrier per ``batch`` calls back to back (so that one
     rank's late start weighs little). On a GPU each figure is the mean of a batch (one
     device synchronisation per batch); on a CPU every call is its own figure, since a
-    collective there meets the scheduler: most calls are quick and a few wait for a
-    core, and the median call, not the mean, is what a training step pays typically.
+    collective there meets the scheduler: most calls are quick and some wait for a
+    core (the calibration fits the median call and keeps every call in its notes).
     Every rank makes the same calls: no deadline here, the ranks must agree."""
     for _ in range(effort.warmup):
         call()

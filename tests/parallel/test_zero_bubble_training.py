@@ -1,10 +1,11 @@
 """The zero-bubble schedules (zb1 = ZB-H1, zbv) through the Trainer: the built-in GPT
 and a tiny transformers Llama (8 blocks, so a V of 2 x 4 chunks fits) end with the
 final weights of one process, at pp 2 and 4, m = pp and 2 pp micro-batches, with tp 2
-or dp 2 under ZeRO-1, 2 and 3 beside (ZeRO-3: B gathers a chunk's weights as 1F1B's
-backward does, a W reads none of them, and the gradients accumulate unsharded until
-the chunk's last W reduces them); a checkpoint
-saved under zbv resumes under zb1 and under 1F1B on the same trajectory.
+or dp 2 under ZeRO-1, 2 and 3 beside, and ZeRO-3 with tp 2 at world 8 (ZeRO-3: B
+gathers a chunk's weights as 1F1B's backward does, a W reads none of them, a
+tensor-parallel linear's W computes no input gradient again, and the gradients
+accumulate unsharded until the chunk's last W reduces them); a checkpoint saved under
+zbv resumes under zb1 and under 1F1B on the same trajectory.
 
 atol 1e-4 (as tests/parallel/test_hybrid.py): the layouts sum the same terms in other
 orders (micro-batches, tp shards, the split B / W passes group the weight gradients by
@@ -42,7 +43,10 @@ WORLD4 = [("pp2-tp2-zb1-m2", 1, 2, 2, 0, "zb1", 2), ("pp2-tp2-zbv-m4", 1, 2, 2, 
 RESUME = [(2, 2, 1, 1, "zbv", 2), (1, 4, 1, 0, "zb1", 4), (1, 2, 2, 0, "1f1b", 2)]
 WORLD8 = [("pp4-tp2-zbv-m8", 1, 4, 2, 0, "zbv", 8), ("pp4-tp2-zb1-m4", 1, 4, 2, 0, "zb1", 4),
           ("dp2-pp4-z1-zb1-m8", 2, 4, 1, 1, "zb1", 8),
-          ("dp2-pp4-z1-zbv-m4", 2, 4, 1, 1, "zbv", 4)]
+          ("dp2-pp4-z1-zbv-m4", 2, 4, 1, 1, "zbv", 4),
+          # ZeRO-3 with tp beside it: B gathers a chunk's tp shards' flats, W reads none
+          ("dp2-pp2-tp2-z3-zb1-m4", 2, 2, 2, 3, "zb1", 4),
+          ("dp2-pp2-tp2-z3-zbv-m2", 2, 2, 2, 3, "zbv", 2)]
 
 
 def _llama() -> torch.nn.Module:

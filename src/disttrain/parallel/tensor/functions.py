@@ -184,16 +184,37 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
             torch.get_autocast_dtype(device_type))
 
 
+def wanted_now(ctx: Any, index: int) -> bool:
+    """Whether this run of a Function's backward must give the gradient of its forward
+    input ``index``: it needs one (``needs_input_grad``) and the running graph task
+    goes on from that input (``torch._C._will_engine_execute_node``). A split backward
+    asks for part of a node: a zero-bubble B for the input only, its W for the weights
+    only (:mod:`disttrain.parallel.pipeline.split_backward`), where computing the other
+    part would repeat a matmul, a collective, or read a weight ZeRO-3 has freed.
+    Unknown (a leaf ``autograd.grad`` asked for, an older torch): wanted."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    if node is None or will_run is None:
+        return True
+    try:
+        return bool(will_run(node))
+    except RuntimeError:  # torch cannot tell for a leaf that autograd.grad asked for
+        return True
+
+
 def _linear_grads(ctx: Any, grad: torch.Tensor, x: torch.Tensor
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weight, bias) gradients of y = x @ W^T + b, as much as autograd asks for: W
-    stored [out, in], or [in, out] when ``ctx.transposed``; grad [..., out]."""
+    """(weight, bias) gradients of y = x @ W^T + b, as much as this backward asks for
+    (:func:`wanted_now`): W stored [out, in], or [in, out] when ``ctx.transposed``;
+    grad [..., out]."""
     g2 = grad.reshape(-1, grad.shape[-1])
     grad_w = None
-    if ctx.needs_input_grad[1]:
+    if wanted_now(ctx, 1):
         x2 = x.reshape(-1, x.shape[-1])
         grad_w = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
-    grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    grad_b = g2.sum(0) if ctx.has_bias and wanted_now(ctx, 2) else None
     return grad_w, grad_b
 
 
@@ -226,7 +247,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         device_type, enabled, dtype = ctx.autocast
         pending = None
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            if ctx.needs_input_grad[0]:  # summed in the input's dtype, as unfused
+            if wanted_now(ctx, 0):  # summed in the input's dtype, as unfused
                 w = weight.t() if ctx.transposed else weight
                 grad_x = grad.matmul(w).to(ctx.x_dtype).contiguous()
                 if ctx.sequence_parallel:

@@ -170,6 +170,7 @@ WORLD4 = [(f, name, parallel, saved) for f in FAMILIES for name, parallel, saved
     ("cp2-tp2", {"cp": 2, "tp": 2}, None),
     ("cp2-dp2-z3", {"cp": 2, "dp": 2, "zero": 3}, None),
     ("cp2-pp2", {"cp": 2, "pp": 2, "pp_schedule": "1f1b"}, None),
+    ("cp2-pp2-zb1", {"cp": 2, "pp": 2, "pp_schedule": "zb1"}, None),
     ("cp4-resumed", {"cp": 4}, f"{f}-saved"),
     ("cp2-dp2-z3-resumed", {"cp": 2, "dp": 2, "zero": 3}, f"{f}-saved"))]
 WORLD4.append(("gpt", "cp2-tp2-sp", {"cp": 2, "tp": 2, "sequence_parallel": True}, None))

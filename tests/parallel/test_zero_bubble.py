@@ -323,3 +323,22 @@ def _options(lay):
     from disttrain.plan.layout import OPTIONS
 
     return [(o.name, lay.option(o.name)) for o in OPTIONS]
+
+
+def test_the_planner_refuses_what_the_trainer_refuses_under_zero_bubble():
+    """Recomputation under ZeRO-3 with a zero-bubble schedule (its W would recompute
+    blocks whose weights ZeRO-3 freed after B) is a rule of the pipeline's pricing,
+    the trainer's own (``check.split_backward_problem``): the planner never proposes
+    a layout the trainer would refuse; ZeRO-2 with it, or 1F1B, stays."""
+    from disttrain.dimensions import dimension
+    from disttrain.parallel.dimensions import behaviour
+    from disttrain.plan.layout import PlannedLayout
+
+    pricing = behaviour(dimension("pp")).pricing
+    for zb, zero, recompute, refused in ((1, 3, "full", True), (2, 3, "selective", True),
+                                         (1, 2, "full", False), (0, 3, "full", False),
+                                         (1, 3, "none", False)):
+        planned = PlannedLayout(pp=2, dp=2, v=2 if zb == 2 else 1, zb=zb, zero=zero,
+                                recompute=recompute)
+        assert (pricing.batch_problem(planned, 4) is not None) == refused, (zb, zero,
+                                                                             recompute)

@@ -38,7 +38,12 @@ WORLD4 = [("pp2-tp2-zb1-m2", 1, 2, 2, 0, "zb1", 2), ("pp2-tp2-zbv-m4", 1, 2, 2, 
           ("pp4-zbv-m4", 1, 4, 1, 0, "zbv", 4), ("pp4-zbv-m8", 1, 4, 1, 0, "zbv", 8),
           ("dp2-pp2-z2-zbv-m4", 2, 2, 1, 2, "zbv", 4),
           ("dp2-pp2-z3-zb1-m4", 2, 2, 1, 3, "zb1", 4),
-          ("dp2-pp2-z3-zbv-m2", 2, 2, 1, 3, "zbv", 2)]
+          ("dp2-pp2-z3-zbv-m2", 2, 2, 1, 3, "zbv", 2),
+          # activation checkpointing: W reruns what reads a checkpointed block's saved
+          # tensors, which it recomputes (refused under ZeRO-3, whose weights are freed)
+          ("pp2-tp2-zb1-m2-ckpt", 1, 2, 2, 0, "zb1", 2, {"activation_checkpointing": "full"}),
+          ("dp2-pp2-z2-zbv-m4-ckpt", 2, 2, 1, 2, "zbv", 4,
+           {"activation_checkpointing": "full"})]
 # saved at step 2 under the first layout, resumed for the last step under the others
 RESUME = [(2, 2, 1, 1, "zbv", 2), (1, 4, 1, 0, "zb1", 4), (1, 2, 2, 0, "1f1b", 2)]
 WORLD8 = [("pp4-tp2-zbv-m8", 1, 4, 2, 0, "zbv", 8), ("pp4-tp2-zb1-m4", 1, 4, 2, 0, "zb1", 4),
@@ -61,7 +66,7 @@ def _llama() -> torch.nn.Module:
 
 def _fit_gpt(run_dir: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
              schedule: str = "1f1b", m: int = 1, steps: int = STEPS,
-             checkpoint: dict | None = None, start: int = 0
+             checkpoint: dict | None = None, start: int = 0, train: dict | None = None
              ) -> dict[str, torch.Tensor] | None:
     from disttrain import Trainer
     from disttrain.config import load_config
@@ -69,7 +74,7 @@ def _fit_gpt(run_dir: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
     from disttrain.models import GPT, token_loss
 
     train = {**_tiny_train(), "steps": steps, "global_batch": BATCH, "grad_accum": m,
-             "schedule": "constant", "warmup_steps": 0, "grad_clip": 1.0}
+             "schedule": "constant", "warmup_steps": 0, "grad_clip": 1.0, **(train or {})}
     cfg = load_config(values={"model": GPT_MODEL, "train": train,
                               "checkpoint": checkpoint or {"every": 0},
                               "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero,
@@ -84,11 +89,11 @@ def _fit_gpt(run_dir: str, dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
 
 
 def _fit_llama(run_dir: str, dp: int, pp: int, tp: int, zero: int, schedule: str,
-               m: int) -> dict[str, torch.Tensor] | None:
+               m: int, train: dict | None = None) -> dict[str, torch.Tensor] | None:
     from disttrain import Trainer
 
     trainer = Trainer(_llama(), padded_rows(4 * BATCH, SEQ, VOCAB), config={
-        "train": {**HF_TRAIN, "grad_accum": m}, "checkpoint": {"every": 0},
+        "train": {**HF_TRAIN, "grad_accum": m, **(train or {})}, "checkpoint": {"every": 0},
         "parallel": {"dp": dp, "pp": pp, "tp": tp, "zero": zero, "pp_schedule": schedule},
         "monitor": {"peak_tflops": 1.0}}, run_dir=run_dir, progress=False)
     trainer.fit()
@@ -98,8 +103,9 @@ def _fit_llama(run_dir: str, dp: int, pp: int, tp: int, zero: int, schedule: str
 def _fit_cases(root: str, cases: list[tuple], resume: list[tuple] = ()) -> dict:
     out = {}
     for name, *layout in cases:
-        out["gpt", name] = _fit_gpt(f"{root}/gpt-{name}", *layout)
-        out["llama", name] = _fit_llama(f"{root}/llama-{name}", *layout)
+        train = layout.pop() if isinstance(layout[-1], dict) else None  # [train] extras
+        out["gpt", name] = _fit_gpt(f"{root}/gpt-{name}", *layout, train=train)
+        out["llama", name] = _fit_llama(f"{root}/llama-{name}", *layout, train=train)
     if resume:
         import shutil
 
@@ -154,15 +160,23 @@ def test_zero_bubble_schedules_follow_one_process_at_world_8(references, tmp_pat
     _check(got, references, WORLD8)
 
 
-@pytest.mark.parametrize("parallel, field", [
-    ({"pp": 4, "pp_schedule": "zbv"}, "parallel.pp_schedule"),  # 8 chunks, 4 blocks
+@pytest.mark.parametrize("parallel, train, field", [
+    ({"pp": 4, "pp_schedule": "zbv"}, {}, "parallel.pp_schedule"),  # 8 chunks, 4 blocks
+    # W would recompute a checkpointed block whose weights ZeRO-3 freed after its B
+    ({"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "zb1"},
+     {"activation_checkpointing": "full"}, "train.activation_checkpointing"),
+    ({"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "zbv"},
+     {"activation_checkpointing": "every_k"}, "train.activation_checkpointing"),
+    # a compiled block's backward is one node, and refuses the graph kept for W
+    ({"pp": 2, "pp_schedule": "zb1"}, {"compile": True}, "train.compile"),
 ])
-def test_zero_bubble_layouts_that_cannot_run_are_refused_with_the_fix(parallel, field):
+def test_zero_bubble_layouts_that_cannot_run_are_refused_with_the_fix(parallel, train,
+                                                                      field):
     from disttrain.config import load_config
     from disttrain.errors import ConfigError
     from disttrain.run_checks import resolve
 
-    values = {"model": {**GPT_MODEL, "n_layer": 4}, "train": {"grad_accum": 4},
+    values = {"model": {**GPT_MODEL, "n_layer": 4}, "train": {"grad_accum": 4, **train},
               "parallel": parallel, "checkpoint": {"every": 0}}
     with pytest.raises(ConfigError) as info:
         resolve(load_config(values=values), 4)

@@ -12,7 +12,7 @@ from ...config.schema import Config, ParallelConfig
 from ...errors import ConfigError
 from ...names import SCHEDULE_INTERLEAVED, SCHEDULE_ZBV
 from ...spec import ModelSpec
-from .schedules import validate_schedule
+from .schedules import SPLIT_SCHEDULES, validate_schedule
 
 
 def virtual_stages(parallel: ParallelConfig) -> int:
@@ -21,6 +21,18 @@ def virtual_stages(parallel: ParallelConfig) -> int:
     if parallel.pp_schedule == SCHEDULE_ZBV:
         return 2
     return parallel.pp_virtual if parallel.pp_schedule == SCHEDULE_INTERLEAVED else 1
+
+
+def split_backward_problem(schedule: str, zero: int, recomputes: bool) -> str | None:
+    """Why ``schedule`` cannot run beside ZeRO stage ``zero`` and recomputation
+    (``recomputes``), or None. A zero-bubble schedule's W pass reruns the nodes that
+    read a block's saved tensors; a checkpointed block recomputes its forward for them,
+    reading weights that ZeRO-3 freed once B was done. Asked by the trainer's check and
+    by the planner (the pipeline pricing's ``batch_problem``)."""
+    if schedule in SPLIT_SCHEDULES and zero == 3 and recomputes:
+        return ("a zero-bubble schedule cannot recompute activations under ZeRO-3 (its W "
+                "pass would recompute blocks whose weights are freed after their B)")
+    return None
 
 
 def check_pipeline(config: Config, layout: Layout, spec: ModelSpec,
@@ -53,6 +65,19 @@ def check_pipeline(config: Config, layout: Layout, spec: ModelSpec,
                           "micro-batches per step are train.grad_accum, v is "
                           "parallel.pp_virtual") from None
     pipeline_starts(p.pp_split, pp * v, spec.n_blocks)
+    checkpointing = config.train.activation_checkpointing
+    refused = split_backward_problem(p.pp_schedule, p.zero, checkpointing != "none")
+    if refused:
+        raise ConfigError("train.activation_checkpointing", checkpointing, refused,
+                          "set train.activation_checkpointing=none, parallel.zero=1 or 2, "
+                          "or parallel.pp_schedule=1f1b")
+    if p.pp_schedule in SPLIT_SCHEDULES and config.train.compile:
+        raise ConfigError("train.compile", True, f"a compiled block's backward is one node "
+                          f"giving its input and weight gradients together, which "
+                          f"{p.pp_schedule} splits into two passes (and torch's compiled "
+                          "backward refuses the graph the split keeps between them)",
+                          "set train.compile=false, or parallel.pp_schedule=1f1b or "
+                          "interleaved")
 
 
 def pipeline_starts(split: str, chunks: int, n_layer: int) -> list[int] | None:

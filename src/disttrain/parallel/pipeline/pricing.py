@@ -27,7 +27,7 @@ from ...names import (
 )
 from ...spec import ModelSpec
 from ..pricing import LayoutFacts, SearchLimits, ShapeFacts, SimulatedAction
-from .check import pipeline_cuts, virtual_stages
+from .check import pipeline_cuts, split_backward_problem, virtual_stages
 from .cuts import plan_stages
 from .schedules import (
     FORWARD,
@@ -304,6 +304,9 @@ class PipelinePricing:
         pp = planned.degree(ENTRY.key)
         if planned.option("v") > 1 and not planned.option("zb") and micro_batches % pp:
             return "interleaved needs micro-batches divisible by pp"
+        if split_backward_problem(ZERO_BUBBLE.get(planned.option("zb"), ""), planned.zero,
+                                  planned.recompute != "none"):
+            return "zero bubble with recomputation under ZeRO-3"
         return None
 
     def options_from_config(self, parallel: ParallelConfig, degree: int) -> dict[str, int]:

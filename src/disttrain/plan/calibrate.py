@@ -329,31 +329,28 @@ def measure_links(opts: CalibrateOptions) -> tuple[dict[str, Any], dict[str, Any
 def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
                ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """``{op: [latency_s, gbps]}`` of each collective, fitted to the medians of its
-    calls (each call the slowest rank's: :func:`_call_medians`), the medians and the
+    calls (each call the slowest rank's: :func:`_slowest_calls`), the medians and the
     calls."""
     fits, notes = {}, {}
     for op in GROUP_LINK_OPS:
-        medians = _call_medians(op, len(sizes), per_rank)
+        calls = _slowest_calls(op, len(sizes), per_rank)
+        medians = [statistics.median(c) for c in calls]
         fit = fit_line(sizes, medians)
         fits[op] = [fit.latency_s, fit.gbps]
-        notes[op] = {"seconds": medians, "fit_rel_errors": fit.rel_errors,
-                     "calls": [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank),
-                                                           strict=True)]
-                               for i in range(len(sizes))]}
+        notes[op] = {"seconds": medians, "fit_rel_errors": fit.rel_errors, "calls": calls}
     return fits, notes
 
 
-def _call_medians(op: str, n_sizes: int, per_rank: list[dict[str, list[list[float]]]]
-                  ) -> list[float]:
-    """Per size, the median over calls of the slowest rank's time. On a CPU whose ranks
-    share the cores the calls are bimodal (2 ranks on 2 cores: half under 0.3 ms, a
-    quarter 3-4 ms, a rank waiting a scheduler tick for its peer), so the median (0.27
-    ms there) is below what a step pays per call (about 0.8 ms in a dp 2 step's
-    profile); their mean is nearer on average but, over 120 calls, moved 3x between
-    two calibrations (bench/README.md, `plan.py`): the median stays, the calls are kept
-    in the notes. On a GPU each call is a batch's mean."""
-    return [statistics.median(max(ranks) for ranks in zip(*(r[op][i] for r in per_rank),
-                                                             strict=True))
+def _slowest_calls(op: str, n_sizes: int, per_rank: list[dict[str, list[list[float]]]]
+                   ) -> list[list[float]]:
+    """Per size, each call's time on its slowest rank; the calibration fits their median.
+    On a CPU whose ranks share the cores the calls are bimodal (2 ranks on 2 cores: half
+    under 0.3 ms, a quarter 3-4 ms, a rank waiting a scheduler tick for its peer), so the
+    median (0.27 ms there) is below what a step pays per call (about 0.8 ms in a dp 2
+    step's profile); their mean is nearer on average but, over 120 calls, moved 3x
+    between two calibrations (bench/README.md, `plan.py`): the median stays, the calls
+    are kept in the notes. On a GPU each call is a batch's mean."""
+    return [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank), strict=True)]
             for i in range(n_sizes)]
 
 
@@ -366,8 +363,7 @@ def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
     notes: dict[str, Any] = {"ranks": n, "dtype": "fp32", "sizes_bytes": sizes}
     fits = {}
     for op in COLLECTIVES:
-        calls = [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank), strict=True)]
-                 for i in range(len(sizes))]
+        calls = _slowest_calls(op, len(sizes), per_rank)
         medians = [statistics.median(c) for c in calls]
         fits[op] = fit_line(sizes, medians)
         notes[op] = {"seconds": medians, "calls": calls, "latency_s": fits[op].latency_s,

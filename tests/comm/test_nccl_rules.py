@@ -67,7 +67,11 @@ def _misordered() -> str:
         works = [comm.isend(first, 1, tag=7), comm.isend(second, 1, tag=8)]
         for w in works:
             w.wait()
-        default_store().set("misordered/sent", "1")
+        store = default_store()
+        store.set("misordered/sent", "1")
+        # Rank 0 hosts the store: it stays until rank 1 has read the key, or rank 1's
+        # wait meets a closed socket ("connection reset by peer").
+        store.wait(["misordered/read"])
         return "sent"
     a, b = torch.empty(3), torch.empty(3)
     # receives posted in the other order: tags alone would sort them out on Gloo
@@ -78,7 +82,9 @@ def _misordered() -> str:
         said = "not caught"
     except MessageOrderError as exc:
         said = str(exc)
-    default_store().wait(["misordered/sent"])  # rank 0's sends done: leaving resets none
+    store = default_store()
+    store.wait(["misordered/sent"])  # rank 0's sends done: leaving resets none
+    store.set("misordered/read", "1")
     return said
 
 

@@ -100,6 +100,12 @@ RUN_DIR_OWNED_ENV = "DISTTRAIN_RUN_DIR_OWNED"
 # to train: docs/testing.md). Read by the config check, the runtime and the comm layer.
 SHARED_GPU_ENV = "DISTTRAIN_SHARED_GPU"
 
+# ----------------------------------------------------------- the transport's threads
+# "low" (unset: the same): the transport's polling threads at the lowest priority
+# (comm/transport.py); "keep": as torch made them. Read by the runtime and the comm layer.
+TRANSPORT_PRIORITY_ENV = "DISTTRAIN_TRANSPORT_PRIORITY"
+TRANSPORT_PRIORITIES = ("low", "keep")
+
 
 def trace_rank_file(rank: int) -> str:
     """One rank's timeline before rank 0 merges them all into :data:`TRACE_FILE`."""

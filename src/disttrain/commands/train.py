@@ -57,11 +57,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def run_train(ns: argparse.Namespace) -> int:
+    from ..comm.transport import transport_priority
     from ..config.load import load_run_config
     from ..launch.agent import inside_worker, launch
     from ..plan.capacity import check_batch_fits, check_model_fits
     from ..run_checks import resolve
 
+    transport_priority()  # the environment's switch, before any worker starts
     config = load_run_config(ns.config, ns.overrides, ns.run_dir)
     if ns.nnodes == "1" and not ns.rdzv_endpoint:  # not one elastic agent per node
         from ..launch.slurm import adopt_slurm_env

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm.transport import yield_to_compute
 from ..monitor.peaks import MATMUL_DTYPES
 from .fit import MatmulPoint
 
@@ -281,7 +282,9 @@ def link_times(sizes: list[int], effort: Effort, groups: list[int]
             continue
         # every rank creates every group, in the same order
         mine = [dist.new_group(list(range(s, s + g))) for s in range(0, n, g)][rank // g]
+        yield_to_compute()  # as a training run's ranks have it
         out[g] = group_collective_times(sizes, effort, mine, g)
+    yield_to_compute()
     return {"world": collective_times(sizes, effort), "groups": out}
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..comm import CollectiveLedger, release_groups
 from ..comm.staging import shared_gpu
+from ..comm.transport import transport_priority
 from ..errors import UserError
 from ..launch.slurm import adopt_slurm_env
 from ..names import SHARED_GPU_ENV
@@ -74,6 +75,7 @@ def init_runtime(device_preference: str = "auto", backend: str = "auto",
     Gloo; cuda with Gloo in the shared-GPU test mode)."""
     if not dist.is_initialized():
         adopt_slurm_env()  # a task srun started as one rank: SLURM's variables
+    transport_priority()  # a bad value refused before any process group
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     existing = dist.get_backend() if dist.is_initialized() else None
     if shared_gpu() and existing not in (None, "gloo"):

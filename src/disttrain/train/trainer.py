@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..comm import Communicator
+from ..comm.transport import yield_to_compute
 from ..config import Config, RunPlan, load_config
 from ..data.packing import PackedCollate, PackedExamples
 from ..data.samples import tensor_rows
@@ -222,6 +223,7 @@ class Trainer:
                 shutdown(runtime, mesh.ledger if mesh is not None else None)
 
     def _fit(self, run: Run) -> dict[str, Any]:
+        yield_to_compute()  # every group of the run exists by now
         run.reporter.train_start()
         own = run.parallel.own_loop
         try:

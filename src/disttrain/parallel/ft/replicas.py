@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ...comm.collectives import CollectiveLedger
+from ...comm.transport import yield_to_compute
 from ...errors import ConfigError, TrainingStopped, UserError
 from ...names import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 
@@ -195,6 +196,7 @@ class ReplicaGroups:
             raise ReplicaLeftBehind(self.replica_group, self.rejoin_s)
         self.restarted = False  # in a quorum with a peer: healed or level with it
         self.quorum_open = True
+        yield_to_compute()  # a new quorum may have made new transport threads
         joined = self.manager.current_step()
         if joined != step:
             self.healed_at = joined

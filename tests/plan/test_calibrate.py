@@ -16,7 +16,13 @@ import pytest
 import disttrain
 from disttrain.cli import main
 from disttrain.plan import PRESETS, Cluster, parse_cluster
-from disttrain.plan.calibrate import calibrate, calibrate_options, group_fits, link_fields
+from disttrain.plan.calibrate import (
+    calibrate,
+    calibrate_options,
+    call_center,
+    group_fits,
+    link_fields,
+)
 from disttrain.plan.costs import matmul_time, ring_time
 from disttrain.plan.fit import MatmulPoint, fit_line, fit_matmul
 from disttrain.plan.measure import Effort, group_sizes, link_times
@@ -75,10 +81,11 @@ def test_link_fields_reproduce_the_measured_collectives(ranks):
 
     ops = {"all_reduce": line(40e-6, 3.0), "reduce_scatter": line(30e-6, 5.0),
            "all_gather": line(30e-6, 6.0), "p2p": line(10e-6, 8.0)}
-    # every rank saw three calls per size; the slowest rank's call counts
+    # every rank saw three calls per size; the slowest rank's call counts, and a GPU's
+    # figures (batch means) stand by their median
     per_rank = [{op: [[t * (1 + 0.01 * r), t, t] for t in ts] for op, ts in ops.items()}
                 for r in range(ranks)]
-    fields, notes = link_fields(SIZES, per_rank)
+    fields, notes = link_fields(SIZES, per_rank, call_center(cuda=True))
     cluster = replace(PRESETS["h100"], gpus_per_node=ranks, **fields)
     for size, measured in zip(SIZES, ops["all_reduce"], strict=False):
         assert ring_time(size, ranks, cluster.intra_gbps, cluster.intra_latency_s) == \
@@ -88,6 +95,22 @@ def test_link_fields_reproduce_the_measured_collectives(ranks):
                                                              cluster.intra_latency_s)
     assert notes["p2p"]["latency_s"] == pytest.approx(10e-6, rel=REL)
     json.dumps(notes)
+
+
+def test_a_cpu_s_calls_are_fitted_through_their_mean():
+    """On a CPU each figure is one call and a step pays their mean: a size whose calls
+    are 1 ms, 1 ms and 4 ms (the slowest rank's) is priced at 2 ms, not at 1."""
+    slow = [[1e-3, 1e-3, 4e-3], [2e-3, 2e-3, 5e-3]]  # two sizes, three calls each
+    per_rank = [{op: [[t * 0.5 for t in calls] for calls in slow]
+                 for op in ("all_reduce", "reduce_scatter", "all_gather")},
+                {op: slow for op in ("all_reduce", "reduce_scatter", "all_gather")}]
+    sizes = [4096, 2**20 + 4096]
+    fits, notes = group_fits(sizes, per_rank, call_center(cuda=False))
+    assert notes["all_reduce"]["seconds"] == pytest.approx([2e-3, 3e-3])
+    latency, gbps = fits["all_reduce"]
+    assert latency + 4096 / (gbps * 1e9) == pytest.approx(2e-3)
+    assert group_fits(sizes, per_rank, call_center(cuda=True))[1]["all_reduce"][
+        "seconds"] == pytest.approx([1e-3, 2e-3])
 
 
 def test_one_rank_measures_the_device_alone(tmp_path):

@@ -14,7 +14,8 @@ One node of ``nproc`` devices (GPUs, or on a CPU ``nproc`` ranks sharing the cor
 - ``memory_gbps``: a large copy, bytes read + written per second; ``memory_gib``: the
   GPU's memory, or the RAM's share of one rank;
 - links: all-reduce, reduce-scatter, all-gather and a point-to-point message at
-  several sizes, each fitted to latency + bytes / bandwidth; the all-reduce gives
+  several sizes, each fitted to latency + bytes / bandwidth (through the calls' mean on
+  a CPU, the batches' median on a GPU: :func:`call_center`); the all-reduce gives
   ``intra_gbps`` (bus bandwidth) and ``intra_latency_s`` (per latency step of
   :func:`~disttrain.plan.costs.ring_time`), the message ``p2p_intra_gbps`` and
   ``p2p_latency_s``. One node: ``inter_*`` are copies of ``intra_*``;
@@ -38,6 +39,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -300,6 +302,7 @@ def measure_links(opts: CalibrateOptions) -> tuple[dict[str, Any], dict[str, Any
                     "memory copy's bandwidth, unused by plans of one device"}
     sizes = collective_sizes(opts.quick)
     cuda = opts.device.type == "cuda"
+    center = call_center(cuda)
     worlds = [opts.nproc] if cuda else group_sizes(opts.nproc)
     group_links: dict[str, dict[str, list[float]]] = {}
     group_notes: dict[str, Any] = {}
@@ -315,58 +318,72 @@ def measure_links(opts: CalibrateOptions) -> tuple[dict[str, Any], dict[str, Any
         for g in group_sizes(world):
             times = whole if g == world else [r["groups"][g] for r in per_rank]
             key = group_link_key(g, world)
-            group_links[key], group_notes[key] = group_fits(sizes, times)
+            group_links[key], group_notes[key] = group_fits(sizes, times, center)
         if world == opts.nproc:
-            fields, notes = link_fields(sizes, whole)
+            fields, notes = link_fields(sizes, whole, center)
     fields["group_links"] = group_links
     notes["groups"] = group_notes | {
         "note": "'g/w': a group of g ranks while w ranks run (w / g groups at once); "
                 "[latency_s, gbps] per call: latency + whole tensor bytes / gbps, the "
-                "slowest rank's call, median over calls"}
+                "slowest rank's call, " + ("median of the batches' means" if cuda
+                                     else "mean over calls")}
     return fields, notes
 
 
-def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
+Center = Callable[[list[float]], float]
+
+
+def call_center(cuda: bool) -> Center:
+    """What stands for a size's calls in the fit. On a GPU each figure is already a
+    batch's mean: their median, which one slow batch does not move. On a CPU each
+    figure is one call, and the calls are skewed (2 ranks on 2 cores, Gloo's polling
+    threads lowered: median 0.31 ms, mean 0.66-0.74 for 4 KiB): a step makes many calls,
+    and a sum of many such times sits near the sum of their means, not of their medians
+    (the median under-priced every multi-rank layout of ``bench/plan.py`` by 17-61%).
+    Their mean, then. With the polling threads left busy (``comm.transport``) the tail
+    held 3-4 ms scheduler waits and the mean of 120 calls moved 3x between two
+    calibrations; lowered, two calibrations' 2-rank all-reduce latencies came out
+    0.46 and 0.48 ms (``bench/README.md``, ``plan.py``)."""
+    return statistics.median if cuda else statistics.mean
+
+
+def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]],
+               center: Center = statistics.mean
                ) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """``{op: [latency_s, gbps]}`` of each collective, fitted to the medians of its
-    calls (each call the slowest rank's: :func:`_slowest_calls`), the medians and the
-    calls."""
+    """``{op: [latency_s, gbps]}`` of each collective, fitted to ``center`` of its
+    calls at each size (each call the slowest rank's: :func:`_slowest_calls`;
+    :func:`call_center`), those figures and the calls."""
     fits, notes = {}, {}
     for op in GROUP_LINK_OPS:
         calls = _slowest_calls(op, len(sizes), per_rank)
-        medians = [statistics.median(c) for c in calls]
-        fit = fit_line(sizes, medians)
+        typical = [center(c) for c in calls]
+        fit = fit_line(sizes, typical)
         fits[op] = [fit.latency_s, fit.gbps]
-        notes[op] = {"seconds": medians, "fit_rel_errors": fit.rel_errors, "calls": calls}
+        notes[op] = {"seconds": typical, "fit_rel_errors": fit.rel_errors, "calls": calls}
     return fits, notes
 
 
 def _slowest_calls(op: str, n_sizes: int, per_rank: list[dict[str, list[list[float]]]]
                    ) -> list[list[float]]:
-    """Per size, each call's time on its slowest rank; the calibration fits their median.
-    On a CPU whose ranks share the cores the calls are bimodal (2 ranks on 2 cores: half
-    under 0.3 ms, a quarter 3-4 ms, a rank waiting a scheduler tick for its peer), so the
-    median (0.27 ms there) is below what a step pays per call (about 0.8 ms in a dp 2
-    step's profile); their mean is nearer on average but, over 120 calls, moved 3x
-    between two calibrations (bench/README.md, `plan.py`): the median stays, the calls
-    are kept in the notes. On a GPU each call is a batch's mean."""
+    """Per size, each call's time on its slowest rank (on a GPU, each batch's mean)."""
     return [[max(ranks) for ranks in zip(*(r[op][i] for r in per_rank), strict=True)]
             for i in range(n_sizes)]
 
 
-def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]]
+def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]],
+                center: Center = statistics.mean
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fit each collective's medians over its calls (each call's time the slowest
-    rank's) and turn them into cluster fields; ``per_rank``: what
+    """Fit each collective's calls (``center`` of each size's, each call's time the
+    slowest rank's) and turn them into cluster fields; ``per_rank``: what
     :func:`~disttrain.plan.measure.collective_times` returned on each rank."""
     n = len(per_rank)
     notes: dict[str, Any] = {"ranks": n, "dtype": "fp32", "sizes_bytes": sizes}
     fits = {}
     for op in COLLECTIVES:
         calls = _slowest_calls(op, len(sizes), per_rank)
-        medians = [statistics.median(c) for c in calls]
-        fits[op] = fit_line(sizes, medians)
-        notes[op] = {"seconds": medians, "calls": calls, "latency_s": fits[op].latency_s,
+        typical = [center(c) for c in calls]
+        fits[op] = fit_line(sizes, typical)
+        notes[op] = {"seconds": typical, "calls": calls, "latency_s": fits[op].latency_s,
                      "algbw_gbps": fits[op].gbps, "fit_rel_errors": fits[op].rel_errors}
         if op != "p2p":
             notes[op]["busbw_gbps"] = fits[op].gbps * ring_bytes_factor(n, op)

@@ -2,7 +2,8 @@
 copy on one device (in this process), collectives over N local ranks (in child
 processes, with a hard timeout).
 
-Every figure is the median of several calls after warm-up calls; on a GPU each call is
+Every figure is the median of several calls after warm-up calls (the collectives: each
+call kept, for the calibration's fit); on a GPU each call is
 timed with CUDA events, on a CPU with ``time.perf_counter`` (the calls block). A long
 call is repeated fewer times (three at least) so the whole stays within its budget.
 """
@@ -324,7 +325,8 @@ def _timed_calls(call: Callable[[], object], device: torch.device, effort: Effor
     rank's late start weighs little). On a GPU each figure is the mean of a batch (one
     device synchronisation per batch); on a CPU every call is its own figure, since a
     collective there meets the scheduler: most calls are quick and some wait for a
-    core (the calibration fits the median call and keeps every call in its notes).
+    core (the calibration fits the mean call, ``calibrate.call_center``, and keeps every
+    call in its notes).
     Every rank makes the same calls: no deadline here, the ranks must agree."""
     for _ in range(effort.warmup):
         call()

@@ -134,25 +134,30 @@ def test_replicas_that_step_apart_stop_together(tmp_path):
 
 
 def test_a_parameter_server_never_applies_a_non_finite_push(tmp_path):
-    # one server, two workers; worker rank 2's third gradient is nan. stop: every rank
-    # raises (the step is the equivalent synchronous one, which depends on arrival order)
-    results = run_distributed(_fit, 3, args=(str(tmp_path / "stop"), 3, 2, "stop"),
+    # one server, two workers, each worker's third gradient nan. The server takes pushes
+    # as they arrive until its budget (8 steps x 2 workers) is spent, so one worker's
+    # third push may come after it (the other pushed 14 by then; seen on a loaded CI
+    # machine when only one worker's gradient went nan); at least one is always in.
+    # stop: every rank raises (the step is the equivalent synchronous one, which depends
+    # on arrival order)
+    results = run_distributed(_fit, 3, args=(str(tmp_path / "stop"), 3, None, "stop"),
                               kwargs={"sync": "async", "ps_servers": 1}, timeout=60)
     steps = {r[0][0] for r in results}
     assert len(steps) == 1 and 2 <= steps.pop() <= STEPS  # at least 3 pushes were in
     assert {r[0][1] for r in results} == {"loss and gradients"}
     assert not (tmp_path / "stop" / "model.safetensors").exists()
     _strict_json_lines(tmp_path / "stop" / "metrics.jsonl")
-    # skip: the push is dropped, the run ends with finite weights, the count is reported
-    results = run_distributed(_fit, 3, args=(str(tmp_path / "skip"), 3, 2, "skip"),
+    # skip: the pushes are dropped, the run ends with finite weights, the count is reported
+    results = run_distributed(_fit, 3, args=(str(tmp_path / "skip"), 3, None, "skip"),
                               kwargs={"sync": "async", "ps_servers": 1}, timeout=60)
     assert all(raised is None for raised, _, _ in results)
     for _, _, state in results:
         assert all(torch.isfinite(t).all() for t in state.values())
     summary = json.loads((tmp_path / "skip" / "summary.json").read_text(),
                          parse_constant=pytest.fail)
-    assert summary["nonfinite_skipped"] == 1
-    assert summary["updates"] + summary["dropped"] == STEPS * 2 - 1  # of the 2 x 8 pushes
+    skipped = summary["nonfinite_skipped"]
+    assert skipped in (1, 2)  # 2 unless one worker's third push came after the budget
+    assert summary["updates"] + summary["dropped"] + skipped == STEPS * 2  # the budget
 
 
 def test_skip_drops_the_step_on_every_rank_and_goes_on(tmp_path):

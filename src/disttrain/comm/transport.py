@@ -8,7 +8,9 @@ development VM, measured with ``/proc`` thread accounting, about 1 ms of CPU per
 all-reduce, and a tiny GPT's per-rank compute at world 2 ran at about half the speed
 of the same work at world 1 (``bench/README.md``, the planner section).
 
-:func:`yield_to_compute` lowers those threads to the lowest priority (nice 19): a
+:func:`yield_to_compute` lowers those threads to the lowest priority (nice 19); a run
+that computes on the CPU calls it (a GPU run's Gloo groups carry control messages only,
+beside compute that is not on the host, and stay as torch made them): a
 core nobody computes on still runs them at full speed, and while a rank waits in a
 collective its compute thread sleeps and leaves them the core; they only stop
 taking time from compute. The lowest nice value, not ``SCHED_IDLE``, so that a

@@ -223,7 +223,8 @@ class Trainer:
                 shutdown(runtime, mesh.ledger if mesh is not None else None)
 
     def _fit(self, run: Run) -> dict[str, Any]:
-        yield_to_compute()  # every group of the run exists by now
+        if self.runtime.device.type == "cpu":  # the ranks compute on the host's cores
+            yield_to_compute()  # every group of the run exists by now
         run.reporter.train_start()
         own = run.parallel.own_loop
         try:

@@ -196,7 +196,8 @@ class ReplicaGroups:
             raise ReplicaLeftBehind(self.replica_group, self.rejoin_s)
         self.restarted = False  # in a quorum with a peer: healed or level with it
         self.quorum_open = True
-        yield_to_compute()  # a new quorum may have made new transport threads
+        if self.device.type == "cpu":  # a new quorum may have made new transport threads
+            yield_to_compute()
         joined = self.manager.current_step()
         if joined != step:
             self.healed_at = joined

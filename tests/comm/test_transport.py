@@ -38,9 +38,20 @@ def _lowered() -> dict[str, object]:
             "again": yield_to_compute(), "caller": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
-def test_only_the_polling_threads_are_lowered_and_only_once():
-    got = run_distributed(_lowered, 2, timeout=60)
-    for rank in got:
+def _lowered_then_fit(run_dir: str) -> tuple[dict[str, object], list[int]]:
+    """One world for both tests: the function on the default group's poller, then a
+    run, whose own groups' pollers start at torch's priority again."""
+    return _lowered(), _fit_records_pollers(run_dir)
+
+
+@pytest.fixture(scope="module")
+def world_2(tmp_path_factory) -> list[tuple[dict[str, object], list[int]]]:
+    run_dir = tmp_path_factory.mktemp("transport") / "run"
+    return run_distributed(_lowered_then_fit, 2, args=(str(run_dir),), timeout=120)
+
+
+def test_only_the_polling_threads_are_lowered_and_only_once(world_2):
+    for rank, _ in world_2:
         pollers = rank["before"]["gloo_tcp_loop"]
         assert pollers and set(pollers) == {0}, rank["before"]
         assert rank["changed"] == len(pollers)
@@ -71,9 +82,9 @@ def _fit_records_pollers(run_dir: str) -> list[int]:
     return seen
 
 
-def test_a_run_lowers_every_group_s_polling_thread_before_its_first_step(tmp_path):
+def test_a_run_lowers_every_group_s_polling_thread_before_its_first_step(world_2):
     # tp 2 on 2 ranks: the world's, the mesh's and the control groups' threads
-    for seen in run_distributed(_fit_records_pollers, 2, args=(str(tmp_path),), timeout=120):
+    for _, seen in world_2:
         assert len(seen) >= 2 and set(seen) == {19}, seen
 
 

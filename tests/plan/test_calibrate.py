@@ -191,7 +191,8 @@ def test_groups_inside_a_world_are_timed_at_once_and_fitted():
     per_rank = run_distributed(link_times, 4, args=([4096, 2**22], effort, [2, 4]),
                                timeout=60)
     assert all(set(r["groups"]) == {2} for r in per_rank)
-    fits, notes = group_fits([4096, 2**22], [r["groups"][2] for r in per_rank])
+    fits, notes = group_fits([4096, 2**22], [r["groups"][2] for r in per_rank],
+                             call_center(cuda=False))
     assert set(fits) == {"all_reduce", "reduce_scatter", "all_gather"}
     assert all(lat >= 0 and gbps > 0 for lat, gbps in fits.values())
     Cluster.from_json(PRESETS["h100"].to_json() | {"group_links": {"2/4": fits}})

@@ -42,7 +42,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
             "configuration without training: disttrain config show. "
             "DISTTRAIN_SHARED_GPU=1 is a test mode, not a way to train: every worker "
             "on one GPU, collectives through Gloo and host memory (refused where each "
-            "worker could have a GPU of its own).", _help_width()),
+            "worker could have a GPU of its own). On the CPU a run lowers Gloo's "
+            "polling threads to nice 19 so they stop taking the cores' time from compute; "
+            "DISTTRAIN_TRANSPORT_PRIORITY=keep leaves them as torch made them.",
+            _help_width()),
         epilog=config_keys_help(_help_width()), formatter_class=_raw_epilog_formatter)
     train.add_argument("config", nargs="?", default=None, metavar="CONFIG",
                        help="TOML file with [model] [data] [train] [parallel] sections")

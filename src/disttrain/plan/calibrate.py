@@ -325,8 +325,8 @@ def measure_links(opts: CalibrateOptions) -> tuple[dict[str, Any], dict[str, Any
     notes["groups"] = group_notes | {
         "note": "'g/w': a group of g ranks while w ranks run (w / g groups at once); "
                 "[latency_s, gbps] per call: latency + whole tensor bytes / gbps, the "
-                "slowest rank's call, " + ("median of the batches' means" if cuda
-                                     else "mean over calls")}
+                f"slowest rank's call, {center.__name__} over calls (a GPU's calls: "
+                "each a batch's mean)"}
     return fields, notes
 
 
@@ -348,7 +348,7 @@ def call_center(cuda: bool) -> Center:
 
 
 def group_fits(sizes: list[int], per_rank: list[dict[str, list[list[float]]]],
-               center: Center = statistics.mean
+               center: Center
                ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """``{op: [latency_s, gbps]}`` of each collective, fitted to ``center`` of its
     calls at each size (each call the slowest rank's: :func:`_slowest_calls`;
@@ -371,7 +371,7 @@ def _slowest_calls(op: str, n_sizes: int, per_rank: list[dict[str, list[list[flo
 
 
 def link_fields(sizes: list[int], per_rank: list[dict[str, list[list[float]]]],
-                center: Center = statistics.mean
+                center: Center
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fit each collective's calls (``center`` of each size's, each call's time the
     slowest rank's) and turn them into cluster fields; ``per_rank``: what
